@@ -1,0 +1,104 @@
+"""The sampled-Fisher vector ``d_t`` from a model's logits, sharing one forward pass.
+
+For a softmax model with ``N`` predictions (examples, or non-padding target tokens)::
+
+    y_hat_i ~ softmax(logits_i)
+    d = sum_i grad_theta log p(y_hat_i | x_i) / sqrt(N)
+
+so that ``E[d d^T]`` is the per-prediction Fisher (= the GGN for softmax cross-entropy).
+Both the loss gradient and ``d`` are vector-Jacobian products of the *same* logits, so
+:func:`value_grad_and_fisher` runs the forward pass once (``jax.vjp``) and pulls back two
+cotangents: the d-pass costs one extra backward pass, not a second forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _weights(labels: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """Per-prediction weights (1 where counted) and their total ``N`` (at least 1)."""
+  weights = jnp.ones(labels.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+  return weights, jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array,
+                  mask: jax.Array | None = None) -> jax.Array:
+  """Mean softmax cross-entropy over the counted predictions (padding masked out)."""
+  weights, count = _weights(labels, mask)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+  nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return jnp.sum(nll * weights) / count
+
+
+def loss_cotangent(logits: jax.Array, labels: jax.Array,
+                   mask: jax.Array | None = None) -> jax.Array:
+  """``d loss / d logits`` of :func:`cross_entropy`: ``(softmax - onehot(y)) w / N``."""
+  weights, count = _weights(labels, mask)
+  probs = jax.nn.softmax(logits.astype(jnp.float32))
+  onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
+  return ((probs - onehot) * (weights / count)[..., None]).astype(logits.dtype)
+
+
+def fisher_cotangent(logits: jax.Array, rng: jax.Array, mask: jax.Array | None = None, *,
+                     labels: jax.Array | None = None) -> jax.Array:
+  """``d/d logits`` of ``sum_i log p(y_hat_i) / sqrt(N)`` with ``y_hat_i ~ softmax(logits_i)``.
+
+  Pulling this cotangent back through the model gives the sampled-Fisher vector ``d_t``.
+  Passing ``labels`` (the true labels) instead gives the *empirical* Fisher, a different
+  method, offered only when asked for by name.
+  """
+  weights, count = _weights(logits[..., 0], mask)
+  logits32 = logits.astype(jnp.float32)
+  if labels is None:
+    labels = jax.random.categorical(rng, logits32, axis=-1)
+  probs = jax.nn.softmax(logits32)
+  onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
+  scale = weights / jnp.sqrt(count)
+  return ((onehot - probs) * scale[..., None]).astype(logits.dtype)
+
+
+def value_grad_and_fisher(
+    logits_fn: Callable[[Any], Any],
+    params: Any,
+    labels: jax.Array,
+    rng: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    has_aux: bool = False,
+    fisher: str = "sampled",
+) -> tuple[tuple[jax.Array, Any], Any, Any]:
+  """Loss, loss gradient and sampled-Fisher vector from one forward pass.
+
+  Args:
+    logits_fn: ``params -> logits`` (or ``(logits, aux)`` with ``has_aux``), e.g. a model
+      applied to a batch. Logits have shape ``labels.shape + (num_classes,)``.
+    params: the parameters to differentiate.
+    labels: integer targets (``(B,)`` for classification, ``(B, T)`` for sequences).
+    rng: key for sampling the Fisher labels.
+    mask: optional 0/1 weights like ``labels`` (padding = 0); ``N = sum(mask)``.
+    has_aux: whether ``logits_fn`` also returns auxiliary data (e.g. BatchNorm stats).
+    fisher: ``"sampled"`` (labels drawn from the model: the true Fisher/GGN) or
+      ``"empirical"`` (the true labels).
+
+  Returns:
+    ``((loss, aux), grads, fisher_grads)``; ``aux`` is None without ``has_aux``.
+  """
+  if fisher not in ("sampled", "empirical"):
+    raise ValueError(f"fisher must be 'sampled' or 'empirical', got {fisher!r}.")
+  if has_aux:
+    logits, vjp_fn, aux = jax.vjp(logits_fn, params, has_aux=True)
+  else:
+    (logits, vjp_fn), aux = jax.vjp(logits_fn, params), None
+  if logits.shape[:-1] != labels.shape:
+    raise ValueError(f"logits shape {logits.shape} does not match labels shape "
+                     f"{labels.shape} (expected labels.shape + (num_classes,)).")
+  loss = cross_entropy(logits, labels, mask)
+  (grads,) = vjp_fn(loss_cotangent(logits, labels, mask))
+  ct = fisher_cotangent(logits, rng, mask, labels=labels if fisher == "empirical" else None)
+  (fisher_grads,) = vjp_fn(ct)
+  return (loss, aux), grads, fisher_grads

@@ -1,0 +1,257 @@
+"""scale_by_ginger / ginger against dense float64 math, plus optax integration and errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from reference import block_vectors, ginger_direction, ginger_step
+
+import ginger
+
+PYTREES = {
+    "matrix+vectors": {"w": (5, 3), "b": (4,), "tiny": (2,)},
+    "nested": {"enc": {"k": (3, 2, 2)}, "dec": [(6,), (1,)]},
+    "single": {"x": (9,)},
+}
+
+
+def _zeros(shapes, dtype=jnp.float64):
+  return jax.tree.map(lambda s: jnp.zeros(s, dtype), shapes, is_leaf=lambda s: isinstance(s, tuple))
+
+
+def _random_like(rng, tree, scale=1.0):
+  return jax.tree.map(lambda x: jnp.asarray(scale * rng.normal(size=x.shape), x.dtype), tree)
+
+
+def _blocks(n_leaves, block):
+  return [list(range(n_leaves))] if block == "global" else [[i] for i in range(n_leaves)]
+
+
+@functools.cache
+def _jitted_ginger(block, tau):
+  """One compiled update per (block, tau): alpha and gamma are injected as state, so a
+  sweep over them reuses the compilation (and exercises optax.inject_hyperparams)."""
+  tx = optax.inject_hyperparams(ginger.scale_by_ginger, static_args=("tau", "block"))(
+      tau=tau, alpha=0.5, gamma=1.0, block=block, state_dtype="float64")
+  return tx, jax.jit(tx.update)
+
+
+def _run_against_dense(shapes, block, tau, alpha, gamma, steps=10, seed=0):
+  """Runs scale_by_ginger and the dense reference side by side; returns max relative error."""
+  rng = np.random.default_rng(seed)
+  params = _zeros(shapes)
+  tx, update = _jitted_ginger(block, tau)
+  state = tx.init(params)
+  state.hyperparams.update(alpha=jnp.float64(alpha), gamma=jnp.float64(gamma))
+  blocks = _blocks(len(jax.tree.leaves(params)), block)
+  dense = [np.zeros((len(v), len(v))) for v in block_vectors(jax.tree.leaves(params), blocks)]
+  worst = 0.0
+  for t in range(steps):
+    g = _random_like(rng, params)
+    d = _random_like(rng, params, scale=1.0 + t)  # growing scale: the spectrum changes order
+    out, state = update(g, state, fisher_grads=d)
+    gs = block_vectors(jax.tree.leaves(g), blocks)
+    ds = block_vectors(jax.tree.leaves(d), blocks)
+    outs = block_vectors(jax.tree.leaves(out), blocks)
+    for b in range(len(blocks)):
+      dense[b], _ = ginger_step(dense[b], ds[b], alpha, tau)
+      ref = ginger_direction(dense[b], gs[b], gamma)
+      worst = max(worst, np.max(np.abs(outs[b] - ref)) / np.max(np.abs(ref)))
+  return worst
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+@pytest.mark.parametrize("tree", sorted(PYTREES))
+@pytest.mark.parametrize("tau", [1, 2, 3, 5, 8])
+def test_matches_dense_reference_over_tau(x64, block, tree, tau):
+  assert _run_against_dense(PYTREES[tree], block, tau, alpha=0.9, gamma=1e-2) < 1e-8
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+def test_matches_dense_reference_over_alpha_gamma(x64, block):
+  for alpha in (0.9, 0.99, 0.999):
+    for gamma in (1e-8, 1e-6, 1e-4, 1e-2, 1.0):
+      # G^{-1} has condition number sigma_max / gamma; the dense solve loses that much.
+      tol = 1e-9 + 1e-13 * 400 / gamma
+      err = _run_against_dense(PYTREES["matrix+vectors"], block, 4, alpha, gamma)
+      assert err < tol, (alpha, gamma, err)
+
+
+def test_sigma_is_the_dense_spectrum(x64):
+  rng = np.random.default_rng(1)
+  params = {"x": jnp.zeros(7, jnp.float64)}
+  tx = ginger.scale_by_ginger(3, 0.9, 1e-3, state_dtype="float64")
+  state = tx.init(params)
+  dense = np.zeros((7, 7))
+  for _ in range(10):
+    d = _random_like(rng, params)
+    _, state = tx.update(d, state, fisher_grads=d)
+    dense, w = ginger_step(dense, np.asarray(d["x"]), 0.9, 3)
+  np.testing.assert_allclose(state.sigma["x"], w, rtol=1e-10, atol=1e-14)
+  u = np.asarray(state.u["x"])
+  np.testing.assert_allclose((u * np.asarray(state.sigma["x"])) @ u.T, dense, atol=1e-12)
+
+
+def test_first_step_is_rank_one_exact(x64):
+  """From S_0 = 0: S_1 = (1-alpha) d d^T, so G^{-1} g has a closed form."""
+  d = jnp.array([3.0, 4.0, 0.0])
+  g = jnp.array([1.0, -2.0, 5.0])
+  alpha, gamma = 0.5, 0.1
+  tx = ginger.scale_by_ginger(2, alpha, gamma, "global", state_dtype="float64")
+  out, state = tx.update(g, tx.init(g), fisher_grads=d)
+  s = (1 - alpha) * float(d @ d)
+  dhat = d / jnp.linalg.norm(d)
+  expected = (g - (s / (gamma + s)) * (dhat @ g) * dhat) / gamma
+  np.testing.assert_allclose(out, expected, rtol=1e-12)
+  np.testing.assert_allclose(state.sigma, [s, 0.0], atol=1e-12)
+
+
+def test_default_fisher_is_the_updates(x64):
+  rng = np.random.default_rng(2)
+  params = {"a": jnp.zeros((4, 2), jnp.float64)}
+  tx = ginger.scale_by_ginger(2, state_dtype="float64")
+  g = _random_like(rng, params)
+  out1, s1 = tx.update(g, tx.init(params))
+  out2, s2 = tx.update(g, tx.init(params), fisher_grads=g)
+  jax.tree.map(np.testing.assert_array_equal, (out1, s1), (out2, s2))
+
+
+def test_small_leaves_are_exact(x64):
+  """A leaf with size <= tau keeps full rank: no truncation, G^{-1} is exact."""
+  rng = np.random.default_rng(3)
+  params = {"bias": jnp.zeros(3, jnp.float64)}
+  tx = ginger.scale_by_ginger(8, 0.9, 1e-3, state_dtype="float64")
+  state = tx.init(params)
+  assert state.u["bias"].shape == (3, 3)
+  g_dense = np.zeros((3, 3))
+  for _ in range(6):
+    d, g = _random_like(rng, params), _random_like(rng, params)
+    out, state = tx.update(g, state, fisher_grads=d)
+    g_dense = 0.9 * g_dense + 0.1 * np.outer(d["bias"], d["bias"])
+    ref = np.linalg.solve(1e-3 * np.eye(3) + g_dense, np.asarray(g["bias"]))
+    np.testing.assert_allclose(out["bias"], ref, rtol=1e-8)
+
+
+def test_state_shapes_and_dtypes():
+  params = {"w": jnp.zeros((4, 5), jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
+  tx = ginger.scale_by_ginger(4)
+  state = tx.init(params)
+  assert state.u["w"].shape == (20, 4) and state.u["w"].dtype == jnp.float32
+  assert state.u["b"].shape == (3, 3)
+  assert state.sigma["w"].shape == (4,) and state.sigma["b"].shape == (3,)
+  out, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state)
+  assert out["w"].dtype == jnp.bfloat16 and state.u["w"].dtype == jnp.float32
+  glob = ginger.scale_by_ginger(4, block="global").init(params)
+  assert glob.u["w"].shape == (20, 4) and glob.u["b"].shape == (3, 4)
+  assert glob.sigma.shape == (4,)
+
+
+# ---- the composed optimizer --------------------------------------------------------------
+
+
+def test_ginger_composition_matches_manual_chain(x64):
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.zeros((3, 3), jnp.float64), "b": jnp.zeros(3, jnp.float64)}
+  lr, b1, rho = 0.1, 0.9, 0.05
+  tx = ginger.ginger(lr, tau=2, alpha=0.9, gamma=1e-2, b1=b1, rho=rho,
+                     state_dtype="float64")
+  pre = ginger.scale_by_ginger(2, 0.9, 1e-2, state_dtype="float64")
+  state, pre_state = tx.init(params), pre.init(params)
+  m = jax.tree.map(jnp.zeros_like, params)
+  for t in range(1, 6):
+    g, d = _random_like(rng, params), _random_like(rng, params)
+    out, state = tx.update(g, state, params, fisher_grads=d)
+    m = jax.tree.map(lambda m_, g_: b1 * m_ + (1 - b1) * g_, m, g)
+    m_hat = jax.tree.map(lambda x, t=t: x / (1 - b1**t), m)
+    u, pre_state = pre.update(m_hat, pre_state, fisher_grads=d)
+    expected = jax.tree.map(lambda x: -lr * jnp.clip(x, -rho, rho), u)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10), out, expected)
+
+
+def test_ginger_without_fisher_uses_raw_gradient_not_momentum(x64):
+  rng = np.random.default_rng(5)
+  params = {"w": jnp.zeros(4, jnp.float64)}
+  tx = ginger.ginger(0.1, tau=2, state_dtype="float64")
+  s_default, s_explicit = tx.init(params), tx.init(params)
+  for _ in range(3):
+    g = _random_like(rng, params)
+    o1, s_default = tx.update(g, s_default, params)
+    o2, s_explicit = tx.update(g, s_explicit, params, fisher_grads=g)
+    np.testing.assert_array_equal(o1["w"], o2["w"])
+
+
+def test_works_with_optax_wrappers():
+  params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+  grads = jax.tree.map(lambda x: 0.1 * x, params)
+
+  injected = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(
+      learning_rate=0.1, tau=2, alpha=0.9)
+  state = injected.init(params)
+  out, state = jax.jit(injected.update)(grads, state, params, fisher_grads=grads)
+  assert state.hyperparams["alpha"] == pytest.approx(0.9)
+  assert all(jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(out))
+
+  multi = optax.MultiSteps(ginger.ginger(0.1, tau=2), every_k_schedule=2)
+  state = multi.init(params)
+  out1, state = multi.update(grads, state, params, fisher_grads=grads)
+  assert all(jnp.all(x == 0) for x in jax.tree.leaves(out1))
+  out2, state = multi.update(grads, state, params, fisher_grads=grads)
+  assert any(jnp.any(x != 0) for x in jax.tree.leaves(out2))
+
+  mask = {"w": True, "b": False}
+  masked = optax.masked(ginger.scale_by_ginger(2), mask, mask_compatible_extra_args=True)
+  state = masked.init(params)
+  out, state = jax.jit(masked.update)(grads, state, params, fisher_grads=grads)
+  np.testing.assert_array_equal(out["b"], grads["b"])  # passed through untouched
+  assert not np.allclose(out["w"], grads["w"])
+
+  chained = optax.chain(optax.clip_by_global_norm(1.0), ginger.scale_by_ginger(2),
+                        optax.scale(-0.1))
+  state = chained.init(params)
+  out, _ = jax.jit(chained.update)(grads, state, params, fisher_grads=grads)
+  assert out["w"].shape == (3, 2)
+
+
+def test_learning_rate_schedule():
+  params = {"w": jnp.ones(3)}
+  tx = ginger.ginger(optax.linear_schedule(0.0, 1.0, 10), tau=1)
+  out, _ = tx.update(params, tx.init(params), params)
+  np.testing.assert_array_equal(out["w"], 0.0)  # lr(0) = 0
+
+
+# ---- clear errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tau=0), "tau must be >= 1"),
+    (dict(tau=2.5), "tau must be a Python int"),
+    (dict(tau=True), "tau must be a Python int"),
+    (dict(tau=2, alpha=1.0), "alpha must lie in the open interval"),
+    (dict(tau=2, alpha=0.0), "alpha must lie in the open interval"),
+    (dict(tau=2, alpha=-0.5), "alpha must lie in the open interval"),
+    (dict(tau=2, gamma=0.0), "gamma must be a finite number > 0"),
+    (dict(tau=2, gamma=-1e-3), "gamma must be a finite number > 0"),
+    (dict(tau=2, gamma=float("nan")), "gamma must be a finite number > 0"),
+    (dict(tau=2, block="diagonal"), "block must be one of"),
+])
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ginger.scale_by_ginger(**kwargs)
+
+
+def test_bad_rho():
+  with pytest.raises(ValueError, match="rho must be > 0"):
+    ginger.ginger(0.1, tau=2, rho=0.0)
+
+
+def test_fisher_structure_mismatch():
+  params = {"w": jnp.ones(3), "b": jnp.ones(2)}
+  tx = ginger.scale_by_ginger(2)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="same pytree structure"):
+    tx.update(params, state, fisher_grads={"w": jnp.ones(3)})
+  with pytest.raises(ValueError, match="leaf shapes differ"):
+    tx.update(params, state, fisher_grads={"w": jnp.ones(3), "b": jnp.ones(5)})
