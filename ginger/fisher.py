@@ -20,9 +20,15 @@ import jax
 import jax.numpy as jnp
 
 
+def _upcast(x: jax.Array) -> jax.Array:
+  """bf16/fp16 logits are reduced in float32 (softmax of low-precision logits is lossy)."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def _weights(labels: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """Per-prediction weights (1 where counted) and their total ``N`` (at least 1)."""
-  weights = jnp.ones(labels.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+  dtype = jnp.promote_types(jnp.result_type(float), jnp.float32)
+  weights = jnp.ones(labels.shape, dtype) if mask is None else mask.astype(dtype)
   return weights, jnp.maximum(jnp.sum(weights), 1.0)
 
 
@@ -30,7 +36,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
                   mask: jax.Array | None = None) -> jax.Array:
   """Mean softmax cross-entropy over the counted predictions (padding masked out)."""
   weights, count = _weights(labels, mask)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+  logp = jax.nn.log_softmax(_upcast(logits))
   nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
   return jnp.sum(nll * weights) / count
 
@@ -39,8 +45,8 @@ def loss_cotangent(logits: jax.Array, labels: jax.Array,
                    mask: jax.Array | None = None) -> jax.Array:
   """``d loss / d logits`` of :func:`cross_entropy`: ``(softmax - onehot(y)) w / N``."""
   weights, count = _weights(labels, mask)
-  probs = jax.nn.softmax(logits.astype(jnp.float32))
-  onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
+  probs = jax.nn.softmax(_upcast(logits))
+  onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=probs.dtype)
   return ((probs - onehot) * (weights / count)[..., None]).astype(logits.dtype)
 
 
@@ -53,11 +59,11 @@ def fisher_cotangent(logits: jax.Array, rng: jax.Array, mask: jax.Array | None =
   method, offered only when asked for by name.
   """
   weights, count = _weights(logits[..., 0], mask)
-  logits32 = logits.astype(jnp.float32)
+  logits_up = _upcast(logits)
   if labels is None:
-    labels = jax.random.categorical(rng, logits32, axis=-1)
-  probs = jax.nn.softmax(logits32)
-  onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
+    labels = jax.random.categorical(rng, logits_up, axis=-1)
+  probs = jax.nn.softmax(logits_up)
+  onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=probs.dtype)
   scale = weights / jnp.sqrt(count)
   return ((onehot - probs) * scale[..., None]).astype(logits.dtype)
 

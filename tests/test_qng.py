@@ -1,0 +1,78 @@
+"""scale_by_qng / qng against the dense EMA G_t = alpha G_{t-1} + (1-alpha) d d^T, G_0 = I."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from reference import block_vectors, qng_step
+
+import ginger
+
+
+def _run(block, tau, alpha, steps, shapes=((4, 3), (5,)), scale=1.0, seed=0):
+  rng = np.random.default_rng(seed)
+  params = [jnp.zeros(s, jnp.float64) for s in shapes]
+  tx = ginger.scale_by_qng(tau, alpha, block, state_dtype="float64")
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  blocks = [list(range(len(shapes)))] if block == "global" else [[i] for i in range(len(shapes))]
+  dense = [np.eye(len(v)) for v in block_vectors(params, blocks)]
+  errors = []
+  for _ in range(steps):
+    g = [jnp.asarray(rng.normal(size=s)) for s in shapes]
+    d = [jnp.asarray(scale * rng.normal(size=s)) for s in shapes]
+    out, state = update(g, state, fisher_grads=d)
+    for b, (gv, dv, ov) in enumerate(zip(block_vectors(g, blocks), block_vectors(d, blocks),
+                                         block_vectors(out, blocks))):
+      dense[b] = qng_step(dense[b], dv, alpha)
+      # Backward error ||G x - g|| / (||G|| ||x||): meaningful however ill-conditioned G is.
+      residual = np.linalg.norm(dense[b] @ ov - gv)
+      errors.append(residual / (np.linalg.norm(dense[b], 2) * np.linalg.norm(ov)))
+  return max(errors), state
+
+
+@pytest.mark.parametrize("block", ["global", "per_tensor"])
+@pytest.mark.parametrize("alpha", [0.9, 0.99, 0.999])
+def test_exact_while_tau_covers_all_steps(x64, block, alpha):
+  err, _ = _run(block, tau=16, alpha=alpha, steps=16)
+  assert err < 1e-13
+
+
+def test_exact_for_huge_and_tiny_vectors(x64):
+  for scale in (1e-6, 1e6):
+    err, _ = _run("global", tau=8, alpha=0.9, steps=8, scale=scale)
+    assert err < 1e-13, scale
+
+
+def test_truncation_keeps_only_tau_factors(x64):
+  """Past tau steps the product is truncated: no longer exact, but still finite and SPD."""
+  err, state = _run("global", tau=3, alpha=0.9, steps=10)
+  assert np.isfinite(err)
+  assert int(state.count) == 10
+  assert np.all(np.asarray(state.kappa) >= 0) and np.all(np.asarray(state.kappa) < 1)
+
+
+def test_float32_extreme_scales_stay_finite():
+  tx = ginger.scale_by_qng(4, 0.99)
+  params = {"w": jnp.zeros((8, 4))}
+  state = tx.init(params)
+  for scale in (0.0, 1e-20, 1e20, 1.0):
+    g = {"w": jnp.full((8, 4), scale)}
+    out, state = jax.jit(tx.update)(g, state, fisher_grads=g)
+    assert np.all(np.isfinite(out["w"])), scale
+
+
+def test_qng_optimizer_and_errors():
+  params = {"w": jnp.ones(3)}
+  tx = ginger.qng(0.1, tau=2)
+  out, _ = tx.update(params, tx.init(params), params)
+  assert out["w"].shape == (3,)
+  with pytest.raises(ValueError, match="tau must be >= 1"):
+    ginger.scale_by_qng(0)
+  with pytest.raises(ValueError, match="alpha must lie"):
+    ginger.scale_by_qng(2, alpha=1.5)
+  with pytest.raises(ValueError, match="block must be one of"):
+    ginger.scale_by_qng(2, block="rows")
+  masked = optax.masked(ginger.scale_by_qng(2), {"w": True}, mask_compatible_extra_args=True)
+  masked.update(params, masked.init(params), params, fisher_grads=params)
