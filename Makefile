@@ -31,7 +31,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) bench/optimizer_step.py
+	$(PY) -m bench.optimizer_step
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

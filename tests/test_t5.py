@@ -154,6 +154,25 @@ def test_cached_decoding_matches_teacher_forcing_under_jit(converted):
         np.testing.assert_array_equal(row[:n], ref[:n])
 
 
+def test_greedy_stops_writing_after_eos(converted):
+    """Declare a token the model emits mid-sequence to be EOS: rows must end there, then pad."""
+    config, model = converted
+    ids, mask, _ = _batch()
+    gen = nnx.jit(greedy_generate, static_argnames="max_new_tokens")
+    free = np.asarray(gen(model, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=8))
+    eos = int(free[0, 2])
+    eos_model = T5(dataclasses.replace(config, eos_token_id=eos), rngs=nnx.Rngs(0))
+    nnx.update(eos_model, nnx.state(model, nnx.Param))
+    eos_model.eval()
+    out = np.asarray(gen(eos_model, jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=8))
+    for row, ref in zip(out, free, strict=True):
+        hits = np.flatnonzero(ref == eos)
+        n = hits[0] + 1 if len(hits) else len(ref)
+        np.testing.assert_array_equal(row[:n], ref[:n])
+        assert np.all(row[n:] == config.pad_token_id)
+    assert np.all(out[0, 3:] == 0)
+
+
 def test_train_eval_dropout_and_bf16():
     # 1+1 layers and an rbg key: threefry dropout masks are slow to compile on CPU
     config = T5Config.tiny(vocab_size=50, dropout_rate=0.5, num_layers=1, num_decoder_layers=1)
