@@ -20,9 +20,11 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -c "import jax, flax, optax, hydra, ginger"
 	touch $(STAMP)
 
-# The main job on its embedded offline default: Ginger vs Adam on scikit-learn's digits.
+# The main job on its embedded offline default: Ginger vs Adam on scikit-learn's digits,
+# one run dir each under multirun/demo/, then both results side by side.
 train: $(STAMP)
-	$(PY) train.py experiment=demo
+	$(PY) train.py -m experiment=demo optimizer=adam,ginger
+	$(PY) -m results.compare multirun/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

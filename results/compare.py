@@ -1,0 +1,49 @@
+"""Print the runs under a folder side by side (what `make train` shows at the end).
+
+    python -m results.compare multirun/demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+COLUMNS = [("optimizer", "optimizer"), ("tau", "tau"), ("lr", "lr"),
+           ("best_val_accuracy", "best val acc %"), ("val_loss_at_best", "val loss @best"),
+           ("rougeL", "ROUGE-L"), ("min_train_loss", "min train loss"),
+           ("steps", "steps"), ("step_time_s", "s/step")]
+
+
+def _fmt(value) -> str:
+  if value is None:
+    return ""
+  if isinstance(value, float):
+    return f"{value:.4g}"
+  return str(value)
+
+
+def rows(root: Path) -> list[dict]:
+  out = []
+  for path in sorted(root.rglob("summary.json")):
+    summary = json.loads(path.read_text())
+    out.append(summary.get("run", {}) | summary | {"dir": str(path.parent)})
+  return out
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("root", type=Path)
+  args = parser.parse_args(argv)
+  found = rows(args.root)
+  if not found:
+    raise SystemExit(f"no summary.json under {args.root}")
+  columns = [(k, title) for k, title in COLUMNS if any(r.get(k) is not None for r in found)]
+  print("| " + " | ".join(title for _, title in columns) + " |")
+  print("|" + "---|" * len(columns))
+  for r in found:
+    print("| " + " | ".join(_fmt(r.get(k)) for k, _ in columns) + " |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,1 @@
+"""Run-dir, logging, checkpoint and optimizer-building helpers for train.py / evaluate.py."""

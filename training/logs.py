@@ -1,0 +1,129 @@
+"""metrics.jsonl, wandb, progress output and the run's provenance (versions, device, commit)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+def _plain(value):
+  """JSON-ready Python scalars from numpy/JAX values."""
+  if hasattr(value, "item"):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return None if math.isnan(value) else value
+  return value
+
+
+class MetricsLog:
+  """Appends one JSON object per event to ``metrics.jsonl`` and mirrors it to wandb.
+
+  On resume the file is truncated to the events at or before the checkpoint's step, so the
+  log of a resumed run equals that of an uninterrupted one.
+  """
+
+  def __init__(self, run_dir: Path, logger_cfg, config: dict, resume_step: int | None):
+    self.path = run_dir / "metrics.jsonl"
+    self.start = time.time()
+    self.wall_offset = 0.0
+    if resume_step is not None and self.path.exists():
+      kept = [line for line in self.path.read_text().splitlines()
+              if line and json.loads(line).get("step", 0) <= resume_step]
+      self.path.write_text("".join(line + "\n" for line in kept))
+      if kept:
+        self.wall_offset = json.loads(kept[-1]).get("wall_time_s", 0.0) or 0.0
+    elif self.path.exists():
+      self.path.unlink()
+    self.wandb = None
+    if logger_cfg.name == "wandb":
+      import wandb
+      self.wandb = wandb.init(project=logger_cfg.project, mode=logger_cfg.mode, config=config,
+                              dir=str(run_dir), id=run_dir.name.replace("/", "_")[:64] or None,
+                              resume="allow", reinit="finish_previous")
+    elif logger_cfg.name != "none":
+      raise ValueError(f"logger must be wandb or none, got {logger_cfg.name!r}.")
+
+  def wall_time(self) -> float:
+    return self.wall_offset + time.time() - self.start
+
+  def write(self, event: str, step: int, **values: Any) -> dict:
+    record = {"event": event, "step": int(step), "wall_time_s": round(self.wall_time(), 3)}
+    record.update({k: _plain(v) for k, v in values.items()})
+    with self.path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+    if self.wandb is not None and event != "spectrum":
+      self.wandb.log({f"{event}/{k}": v for k, v in record.items()
+                      if isinstance(v, (int, float)) and k != "step"}, step=int(step))
+    return record
+
+  def close(self) -> None:
+    if self.wandb is not None:
+      self.wandb.finish()
+
+
+class Progress:
+  """A tqdm bar on a terminal; plain, greppable log lines otherwise (CI, files, SLURM)."""
+
+  def __init__(self, total: int, initial: int):
+    self.tty = sys.stderr.isatty()
+    self.bar = None
+    if self.tty:
+      from tqdm import tqdm
+      self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True)
+
+  def update(self, step: int, **postfix) -> None:
+    if self.bar is not None:
+      self.bar.n = step
+      self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=True)
+
+  def line(self, text: str) -> None:
+    if self.bar is not None:
+      self.bar.write(text)
+    else:
+      print(text, flush=True)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def git_commit() -> str | None:
+  try:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).parent, timeout=5)
+    return out.stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
+def versions() -> dict[str, str]:
+  import flax
+  import optax
+  out = {"python": sys.version.split()[0], "jax": jax.__version__, "flax": flax.__version__,
+         "optax": optax.__version__}
+  try:
+    import jaxlib
+    out["jaxlib"] = jaxlib.__version__
+  except ImportError:
+    pass
+  return out
+
+
+def device_info() -> dict[str, Any]:
+  dev = jax.devices()[0]
+  return {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()}
+
+
+def peak_memory_bytes() -> int | None:
+  """The device's ``peak_bytes_in_use``; None where the backend does not report it (CPU)."""
+  stats = jax.devices()[0].memory_stats()
+  if not stats or "peak_bytes_in_use" not in stats:
+    return None
+  return int(stats["peak_bytes_in_use"])
