@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import ginger
 from training import logs
-from training.checkpoints import CheckpointError, Checkpointer
+from training.checkpoints import Checkpointer, CheckpointError
 from training.optimizers import CURVATURE, build_optimizer, learning_rate, optimizer_flops
 
 log = logging.getLogger("train")
@@ -218,10 +218,24 @@ def run_identity(cfg) -> dict[str, Any]:
           "fisher_forward": cfg.fisher_forward if curvature else None}
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-  """Runs (or resumes) one training run in ``run_dir``; returns its summary."""
-  run_dir.mkdir(parents=True, exist_ok=True)
+class Setup(NamedTuple):
+  """Everything built from a config before the first step (shared with evaluate.py)."""
+  task: Any
+  state: TrainState        # the initial state: also the template for restoring checkpoints
+  frozen: Any              # frozen parameters (LoRA's base model), never checkpointed
+  train_step: Any
+  eval_step: Any
+  schedule: optax.Schedule
+  steps_per_epoch: int
+  total_steps: int
+  sizes: list[int]         # sizes of the trained leaves
+  n_model: int             # all model parameters
+
+
+def build(cfg: DictConfig) -> Setup:
+  # Check the cheap things first, so a bad value fails before data and model are loaded.
   fisher_forward(cfg)
+  build_optimizer(cfg, learning_rate(cfg, 1, 1))
   task = build_task(cfg)
   model = task.model
   model.train()
@@ -230,25 +244,35 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
   graphdef_eval = nnx.split(model, nnx.Param, ...)[0]
   model.train()
   trainable = task.trainable_params(params)
-  frozen = task.frozen_params(params)
   sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(trainable)]
   n_model = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
-  log.info("model %s: %s parameters (%s trained)", cfg.model.name, f"{n_model:,}",
-           f"{sum(sizes):,}")
 
   n_train = len(next(iter(task.train_arrays.values())))
-  batch_size = int(cfg.batch_size)
-  steps_per_epoch = n_train // batch_size
+  steps_per_epoch = n_train // int(cfg.batch_size)
   if steps_per_epoch < 1:
-    raise ValueError(f"batch_size {batch_size} is larger than the training set ({n_train}).")
+    raise ValueError(f"batch_size {cfg.batch_size} is larger than the training set ({n_train}).")
   total_steps = int(cfg.max_steps) if cfg.max_steps else int(cfg.epochs) * steps_per_epoch
-  eval_every = steps_per_epoch if cfg.eval_every == "epoch" else int(cfg.eval_every)
   schedule = learning_rate(cfg, steps_per_epoch, total_steps)
   tx = build_optimizer(cfg, schedule)
   train_step, eval_step = make_steps(task, graphdef_train, graphdef_eval, tx, cfg)
-
   state = TrainState(jnp.zeros([], jnp.int32), trainable, rest, tx.init(trainable),
                      jax.random.key(int(cfg.seed)), initial_stats())
+  return Setup(task, state, task.frozen_params(params), train_step, eval_step, schedule,
+               steps_per_epoch, total_steps, sizes, n_model)
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+  """Runs (or resumes) one training run in ``run_dir``; returns its summary."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  setup = build(cfg)
+  task, state, frozen, train_step = setup.task, setup.state, setup.frozen, setup.train_step
+  sizes, steps_per_epoch, total_steps = setup.sizes, setup.steps_per_epoch, setup.total_steps
+  log.info("model %s: %s parameters (%s trained)", cfg.model.name, f"{setup.n_model:,}",
+           f"{sum(sizes):,}")
+  n_train = len(next(iter(task.train_arrays.values())))
+  batch_size = int(cfg.batch_size)
+  eval_every = steps_per_epoch if cfg.eval_every == "epoch" else int(cfg.eval_every)
+  schedule, eval_step = setup.schedule, setup.eval_step
   checkpointer = Checkpointer(run_dir)
   start = 0
   if checkpointer.latest_step() is not None:
@@ -279,7 +303,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
   summary_base = {
       "run": run_identity(cfg), "config": config, "versions": logs.versions(),
       "device": logs.device_info(), "git_commit": logs.git_commit(),
-      "parameters": n_model, "trained_parameters": sum(sizes),
+      "parameters": setup.n_model, "trained_parameters": sum(sizes),
       "steps_per_epoch": steps_per_epoch, "flops_per_iter": flops,
       "flops_method": {"analytic": "conv/dense (or transformer matmul) count: 3x forward "
                                    "for loss grad, +2x (shared) or +3x (eval) forward for the "
@@ -319,7 +343,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                       step_time_s=elapsed / max(interval_steps, 1),
                       examples_per_s=batch_size * interval_steps / max(elapsed, 1e-9))
         progress.update(done, loss=float(stats["last_loss"]))
-        if cfg.spectrum_every and (done % int(cfg.spectrum_every) == 0 or done == total_steps):
+        if cfg.spectrum_every and done % int(cfg.spectrum_every) == 0:
           spectrum = ginger_spectrum(state.opt_state)
           if spectrum is not None:
             metrics.write("spectrum", done, sigma=spectrum)

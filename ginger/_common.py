@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -119,3 +122,115 @@ def default_fisher_to_gradient(
     return tx.update(updates, state, params, fisher_grads=fisher_grads, **extra_args)
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+# ---- stacked block layout ------------------------------------------------------------------
+#
+# Ginger keeps one basis U (rows x rank) per block. Running the per-step passes once per block
+# costs a few kernel launches each, and a model has 60-130 leaves, so blocks of one rank are
+# stacked into *buckets*: arrays of shape (members, rows, rank), padded with zero rows to the
+# largest member. Zero rows are exact: they add nothing to U^T U or U^T x, their p and update
+# rows stay zero, so padding changes no result.
+
+# Fixed per-step cost of one bucket (a few kernel launches) in U elements read and written.
+# Merging sizes into one bucket pays off while the padding it adds costs less than this.
+BUCKET_OVERHEAD = 1 << 21
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """Blocks of one rank stacked as ``(len(members), rows, rank)``.
+
+  ``members[j]`` lists block ``j``'s pieces as ``(leaf index, first row)``; a per-tensor block
+  has one piece, the global block one per leaf. Rows past the pieces are zero padding.
+  """
+  rows: int
+  rank: int
+  members: tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where each leaf's rows of ``U`` live: static (hashable) pytree metadata."""
+  treedef: Any
+  sizes: tuple[int, ...]
+  buckets: tuple[Bucket, ...]
+
+  def where(self, leaf: int) -> tuple[int, int, int]:
+    """``(bucket, member, first row)`` of a leaf."""
+    for b, bucket in enumerate(self.buckets):
+      for j, pieces in enumerate(bucket.members):
+        for i, row in pieces:
+          if i == leaf:
+            return b, j, row
+    raise KeyError(leaf)
+
+
+def plan_layout(sizes: Sequence[int], tau: int, block: str, treedef) -> Layout:
+  """Buckets for the blocks of ``block`` mode over leaves of the given sizes.
+
+  ``"global"``: one bucket holding one block, all leaves stacked row after row.
+  ``"per_tensor"``: blocks of equal rank ``min(tau, size)`` are split into runs of similar
+  size (see :func:`_size_runs`), each run one bucket padded to its largest member.
+  """
+  sizes = tuple(int(n) for n in sizes)
+  if block == "global":
+    if not sizes:
+      return Layout(treedef, sizes, ())
+    offsets = np.cumsum((0,) + sizes[:-1]).tolist()
+    member = tuple(zip(range(len(sizes)), offsets, strict=True))
+    total = sum(sizes)
+    return Layout(treedef, sizes, (Bucket(total, min(tau, total), (member,)),))
+  by_rank: dict[int, list[int]] = {}
+  for i, n in enumerate(sizes):
+    by_rank.setdefault(min(tau, n), []).append(i)
+  buckets = []
+  for rank, leaves in sorted(by_rank.items()):
+    counts = collections.Counter(sizes[i] for i in leaves)
+    distinct = sorted(counts)
+    for run in _size_runs(distinct, [counts[n] for n in distinct], rank):
+      members = tuple(((i, 0),) for i in leaves if sizes[i] in run)
+      buckets.append(Bucket(max(run), rank, members))
+  return Layout(treedef, sizes, tuple(buckets))
+
+
+def _size_runs(distinct: list[int], counts: list[int], rank: int) -> list[set[int]]:
+  """Splits ascending distinct sizes into runs minimising the modelled per-step cost
+  ``sum over runs of (BUCKET_OVERHEAD + members * largest size * rank)`` (exact DP)."""
+  best = [0.0] + [math.inf] * len(distinct)
+  start = [0] * (len(distinct) + 1)
+  for end in range(1, len(distinct) + 1):
+    for first in range(end):
+      cost = best[first] + BUCKET_OVERHEAD + sum(counts[first:end]) * distinct[end - 1] * rank
+      if cost < best[end]:
+        best[end], start[end] = cost, first
+  runs, end = [], len(distinct)
+  while end:
+    runs.append(set(distinct[start[end]:end]))
+    end = start[end]
+  return runs[::-1]
+
+
+def gather(layout: Layout, vectors: Sequence[jax.Array]) -> list[jax.Array]:
+  """Leaf vectors -> one ``(members, rows)`` array per bucket (zero padded)."""
+  stacks = []
+  for bucket in layout.buckets:
+    rows = []
+    for pieces in bucket.members:
+      parts = [vectors[i] for i, _ in pieces]
+      used = sum(p.shape[0] for p in parts)
+      if used < bucket.rows:
+        parts.append(jnp.zeros((bucket.rows - used,), parts[0].dtype))
+      rows.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+    stacks.append(jnp.stack(rows))
+  return stacks
+
+
+def scatter(layout: Layout, stacks: Sequence[jax.Array]) -> list[jax.Array]:
+  """Inverse of :func:`gather`: one vector per leaf (padding dropped)."""
+  out: list[jax.Array] = [None] * len(layout.sizes)  # type: ignore[list-item]
+  for bucket, stack in zip(layout.buckets, stacks, strict=True):
+    for j, pieces in enumerate(bucket.members):
+      for i, row in pieces:
+        out[i] = stack[j, row:row + layout.sizes[i]]
+  return out

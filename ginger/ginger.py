@@ -19,9 +19,51 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ginger import _common, lowrank
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class StackedBasis:
+  """The bases ``U`` of all blocks, stacked by bucket (see ``_common.Layout``).
+
+  Its pytree leaves are ``stacks``: one ``(members, rows, rank)`` array per bucket, blocks of
+  one rank padded with zero rows to a common size, so that a step runs a few kernels per
+  bucket rather than per parameter tensor and never copies ``U`` to stack it. Indexing reads
+  like the old per-leaf layout: ``u[key]`` (or ``u.tree()[...]``) is that leaf's rows of
+  ``U``, shape ``(leaf.size, rank)``.
+  """
+
+  def __init__(self, stacks, layout: _common.Layout):
+    self.stacks = tuple(stacks)
+    self.layout = layout
+
+  def tree_flatten_with_keys(self):
+    keys = [jax.tree_util.SequenceKey(b) for b in range(len(self.stacks))]
+    return list(zip(keys, self.stacks, strict=True)), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, stacks):
+    return cls(stacks, layout)
+
+  def leaf(self, i: int) -> jax.Array:
+    """Rows of ``U`` belonging to leaf ``i`` (in ``jax.tree.leaves(params)`` order)."""
+    b, j, row = self.layout.where(i)
+    return self.stacks[b][j, row:row + self.layout.sizes[i]]
+
+  def tree(self):
+    """A pytree like the params whose leaves are :meth:`leaf`."""
+    return jax.tree.unflatten(self.layout.treedef,
+                              [self.leaf(i) for i in range(len(self.layout.sizes))])
+
+  def __getitem__(self, key):
+    return self.tree()[key]
+
+  def __repr__(self):
+    shapes = ", ".join(str(getattr(x, "shape", "?")) for x in self.stacks)
+    return f"StackedBasis([{shapes}])"
 
 
 class ScaleByGingerState(NamedTuple):
@@ -29,8 +71,9 @@ class ScaleByGingerState(NamedTuple):
 
   Attributes:
     count: number of curvature updates taken (int32).
-    u: a pytree like the params; each leaf is that leaf's rows of ``U``,
-      shape ``(leaf.size, k)`` with ``k = min(tau, block size)``.
+    u: a :class:`StackedBasis`. Its leaves are one ``(members, rows, k)`` array per bucket
+      of equal-rank blocks (``k = min(tau, block size)``), zero-padded to the bucket's
+      largest block; ``u[key]`` gives a leaf's rows ``(leaf.size, k)`` as before.
     sigma: the eigenvalues ``sigma`` of each block: a pytree like the params of
       ``(k,)`` arrays for ``block="per_tensor"``, a single ``(k,)`` array for ``"global"``.
   """
@@ -56,18 +99,22 @@ def scale_by_ginger(
   the *updated* ``G_t``, as in the paper's Algorithm 1. With ``fisher_grads=None`` the
   updates themselves are used as ``d_t``: the *empirical* Fisher, a different method.
 
+  Cost per step: three passes over ``U`` (two reads, one read-and-write; see
+  :mod:`ginger.lowrank`) with blocks of equal rank batched, plus one batched
+  ``(k+1) x (k+1)`` ``eigh`` per rank.
+
   Args:
     tau: rank of the curvature model (a Python int >= 1).
     alpha: EMA decay of the curvature, in (0, 1).
     gamma: damping (> 0); ``G^{-1}`` has largest eigenvalue ``1/gamma``.
     block: ``"per_tensor"`` keeps one ``(U, sigma)`` per leaf (the authors' code; leaves
       with ``size <= tau`` are modelled exactly with rank ``size``); ``"global"`` treats all
-      leaves as one vector (the paper's text) without materialising a flat copy.
+      leaves as one vector (the paper's text).
     state_dtype: dtype name of ``U`` and ``sigma`` (float32 by default, also for bf16
       params; a string so that ``optax.inject_hyperparams`` leaves it static).
       Updates are returned in the dtype of the incoming updates.
     reorthonormalise_every: every this many steps ``U`` is re-orthonormalised (Cholesky-QR,
-      ``S`` unchanged) to remove float32 drift of ``U^T U`` over long runs.
+      ``S`` unchanged) before the update, to remove float32 drift of ``U^T U`` over long runs.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -82,92 +129,151 @@ def scale_by_ginger(
 
   def init_fn(params):
     vectors, treedef = _common.flat_vectors(params, state_dtype)
-    sizes = [v.size for v in vectors]
-    u_leaves: list[jax.Array] = [None] * len(vectors)  # type: ignore[list-item]
-    sigmas = []
-    for idx in _common.blocks_of(len(vectors), block):
-      rank = min(tau, sum(sizes[i] for i in idx))
-      for i, piece in zip(idx, lowrank.init_basis([sizes[i] for i in idx], rank, state_dtype),
-                          strict=True):
-        u_leaves[i] = piece
-      sigmas.append(jnp.zeros((rank,), state_dtype))
-    u = jax.tree.unflatten(treedef, u_leaves)
-    sigma = jax.tree.unflatten(treedef, sigmas) if block == "per_tensor" else (
-        sigmas[0] if sigmas else jnp.zeros((0,), state_dtype))
+    layout = _common.plan_layout([v.size for v in vectors], tau, block, treedef)
+    u = StackedBasis([lowrank.init_basis(len(b.members), b.rows, b.rank, state_dtype)
+                      for b in layout.buckets], layout)
+    sigmas = [jnp.zeros((b.rank,), state_dtype) for b in layout.buckets for _ in b.members]
+    if block == "per_tensor":
+      sigma = jax.tree.unflatten(treedef, _per_leaf(layout, sigmas))
+    else:
+      sigma = sigmas[0] if sigmas else jnp.zeros((0,), state_dtype)
     return ScaleByGingerState(count=jnp.zeros([], jnp.int32), u=u, sigma=sigma)
 
   def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):
     del params, extra_args
-    gs, _ = _common.flat_vectors(updates, state_dtype)
-    vs = _common.fisher_vectors(updates, fisher_grads, state_dtype)
-    us, u_def = jax.tree.flatten(state.u)
-    sigmas = _sigma_list(state.sigma, block)
-    blocks = _common.blocks_of(len(gs), block)
-
-    new_us, new_sigmas = curvature_update(
-        [[us[i] for i in idx] for idx in blocks], sigmas,
-        [[vs[i] for i in idx] for idx in blocks], alpha)
+    layout = state.u.layout
+    gs = _common.gather(layout, _common.flat_vectors(updates, state_dtype)[0])
+    vs = _common.gather(layout, _common.fisher_vectors(updates, fisher_grads, state_dtype))
+    us = list(state.u.stacks)
+    sigmas = _sigma_stacks(layout, state.sigma, block)
     count = optax.safe_increment(state.count)
-    new_us, new_sigmas = jax.lax.cond(
-        count % reorthonormalise_every == 0,
-        lambda a: _reorthonormalise_all(*a),
-        lambda a: a,
-        (new_us, new_sigmas))
-
-    out = [None] * len(gs)
-    u_flat = [None] * len(gs)
-    for idx, pieces, sigma in zip(blocks, new_us, new_sigmas, strict=True):
-      pre = lowrank.precondition(pieces, sigma, [gs[i] for i in idx], gamma)
-      for i, piece, g in zip(idx, pieces, pre, strict=True):
-        u_flat[i], out[i] = piece, g
-    new_state = ScaleByGingerState(
-        count=count, u=jax.tree.unflatten(u_def, u_flat),
-        sigma=_sigma_tree(new_sigmas, state.sigma, block))
-    return _common.unflatten_like(out, updates), new_state
+    # Only the small factors leave the cond, so skipping it copies nothing of U.
+    factors = jax.lax.cond(count % reorthonormalise_every == 0,
+                           _reorthonormalising_factors, _identity_factors, us, sigmas)
+    new_us, outs, new_sigmas = brand_step(us, factors, vs, gs, alpha, gamma)
+    if block == "per_tensor":
+      sigma = jax.tree.unflatten(jax.tree.structure(state.sigma),
+                                 _per_leaf(layout, [s for st in new_sigmas for s in st]))
+    else:
+      sigma = new_sigmas[0][0] if new_sigmas else state.sigma
+    new_state = ScaleByGingerState(count=count, u=StackedBasis(new_us, layout), sigma=sigma)
+    return _common.unflatten_like(_common.scatter(layout, outs), updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def curvature_update(us_blocks, sigmas, vs_blocks, alpha):
-  """Brand's eigen-update for every block, with one batched ``eigh`` per core size.
+def brand_step(us, factors, vs, gs, alpha, gamma):
+  """One curvature update and preconditioning for every bucket.
 
-  Batching the ``(k+1) x (k+1)`` eigendecompositions turns one small-solver launch per
-  parameter tensor into one per distinct rank (usually one), which matters on GPUs.
+  ``factors[b] = (Q, sigma)``: the step works with the orthonormal basis ``U Q`` (``Q = I``
+  except on re-orthonormalisation steps), folded into the small matrices so that ``U Q`` is
+  never formed. Per bucket: pass 1 gives ``c = U^T v`` and ``y = U^T g``; pass 2 the CGS2
+  correction ``c2 = U^T p1`` and norms; then, for all blocks of one rank at once, Brand's core
+  and its ``eigh``; pass 3 writes ``U' = [U p] V[:, :k]`` and ``G'^{-1} g``, where
+  ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further pass. Returns
+  ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
   """
-  cores = [lowrank.brand_core(us, sigma, vs, alpha)
-           for us, sigma, vs in zip(us_blocks, sigmas, vs_blocks, strict=True)]
-  by_size = defaultdict(list)
-  for b, (core, _, _) in enumerate(cores):
-    by_size[core.shape[0]].append(b)
-  eig: dict[int, tuple[jax.Array, jax.Array]] = {}
-  for members in by_size.values():
-    w, vecs = lowrank.sorted_eigh(jnp.stack([cores[b][0] for b in members]))
-    for j, b in enumerate(members):
-      eig[b] = (w[j], vecs[j])
-  new_us, new_sigmas = [], []
-  for b, (us, sigma) in enumerate(zip(us_blocks, sigmas, strict=True)):
-    _, ps, s = cores[b]
-    w, vecs = eig[b]
-    new_us.append(lowrank.rotate(us, ps, vecs))
-    new_sigmas.append(lowrank.rescale_sigma(w, s, sigma.shape[0]))
-  return new_us, new_sigmas
+  qs = [q for q, _ in factors]
+  first = [lowrank.project_pair(u, v, g) for u, v, g in zip(us, vs, gs, strict=True)]
+  small = [_before_residual(cu, yu, l1, q) for (cu, yu, l1), q in zip(first, qs, strict=True)]
+  second = [lowrank.residual_sums(u, v, g, s["a1"], s["inv_l1"])
+            for u, v, g, s in zip(us, vs, gs, small, strict=True)]
+  for s, (c2u, pp, pg, vv), (q, sigma) in zip(small, second, factors, strict=True):
+    s.update(c2=lowrank.small_matvec(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
+  # Brand's cores of all blocks of one rank share one batched eigh (one solver launch).
+  by_rank: dict[int, list[int]] = defaultdict(list)
+  for b, u in enumerate(us):
+    by_rank[u.shape[-1]].append(b)
+  coefs: list[dict] = [{}] * len(us)
+  for members in by_rank.values():
+    sizes = [us[b].shape[0] for b in members]
+    joined = {key: jnp.concatenate([small[b][key] for b in members])
+              for key in small[members[0]]}
+    joined["q"] = jnp.concatenate([qs[b] for b in members])
+    for b, part in zip(members, _split(_after_residual(joined, alpha, gamma), sizes),
+                       strict=True):
+      coefs[b] = part
+  new_us, outs = [], []
+  for u, v, g, s, co in zip(us, vs, gs, small, coefs, strict=True):
+    u_new, out = lowrank.rotate_and_precondition(
+        u, v, g, s["a1"], s["inv_l1"], co["a2"], co["inv_r"], co["rot"], co["b"], co["z"],
+        gamma)
+    new_us.append(u_new)
+    outs.append(out)
+  return new_us, outs, [co["sigma"] for co in coefs]
 
 
-def _reorthonormalise_all(us_blocks, sigmas):
-  pairs = [lowrank.reorthonormalise(us, s) for us, s in zip(us_blocks, sigmas, strict=True)]
-  return [p[0] for p in pairs], [p[1] for p in pairs]
+def _before_residual(cu, yu, l1, q):
+  """Small quantities after pass 1, in the orthonormal basis ``U Q``."""
+  c = lowrank.small_matvec(q, cu, transpose=True)
+  inv_l1 = 1.0 / jnp.maximum(l1, jnp.finfo(l1.dtype).tiny)
+  return {"c": c, "y": lowrank.small_matvec(q, yu, transpose=True), "l1": l1,
+          "inv_l1": inv_l1, "a1": lowrank.small_matvec(q, c)}
 
 
-def _sigma_list(sigma, block) -> list[jax.Array]:
-  if block == "per_tensor":
-    return jax.tree.leaves(sigma)
-  return [sigma] if sigma.shape[0] else []
+def _after_residual(s, alpha, gamma):
+  """From the pass-1/2 sums to pass 3's coefficients (batched over blocks).
+
+  With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``:
+  ``||p||^2 = ||p1||^2 - ||c2||^2``, ``r = l1 ||p||``, ``U^T v = c + l1 c2`` and
+  ``p^T g = p1^T g - c2^T y``. ``v`` counts as in ``span U`` when ``r <= 32 eps ||v||``.
+  """
+  dtype = s["c"].dtype
+  rank = s["c"].shape[-1]
+  p_norm = jnp.sqrt(jnp.maximum(s["pp"] - jnp.sum(s["c2"] * s["c2"], -1), 0.0))
+  v_norm_l1 = jnp.sqrt(s["vv"])  # ||v|| / l1
+  in_span = p_norm <= 32 * jnp.finfo(dtype).eps * v_norm_l1
+  p_norm = jnp.where(in_span, 0.0, p_norm)
+  inv_p = jnp.where(in_span, 0.0, 1.0 / jnp.where(in_span, 1.0, p_norm))
+  c = s["c"] + s["l1"][..., None] * s["c2"]
+  core, scale = lowrank.brand_core(c, s["l1"] * p_norm, s["sigma"], s["l1"] * v_norm_l1,
+                                   in_span, alpha)
+  w, vecs = lowrank.sorted_eigh(core)
+  sigma = lowrank.rescale_sigma(w, scale, rank)
+  top, b = vecs[..., :rank, :rank], vecs[..., rank, :rank]
+  p_g = (s["pg"] - jnp.sum(s["c2"] * s["y"], -1)) * inv_p  # p^T g with p of unit norm
+  y_new = lowrank.small_matvec(top, s["y"], transpose=True) + b * p_g[..., None]
+  weight = sigma / (gamma + sigma)
+  return {"sigma": sigma, "a2": lowrank.small_matvec(s["q"], s["c2"]), "inv_r": inv_p,
+          "rot": jnp.matmul(s["q"], top, precision=lowrank.HIGHEST), "b": b,
+          "z": weight * y_new}
 
 
-def _sigma_tree(sigmas, like, block):
-  if block == "per_tensor":
-    return jax.tree.unflatten(jax.tree.structure(like), sigmas)
-  return sigmas[0] if sigmas else like
+def _split(tree: dict, sizes: list[int]) -> list[dict]:
+  """Splits every batched entry of ``tree`` along axis 0 into parts of ``sizes``."""
+  bounds = np.cumsum(sizes)[:-1].tolist()
+  parts = {key: jnp.split(x, bounds) for key, x in tree.items()}
+  return [{key: parts[key][i] for key in tree} for i in range(len(sizes))]
+
+
+def _identity_factors(us, sigmas):
+  eyes = [jnp.broadcast_to(jnp.eye(u.shape[-1], dtype=u.dtype), (u.shape[0],) + u.shape[-1:] * 2)
+          for u in us]
+  return list(zip(eyes, sigmas, strict=True))
+
+
+def _reorthonormalising_factors(us, sigmas):
+  return [lowrank.reorthonormalising_factor(lowrank.gram(u), s)
+          for u, s in zip(us, sigmas, strict=True)]
+
+
+def _sigma_stacks(layout: _common.Layout, sigma, block) -> list[jax.Array]:
+  """State ``sigma`` as one ``(members, rank)`` array per bucket."""
+  if block != "per_tensor":
+    return [sigma[None]] if layout.buckets else []
+  leaves = jax.tree.leaves(sigma)
+  return [jnp.stack([leaves[pieces[0][0]] for pieces in bucket.members])
+          for bucket in layout.buckets]
+
+
+def _per_leaf(layout: _common.Layout, sigmas: list[jax.Array]) -> list[jax.Array]:
+  """Per-block ``sigma`` in bucket order -> per-leaf order (per-tensor blocks)."""
+  out: list[jax.Array] = [None] * len(layout.sizes)  # type: ignore[list-item]
+  flat = iter(sigmas)
+  for bucket in layout.buckets:
+    for pieces in bucket.members:
+      out[pieces[0][0]] = next(flat)
+  return out
 
 
 def ginger(

@@ -1,13 +1,17 @@
 """Low-rank curvature algebra shared by Ginger and QNG.
 
-A *block* is the unit that carries one curvature model. It is stored as a list of
-*pieces*: 2-D arrays ``U_i`` of shape ``(n_i, k)`` whose row-concatenation is the block's
-``U`` (``d x k``, ``d = sum n_i``). A per-tensor block has one piece (the flattened leaf);
-the global block has one piece per leaf, so the full ``d``-vector is never concatenated.
-Every function here takes the pieces of one block and matching lists of ``(n_i,)`` vectors.
-
-The curvature model is ``G = gamma I + U diag(sigma) U^T`` with ``U^T U = I`` and
+Ginger's bases are stored *stacked*: an array ``u`` of shape ``(m, n, k)`` holds ``m`` blocks,
+each an ``n x k`` matrix ``U`` with orthonormal columns (zero rows past a block's size are
+padding and stay zero); vectors of those blocks are ``(m, n)`` and per-block small quantities
+``(m, ...)``. The curvature model of a block is ``G = gamma I + U diag(sigma) U^T`` with
 ``sigma >= 0`` sorted descending; see ``docs``: ginger-math.md.
+
+One Brand eigen-update plus preconditioning costs three passes over ``U`` here
+(:func:`project_pair`, :func:`residual_sums`, :func:`rotate_and_precondition`): two reads and
+one read-and-write. Everything else works on ``(k+1) x (k+1)`` matrices. The row-wise
+products are written as ``k`` multiply-adds (:func:`rowdot`, :func:`rowmatmul`) instead of
+dots so that XLA fuses them into the pass that needs them, and so that no float32 product of
+``U`` runs in TF32 on GPUs (a dot's default precision there), which would break ``U^T U = I``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 Pieces = Sequence[jax.Array]
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def dot(xs: Pieces, ys: Pieces) -> jax.Array:
@@ -25,13 +30,8 @@ def dot(xs: Pieces, ys: Pieces) -> jax.Array:
   return sum(jnp.vdot(x, y) for x, y in zip(xs, ys, strict=True))
 
 
-def project(us: Pieces, xs: Pieces) -> jax.Array:
-  """``U^T x`` (a ``k``-vector) from pieces."""
-  return sum(x @ u for u, x in zip(us, xs, strict=True))
-
-
 def norm(xs: Pieces) -> jax.Array:
-  """Overflow- and underflow-safe 2-norm of a block vector.
+  """Overflow- and underflow-safe 2-norm of a block vector given as pieces.
 
   Gradients of 1e20 have squares of 1e40, which overflow float32; scaling by the largest
   entry first keeps the sum of squares in range.
@@ -41,65 +41,116 @@ def norm(xs: Pieces) -> jax.Array:
   return scale * jnp.sqrt(sum(jnp.sum(jnp.square(x / scale)) for x in xs))
 
 
-def init_basis(sizes: Sequence[int], rank: int, dtype) -> list[jax.Array]:
-  """Orthonormal starting columns: the first ``rank`` coordinate vectors of the block.
+# ---- row-wise products (elementwise, fusible) -------------------------------------------------
 
-  With ``sigma = 0`` they represent ``S = 0`` exactly; starting orthonormal (rather than
-  from zeros) keeps ``U^T U = I`` true from step 0.
+
+def rowdot(u: jax.Array, a: jax.Array) -> jax.Array:
+  """``U a`` for stacked blocks: ``(..., n, k), (..., k) -> (..., n)``, as k multiply-adds."""
+  out = jnp.zeros(u.shape[:-1], u.dtype)
+  for j in range(u.shape[-1]):
+    out = out + u[..., j] * a[..., None, j]
+  return out
+
+
+def rowmatmul(u: jax.Array, mat: jax.Array) -> jax.Array:
+  """``U M`` for stacked blocks: ``(..., n, k), (..., k, l) -> (..., n, l)``, as multiply-adds."""
+  out = jnp.zeros(u.shape[:-1] + mat.shape[-1:], u.dtype)
+  for j in range(u.shape[-1]):
+    out = out + u[..., j, None] * mat[..., None, j, :]
+  return out
+
+
+def small_matvec(mat: jax.Array, x: jax.Array, transpose: bool = False) -> jax.Array:
+  """``M x`` (or ``M^T x``) batched over leading axes, in full float32/64 precision."""
+  return jnp.einsum("...ji,...j->...i" if transpose else "...ij,...j->...i", mat, x,
+                    precision=HIGHEST)
+
+
+# ---- the three passes over U ------------------------------------------------------------------
+
+
+def project_pair(u: jax.Array, v: jax.Array, g: jax.Array):
+  """Pass 1 (reads ``U``): ``U^T v``, ``U^T g`` and ``l1 = sum |v|`` per block.
+
+  One reduction over the rows of ``[U v, U g, |v|]``. ``l1`` is the scale of the next pass:
+  ``|v_i| <= l1``, so squares of ``v / l1`` neither overflow nor all underflow.
   """
-  pieces, offset = [], 0
-  for n in sizes:
-    pieces.append(jnp.eye(n, rank, k=offset, dtype=dtype))
-    offset += n
-  return pieces
+  k = u.shape[-1]
+  cols = jnp.concatenate([u * v[..., None], u * g[..., None], jnp.abs(v)[..., None]], -1)
+  sums = jnp.sum(cols, axis=-2)
+  return sums[..., :k], sums[..., k:2 * k], sums[..., 2 * k]
 
 
-def brand_core(
-    us: Pieces, sigma: jax.Array, vs: Pieces, alpha
-) -> tuple[jax.Array, list[jax.Array], jax.Array]:
-  """Builds the ``(k+1) x (k+1)`` matrix of Brand's rank-one eigen-update.
+def first_residual(u: jax.Array, v: jax.Array, a: jax.Array, inv_l1: jax.Array) -> jax.Array:
+  """``p1 = (v - U a) / l1``: the classical Gram-Schmidt residual, in units of ``l1``.
 
-  ``alpha U diag(sigma) U^T + (1 - alpha) v v^T = [U p] C [U p]^T`` with
-  ``c = U^T v``, ``p = (v - U c) / r``, ``r = ||v - U c||`` and::
+  Passes 2 and 3 both evaluate this same expression, so both see the same rounded ``p1``;
+  that is what lets pass 2 measure, and pass 3 remove, ``p1``'s rounding error along ``U``.
+  """
+  return (v - rowdot(u, a)) * inv_l1[..., None]
+
+
+def residual_sums(u, v, g, a, inv_l1):
+  """Pass 2 (reads ``U``): ``U^T p1``, ``||p1||^2``, ``p1 . g`` and ``||v / l1||^2``.
+
+  ``U^T p1`` is the re-orthogonalisation coefficient of CGS2 (classical Gram-Schmidt with one
+  re-orthogonalisation): ``p = p1 - U (U^T p1)`` is orthogonal to ``U`` to working precision
+  even when ``v`` lies almost in ``span U``, and ``||p||^2 = ||p1||^2 - ||U^T p1||^2``.
+  """
+  k = u.shape[-1]
+  p1 = first_residual(u, v, a, inv_l1)
+  vs = v * inv_l1[..., None]
+  cols = jnp.concatenate([u * p1[..., None], (p1 * p1)[..., None], (p1 * g)[..., None],
+                          (vs * vs)[..., None]], -1)
+  sums = jnp.sum(cols, axis=-2)
+  return sums[..., :k], sums[..., k], sums[..., k + 1], sums[..., k + 2]
+
+
+def rotate_and_precondition(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
+  """Pass 3 (reads ``U``, writes ``U'``): the rotated basis and ``G'^{-1} g``.
+
+  ``p = (p1 - U a2) / r`` (zero when ``inv_r = 0``), ``U' = U rot + p b^T`` and
+  ``G'^{-1} g = (g - U' z) / gamma`` with ``z = diag(sigma'/(gamma+sigma')) U'^T g``, which
+  the caller forms from pass 1's ``U^T g`` without reading ``U'`` again.
+  """
+  p = (first_residual(u, v, a1, inv_l1) - rowdot(u, a2)) * inv_r[..., None]
+  u_new = rowmatmul(u, rot) + p[..., None] * b[..., None, :]
+  out = (g - jnp.sum(u_new * z[..., None, :], axis=-1)) / gamma
+  return u_new, out
+
+
+# ---- the (k+1) x (k+1) eigenproblem ----------------------------------------------------------
+
+
+def brand_core(c, r, sigma, v_norm, in_span, alpha):
+  """Brand's ``(k+1) x (k+1)`` matrix, batched over blocks, in units of ``s^2``.
+
+  ``alpha U diag(sigma) U^T + (1-alpha) v v^T = [U p] C [U p]^T`` with ``c = U^T v``,
+  ``r = ||v - U c||``, ``p = (v - U c) / r`` and::
 
       C = [[alpha diag(sigma) + (1-alpha) c c^T,  (1-alpha) r c],
            [(1-alpha) r c^T,                      (1-alpha) r^2]]
 
-  ``p`` is orthogonalised twice (classical Gram-Schmidt with one re-orthogonalisation) so
-  that it stays orthogonal to ``U`` in float32 even when ``v`` is almost in ``span U``. When
-  ``r <= eps ||v||`` (``v`` already in the span, or zero) ``p = 0`` and the last diagonal
-  entry of ``C`` is set to -1: ``e_{k+1}`` is then an exact eigenvector that sorts last and
-  is dropped, so the kept eigenvectors never mix the zero vector ``p`` into ``U'`` (which
-  would otherwise happen among tied zero eigenvalues and break ``U^T U = I``).
-
-  Everything is computed in units of ``s^2`` with ``s = max(||v||, sqrt(max sigma))`` so
-  that neither ``c c^T`` nor ``r^2`` overflows for huge vectors. Returns ``(C / s^2, p, s)``.
-
-  Returns:
-    ``(core, ps, s)``: the scaled core, the unit-norm pieces of ``p`` and the scale ``s``.
+  When ``v`` is in ``span U`` (``in_span``: ``p = 0``) the last diagonal entry is set to -1:
+  ``e_{k+1}`` is then an exact eigenvector that sorts last and is dropped, so the kept
+  eigenvectors never mix the zero vector ``p`` into ``U'`` (which would otherwise happen among
+  tied zero eigenvalues and break ``U^T U = I``). ``s = max(||v||, sqrt(max sigma))`` keeps
+  ``c c^T`` and ``r^2`` from overflowing. Returns ``(C / s^2, s)``.
   """
   dtype = sigma.dtype
-  c = project(us, vs)
-  ps = [v - u @ c for u, v in zip(us, vs, strict=True)]
-  c2 = project(us, ps)
-  ps = [p - u @ c2 for u, p in zip(us, ps, strict=True)]
-  c = c + c2
-  r = norm(ps)
-  v_norm = norm(vs)
-  in_span = r <= 32 * jnp.finfo(dtype).eps * v_norm
-  r = jnp.where(in_span, 0.0, r).astype(dtype)
-  safe_r = jnp.where(in_span, 1.0, r)
-  ps = [jnp.where(in_span, 0.0, p / safe_r) for p in ps]
-
-  tiny = jnp.finfo(dtype).tiny
-  s = jnp.maximum(jnp.maximum(v_norm, jnp.sqrt(jnp.max(sigma, initial=0.0))), jnp.sqrt(tiny))
-  cs, rs = c / s, r / s
+  k = sigma.shape[-1]
+  s = jnp.maximum(jnp.maximum(v_norm, jnp.sqrt(jnp.max(sigma, axis=-1, initial=0.0))),
+                  jnp.sqrt(jnp.finfo(dtype).tiny))
+  cs, rs = c / s[..., None], r / s
   beta = 1.0 - alpha
-  top = alpha * jnp.diag(sigma / s / s) + beta * jnp.outer(cs, cs)
-  col = beta * rs * cs
+  top = (alpha * (sigma / s[..., None] / s[..., None])[..., None] * jnp.eye(k, dtype=dtype)
+         + beta * cs[..., :, None] * cs[..., None, :])
+  col = beta * rs[..., None] * cs
   corner = jnp.where(in_span, -1.0, beta * rs * rs)
-  core = jnp.block([[top, col[:, None]], [col[None, :], corner[None, None]]])
-  return core.astype(dtype), ps, s
+  core = jnp.concatenate([
+      jnp.concatenate([top, col[..., :, None]], -1),
+      jnp.concatenate([col, corner[..., None]], -1)[..., None, :]], -2)
+  return core.astype(dtype), s
 
 
 def sorted_eigh(core: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -109,13 +160,6 @@ def sorted_eigh(core: jax.Array) -> tuple[jax.Array, jax.Array]:
   return w[..., ::-1], v[..., ::-1]
 
 
-def rotate(us: Pieces, ps: Pieces, vecs: jax.Array) -> list[jax.Array]:
-  """``U' = [U p] V[:, :k]`` without concatenating ``[U p]``."""
-  k = us[0].shape[-1]
-  top, bottom = vecs[:k, :k], vecs[k, :k]
-  return [u @ top + p[:, None] * bottom[None, :] for u, p in zip(us, ps, strict=True)]
-
-
 def rescale_sigma(w: jax.Array, s: jax.Array, rank: int) -> jax.Array:
   """Top ``rank`` eigenvalues back in the original units, clipped to ``[0, finfo.max]``.
 
@@ -123,40 +167,44 @@ def rescale_sigma(w: jax.Array, s: jax.Array, rank: int) -> jax.Array:
   clipping at ``finfo.max`` keeps huge curvature finite (it then acts as "infinite").
   """
   big = jnp.finfo(w.dtype).max
-  return jnp.clip(w[:rank] * s * s, 0.0, big)
+  return jnp.clip(w[..., :rank] * s[..., None] * s[..., None], 0.0, big)
 
 
-def precondition(us: Pieces, sigma: jax.Array, gs: Pieces, gamma) -> list[jax.Array]:
-  """``(gamma I + U diag(sigma) U^T)^{-1} g`` by the stable split of Woodbury.
+# ---- orthonormality --------------------------------------------------------------------------
 
-  ``G^{-1} g = (g - U U^T g) / gamma + U diag(1/(gamma+sigma)) U^T g
-            = (g - U diag(sigma/(gamma+sigma)) U^T g) / gamma``;
-  the weights ``sigma/(gamma+sigma)`` lie in ``[0, 1]``, so nothing is formed that can
-  cancel catastrophically for large ``sigma/gamma`` (unlike the inverse-space form).
+
+def init_basis(members: int, rows: int, rank: int, dtype) -> jax.Array:
+  """Orthonormal starting columns of stacked blocks: each block's first ``rank`` coordinate
+  vectors. With ``sigma = 0`` they represent ``S = 0`` exactly; starting orthonormal (rather
+  than from zeros) keeps ``U^T U = I`` true from step 0."""
+  return jnp.broadcast_to(jnp.eye(rows, rank, dtype=dtype), (members, rows, rank))
+
+
+def gram(u: jax.Array) -> jax.Array:
+  """``U^T U`` per block (one read of ``U``)."""
+  return jnp.einsum("...nk,...nl->...kl", u, u, precision=HIGHEST)
+
+
+def reorthonormalising_factor(gram_u: jax.Array, sigma: jax.Array):
+  """``(Q, sigma')`` with ``U Q`` orthonormal and ``(U Q) diag(sigma') (U Q)^T = S``.
+
+  Cholesky-QR: ``U^T U = L L^T`` gives the orthonormal ``U L^{-T}``; ``S`` is unchanged when
+  the small ``L^T diag(sigma) L`` is re-diagonalised (``= W diag(sigma') W^T``), so
+  ``Q = L^{-T} W``. Valid while ``U`` is close to orthonormal, which is when this is used.
   """
-  y = project(us, gs)
-  weight = sigma / (gamma + sigma)
-  return [(g - u @ (weight * y)) / gamma for u, g in zip(us, gs, strict=True)]
-
-
-def reorthonormalise(us: Pieces, sigma: jax.Array) -> tuple[list[jax.Array], jax.Array]:
-  """Restores ``U^T U = I`` while keeping ``S = U diag(sigma) U^T`` unchanged.
-
-  Cholesky-QR over the pieces (``U = Q R``, ``R = L^T`` from ``U^T U = L L^T``), then the
-  small ``R diag(sigma) R^T`` is re-diagonalised so that ``sigma`` stays sorted.
-  Valid while ``U`` is close to orthonormal, which is when this is called.
-  """
-  gram = sum(u.T @ u for u in us)
-  chol = jnp.linalg.cholesky(gram)
-  rinv_t = jax.scipy.linalg.solve_triangular(chol, jnp.eye(chol.shape[0], dtype=chol.dtype),
-                                             lower=True).T
-  qs = [u @ rinv_t for u in us]
-  small = chol.T @ (sigma[:, None] * chol)
+  chol = jnp.linalg.cholesky(gram_u)
+  eye = jnp.broadcast_to(jnp.eye(chol.shape[-1], dtype=chol.dtype), chol.shape)
+  linv_t = jnp.swapaxes(jax.scipy.linalg.solve_triangular(chol, eye, lower=True), -1, -2)
+  small = jnp.einsum("...ji,...j,...jl->...il", chol, sigma, chol, precision=HIGHEST)
   w, vecs = sorted_eigh(small)
-  return [q @ vecs for q in qs], jnp.maximum(w, 0.0)
+  return jnp.matmul(linv_t, vecs, precision=HIGHEST), jnp.maximum(w, 0.0)
 
 
-def orthonormality_error(us: Pieces) -> jax.Array:
-  """``max |U^T U - I|``: how far the stored basis has drifted."""
-  gram = sum(u.T @ u for u in us)
-  return jnp.max(jnp.abs(gram - jnp.eye(gram.shape[0], dtype=gram.dtype)))
+def orthonormality_error(pieces: Pieces) -> jax.Array:
+  """``max |U^T U - I|`` over blocks.
+
+  ``pieces`` are ``(..., rows, k)`` arrays whose Grams add up to the blocks' ``U^T U``:
+  the row-pieces of one block, or one stacked ``(m, n, k)`` array of ``m`` blocks.
+  """
+  g = sum(gram(u) for u in pieces)
+  return jnp.max(jnp.abs(g - jnp.eye(g.shape[-1], dtype=g.dtype)), initial=0.0)

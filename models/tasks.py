@@ -217,7 +217,11 @@ class Seq2Seq(Task):
       tokens = generate(model, self.val_arrays["input_ids"][start:stop],
                         self.val_arrays["attention_mask"][start:stop],
                         max_new_tokens=max_new_tokens)
-      predictions += self.tokenizer.batch_decode(np.asarray(tokens).tolist())
+      # The model's vocabulary may be padded past the tokenizer's (t5-small: 32128 > 32100):
+      # ids the tokenizer cannot decode are dropped like padding.
+      tokens = np.asarray(tokens)
+      tokens = np.where(tokens < self.tokenizer.vocab_size, tokens, self.tokenizer.pad_id)
+      predictions += self.tokenizer.batch_decode(tokens.tolist())
       references += self.tokenizer.batch_decode(
           (self.val_arrays["labels"][start:stop] * self.val_arrays["decoder_attention_mask"]
            [start:stop]).tolist())
