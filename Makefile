@@ -37,3 +37,55 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+
+# ------------------------------------------------------------------------------ paper sweeps
+# The Hydra multiruns of configs/sweep/ (every command, its cost and the lr protocol:
+# sweeps/README.md). Knobs: SCALE=full (the paper's settings) or smoke (embedded data and tiny
+# models, minutes on a CPU); SEEDS=0,1,2 (a sweep axis; results/tables.py averages seeds);
+# GPUS=0,1,2,3 (default: every GPU nvidia-smi lists, or one job at a time without GPUs);
+# SWEEP_ARGS="max_steps=2 ..." (more overrides). Jobs run through sweeps/gpu_pool.py: one process
+# per job, one job per GPU, completed runs skipped, a diverging run does not stop the sweep.
+# `python train.py -m +sweep=table1 scale=smoke seed=0,1` runs the same jobs in one process.
+SCALE ?= full
+SEEDS ?= 0
+GPUS ?=
+SWEEP_ARGS ?=
+# JAX_PLATFORMS above defaults to cpu for `make train`/`make test`. Unless it was set in the
+# environment or on the command line, full-scale sweeps run with it unset (JAX takes the GPU)
+# and smoke sweeps on the CPU.
+ifeq ($(origin JAX_PLATFORMS),file)
+SWEEP_PLATFORMS = $(if $(filter full,$(SCALE)),,cpu)
+else
+SWEEP_PLATFORMS = $(JAX_PLATFORMS)
+endif
+SMOKE_PREFIX = $(if $(filter smoke,$(SCALE)),smoke_,)
+SWEEP_RUN = JAX_PLATFORMS=$(SWEEP_PLATFORMS) $(PY) -m sweeps.gpu_pool $(if $(GPUS),--devices $(GPUS)) --
+SWEEP_OVERRIDES = scale=$(SCALE) seed=$(SEEDS) $(SWEEP_ARGS)
+BEST_LR = $(PY) -m sweeps.best_lr --experiments
+
+.PHONY: lr_tune ablation
+
+lr_tune: $(STAMP)
+	$(SWEEP_RUN) +sweep=lr_tune $(SWEEP_OVERRIDES)
+	$(PY) -m sweeps.best_lr
+
+table1: $(STAMP)
+	$(BEST_LR) $(SMOKE_PREFIX)cifar100_resnet18 $(SMOKE_PREFIX)cifar100_resnet50
+	$(SWEEP_RUN) +sweep=table1 $(SWEEP_OVERRIDES)
+
+table2: $(STAMP)
+	$(BEST_LR) $(SMOKE_PREFIX)xsum_t5_lora $(SMOKE_PREFIX)xsum_t5_full
+	$(SWEEP_RUN) +sweep=table2 $(SWEEP_OVERRIDES)
+
+# Tables 3 and 4 are two views of the same 9 runs per seed (sweep=table34): either target runs
+# them, and the second finds them completed.
+table3 table4: $(STAMP)
+	$(BEST_LR) $(SMOKE_PREFIX)cifar100_resnet18
+	$(SWEEP_RUN) +sweep=table34 $(SWEEP_OVERRIDES)
+
+ablation: $(STAMP)
+	$(BEST_LR) $(SMOKE_PREFIX)cifar100_resnet18
+	$(SWEEP_RUN) +sweep=ablation $(SWEEP_OVERRIDES)
+
+tables: $(STAMP)
+	$(PY) -m results.tables

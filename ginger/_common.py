@@ -132,8 +132,9 @@ def default_fisher_to_gradient(
 # largest member. Zero rows are exact: they add nothing to U^T U or U^T x, their p and update
 # rows stay zero, so padding changes no result.
 
-# Fixed per-step cost of one bucket (a few kernel launches) in U elements read and written.
-# Merging sizes into one bucket pays off while the padding it adds costs less than this.
+# Fixed per-step cost of one bucket (a few kernel launches, ~10 us) in padded row-entries
+# (rows x (rank + 2): U plus the vectors). Merging sizes into one bucket pays off while the
+# padding it adds costs less than this.
 BUCKET_OVERHEAD = 1 << 21
 
 
@@ -196,12 +197,13 @@ def plan_layout(sizes: Sequence[int], tau: int, block: str, treedef) -> Layout:
 
 def _size_runs(distinct: list[int], counts: list[int], rank: int) -> list[set[int]]:
   """Splits ascending distinct sizes into runs minimising the modelled per-step cost
-  ``sum over runs of (BUCKET_OVERHEAD + members * largest size * rank)`` (exact DP)."""
+  ``sum over runs of (BUCKET_OVERHEAD + members * largest size * (rank + 2))`` (exact DP)."""
   best = [0.0] + [math.inf] * len(distinct)
   start = [0] * (len(distinct) + 1)
   for end in range(1, len(distinct) + 1):
     for first in range(end):
-      cost = best[first] + BUCKET_OVERHEAD + sum(counts[first:end]) * distinct[end - 1] * rank
+      padded = sum(counts[first:end]) * distinct[end - 1] * (rank + 2)
+      cost = best[first] + BUCKET_OVERHEAD + padded
       if cost < best[end]:
         best[end], start[end] = cost, first
   runs, end = [], len(distinct)

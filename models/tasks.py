@@ -138,7 +138,8 @@ class Seq2Seq(Task):
                               dropout_rate=model_cfg.dropout_rate, seed=seed)
     else:
       sizes = dict(model_cfg.size)
-      config = t5.T5Config(vocab_size=tokenizer.vocab_size, dropout_rate=model_cfg.dropout_rate,
+      vocab = sizes.pop("vocab_size", tokenizer.vocab_size)
+      config = t5.T5Config(vocab_size=vocab, dropout_rate=model_cfg.dropout_rate,
                            dtype=precision, **sizes)
       model = nnx.jit(lambda: t5.T5(config, rngs=nnx.Rngs(seed)))()
     if config.vocab_size < tokenizer.vocab_size:

@@ -1,0 +1,116 @@
+"""Step time, throughput and peak memory of whole training steps, one fresh process per run.
+
+    python -m bench.train_step --suite resnet18 --data .data/cifar10-jpeg.tar.xz
+    python -m bench.train_step --suite t5 --data .data/xsum-1000.jsonl
+
+Each configuration runs ``train.py`` for ``--steps`` steps in its own process (so that the
+device's peak-memory high-water mark belongs to that run alone) and the table is built from
+the runs' summary.json: median step time after the compile interval, examples/s, the ratio
+to Adam, and peak device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SUITES = {
+    # ResNet-18, batch 128, on CIFAR-10 (the same shapes as CIFAR-100 but for the last layer).
+    "resnet18": {
+        "base": ["experiment=cifar10_resnet18", "data.source=local", "batch_size=128"],
+        "runs": {
+            "adam": ["optimizer=adam"],
+            "momentum": ["optimizer=momentum"],
+            "qng tau=8": ["optimizer=qng", "tau=8"],
+            "ginger tau=8 (d-pass: eval forward)": ["optimizer=ginger", "tau=8",
+                                                    "fisher_forward=eval"],
+            "ginger tau=8 (d-pass: shared forward)": ["optimizer=ginger", "tau=8",
+                                                      "fisher_forward=shared"],
+        },
+    },
+    # t5-small shapes (random weights: timing only), batch 4, 512/128 tokens.
+    "t5": {
+        "base": ["experiment=xsum_t5_full", "model=t5_small_random", "data.source=local",
+                 "data.tokenizer=demo", "data.rouge_examples=0", "batch_size=4"],
+        "runs": {
+            "full adam": ["optimizer=adam"],
+            "full ginger tau=1": ["optimizer=ginger", "tau=1"],
+            "full ginger tau=8": ["optimizer=ginger", "tau=8"],
+            "full ginger tau=32": ["optimizer=ginger", "tau=32"],
+            "lora adam": ["optimizer=adam"],
+            "lora ginger tau=1": ["optimizer=ginger", "tau=1"],
+            "lora ginger tau=8": ["optimizer=ginger", "tau=8"],
+            "lora ginger tau=32": ["optimizer=ginger", "tau=32"],
+        },
+    },
+}
+LORA = ("model.lora={rank:8,alpha:32.0,train_1d:false,"
+        "targets:'(self_attention|cross_attention)/(q|k|v|o)/kernel$'}")
+
+
+def overrides(suite: str, name: str) -> list[str]:
+  spec = SUITES[suite]
+  extra = [o for o in spec["runs"][name] if not o.startswith("+model.lora")]
+  if name.startswith("lora"):
+    extra.append(LORA)
+  return spec["base"] + extra
+
+
+def run(suite: str, name: str, data: str, steps: int, out: Path, timeout: float) -> dict:
+  run_dir = out / suite / name.replace(" ", "_").replace("=", "").replace("(", "").replace(
+      ")", "").replace(":", "")
+  cmd = [sys.executable, "train.py", *overrides(suite, name), f"data.path={data}",
+         f"max_steps={steps}", f"eval_every={steps}", f"log_every={max(steps // 6, 1)}",
+         f"checkpoint_every={10 * steps}", "logger=none", "resume=false",
+         f"hydra.run.dir={run_dir}"]
+  try:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    print(f"TIMEOUT {name} after {timeout} s", file=sys.stderr)
+    return {}
+  if done.returncode != 0:
+    print(f"FAILED {name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}", file=sys.stderr)
+    return {}
+  return json.loads((run_dir / "summary.json").read_text())
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--suite", choices=list(SUITES), required=True)
+  parser.add_argument("--data", required=True, help="local data path for the suite")
+  parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument("--only", nargs="*", help="run names to keep (default: all)")
+  parser.add_argument("--out", type=Path, default=Path("outputs/bench"))
+  parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+  args = parser.parse_args(argv)
+  names = [n for n in SUITES[args.suite]["runs"] if not args.only or n in args.only]
+  print(f"# {datetime.date.today()} suite={args.suite} steps={args.steps}")
+  print("| run | trained params | ms/step | examples/s | x Adam | peak memory GB | compile+run s |")
+  print("|---|---|---|---|---|---|---|", flush=True)
+  adam = {}
+  for name in names:
+    start = time.perf_counter()
+    s = run(args.suite, name, args.data, args.steps, args.out, args.timeout)
+    wall = time.perf_counter() - start
+    if not s:
+      print(f"| {name} | failed | | | | | {wall:.0f} |", flush=True)
+      continue
+    setting = name.split()[0] if args.suite == "t5" else ""
+    t = s.get("step_time_s")
+    if "adam" in name:
+      adam[setting] = t
+    ratio = f"{t / adam[setting]:.2f}" if t and adam.get(setting) else ""
+    mem = s.get("peak_memory_bytes")
+    print(f"| {name} | {s.get('trained_parameters'):,} | {1e3 * t:.1f} | "
+          f"{s.get('examples_per_s'):.0f} | {ratio} | "
+          f"{'' if mem is None else f'{mem / 1e9:.2f}'} | {wall:.0f} |", flush=True)
+  print(f"device={s.get('device') if s else None} versions={s.get('versions') if s else None}")
+
+
+if __name__ == "__main__":
+  main()
