@@ -23,17 +23,17 @@ import hashlib
 import io
 import os
 import pickle
-import socket
 import tarfile
-import urllib.parse
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from data import hub
 
 DATASETS: tuple[str, ...] = ("cifar100", "cifar10", "digits")
 SOURCES: tuple[str, ...] = ("tfds", "hf", "local")
@@ -444,62 +444,16 @@ def _decode_entries(entries: list[_Entry]) -> _Splits:
 
 # --------------------------------------------------------------------------------------- hf
 
-_TRUE_VALUES = ("1", "true", "yes", "on")
-
-
-def _hf_offline_requested() -> bool:
-    return any(os.environ.get(var, "").strip().lower() in _TRUE_VALUES
-               for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-def _hf_reachable(timeout: float = 2.0) -> bool:
-    """Fast reachability check of the Hub (or of the HTTPS proxy, when one is configured)."""
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    url = urllib.parse.urlsplit(proxy or os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    if host is None:
-        return False
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def _hf_offline_mode() -> Iterator[None]:
-    """Forces offline mode for the duration of a load, even if ``datasets`` was imported before.
-
-    ``datasets`` and ``huggingface_hub`` read their offline flags from module constants set at
-    import time; patching them (and restoring afterwards) makes a load use only the local cache
-    and fail at once instead of retrying the network for minutes.
-    """
-    import datasets.config
-    import huggingface_hub.constants
-
-    patches = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
-               (huggingface_hub.constants, "HF_HUB_OFFLINE")]
-    saved = [(module, attr, getattr(module, attr)) for module, attr in patches
-             if hasattr(module, attr)]
-    try:
-        for module, attr, _ in saved:
-            setattr(module, attr, True)
-        yield
-    finally:
-        for module, attr, value in saved:
-            setattr(module, attr, value)
-
-
 def _load_hf(name: str, cache_dir: str | os.PathLike | None) -> _Splits:
     """Hugging Face ``datasets``; offline (flags set or Hub unreachable) it uses the cache only."""
     repo, image_field, label_field = HF_REPOS[name]
-    offline = _hf_offline_requested() or not _hf_reachable()
+    offline = not hub.hub_reachable()
     try:
         import datasets
     except ImportError as e:
         raise DatasetUnavailableError(
             "data.source=hf needs `pip install datasets`. " + _how_to_get(name)) from e
-    mode = _hf_offline_mode() if offline else contextlib.nullcontext()
+    mode = hub.forced_offline() if offline else contextlib.nullcontext()
     try:
         with mode:
             dataset = datasets.load_dataset(

@@ -33,15 +33,13 @@ import io
 import json
 import os
 import random
-import socket
-import threading
-import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from data import hub
 from data.images import DatasetUnavailableError
 
 SOURCES = ("hf", "tfds", "local", "demo")
@@ -52,7 +50,6 @@ DEMO_SIZES = {"train": 512, "validation": 64, "test": 64}
 DEMO_VOCAB_SIZE = 800
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 _CACHE_VERSION = "1"
-_TRUE = ("1", "true", "yes", "on")
 
 Example = dict[str, str]
 
@@ -136,64 +133,14 @@ def _load_local(path: str | os.PathLike | None, splits: tuple[str, ...]) -> dict
     raise DatasetUnavailableError(f"local XSUM path {str(root)!r} does not exist. {_how_to_get()}")
 
 
-def _hf_offline_requested() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in _TRUE
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def hub_reachable(timeout: float = 2.0) -> bool:
-    """TCP connect to the hub (or the HTTPS proxy) within ``timeout`` s, DNS included.
-
-    Runs in a daemon thread because ``getaddrinfo`` ignores socket timeouts.
-    """
-    if _hf_offline_requested():
-        return False
-    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
-    url = urllib.parse.urlsplit(proxy or os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    if host is None:
-        return False
-    result: list[bool] = []
-
-    def probe() -> None:
-        try:
-            with socket.create_connection((host, port), timeout=timeout):
-                result.append(True)
-        except OSError:
-            result.append(False)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return bool(result and result[0])
-
-
-@contextlib.contextmanager
-def _forced_offline() -> Iterator[None]:
-    """Offline flags of datasets/huggingface_hub are read at import: patch them for one load."""
-    import datasets.config
-    import huggingface_hub.constants
-
-    targets = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
-               (huggingface_hub.constants, "HF_HUB_OFFLINE")]
-    saved = [(m, a, getattr(m, a)) for m, a in targets if hasattr(m, a)]
-    try:
-        for m, a, _ in saved:
-            setattr(m, a, True)
-        yield
-    finally:
-        for m, a, v in saved:
-            setattr(m, a, v)
-
-
 def _load_hf(path: str | os.PathLike | None, splits: tuple[str, ...]) -> dict:
-    offline = not hub_reachable()
+    offline = not hub.hub_reachable()
     try:
         import datasets
     except ImportError as e:
         raise DatasetUnavailableError(f"data.source=hf needs `datasets`. {_how_to_get()}") from e
     try:
-        with _forced_offline() if offline else contextlib.nullcontext():
+        with hub.forced_offline() if offline else contextlib.nullcontext():
             ds = datasets.load_dataset(HF_REPO, cache_dir=None if path is None else str(path))
     except Exception as e:  # noqa: BLE001 - datasets raises many types
         why = ("offline (HF_*_OFFLINE set or huggingface.co unreachable) and not in the local "
@@ -465,7 +412,7 @@ def load_tokenizer(
         return HFTokenizer(AutoTokenizer.from_pretrained(name_or_path, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached: try the network if there is one
         pass
-    if not hub_reachable():
+    if not hub.hub_reachable():
         raise _tokenizer_unavailable(name_or_path, "offline and not in the local HF cache")
     try:
         return HFTokenizer(AutoTokenizer.from_pretrained(name_or_path))

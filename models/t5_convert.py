@@ -45,8 +45,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from data import hub
 from models.t5 import T5, T5Config
 
 # (regex over the HF key, NNX path template, transpose?)
@@ -182,37 +181,6 @@ def state_dict_to_nnx(state_dict: Mapping[str, np.ndarray], config: T5Config) ->
     return abstract
 
 
-def _env_offline() -> bool:
-    return any(
-        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
-def hub_reachable(timeout: float = 2.0) -> bool:
-    """True if the HF hub answers a TCP connect within ``timeout`` s (DNS included).
-
-    The probe runs in a daemon thread because ``getaddrinfo`` ignores socket timeouts; a hanging
-    resolver therefore costs at most ``timeout`` seconds, never the hub client's retry loops.
-    """
-    if _env_offline():
-        return False
-    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
-    result: list[bool] = []
-
-    def probe() -> None:
-        try:
-            with socket.create_connection((host.split(":")[0], 443), timeout=timeout):
-                result.append(True)
-        except OSError:
-            result.append(False)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return bool(result and result[0])
-
-
 def _unavailable(name: str, why: str) -> ModelUnavailableError:
     return ModelUnavailableError(
         f"T5 weights {name!r} are not available: {why}. Provide a local directory with config.json "
@@ -242,7 +210,7 @@ def resolve_model_dir(name_or_dir: str, *, cache_dir: str | None = None) -> Path
         return Path(snapshot_download(local_files_only=True, **kw))
     except Exception:  # noqa: BLE001 - any cache miss means "try the network"
         pass
-    if not hub_reachable():
+    if not hub.hub_reachable():
         raise _unavailable(name_or_dir, "offline (HF_HUB_OFFLINE or no network) and not in the "
                            "local Hugging Face cache")
     try:

@@ -258,7 +258,8 @@ def test_hf_unreachable_network_forces_offline(tmp_path, monkeypatch):
 
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(image_data, "_hf_reachable", lambda timeout=2.0: False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(image_data.hub, "hub_reachable", lambda timeout=2.0: False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # as if imported online
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     start = time.monotonic()
@@ -280,8 +281,7 @@ def test_hf_conversion(monkeypatch):
             return {"img": images, "fine_label": list(range(n)), "coarse_label": [0] * n}
         return {"train": split(4), "test": split(2)}
 
-    monkeypatch.setattr(image_data, "_hf_offline_requested", lambda: False)
-    monkeypatch.setattr(image_data, "_hf_reachable", lambda timeout=2.0: True)
+    monkeypatch.setattr(image_data.hub, "hub_reachable", lambda timeout=2.0: True)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     ds = load_image_dataset("cifar100", "hf")
     assert ds.train_images.shape == (4, 32, 32, 3) and ds.train_images.dtype == np.uint8

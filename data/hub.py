@@ -1,0 +1,73 @@
+"""Hugging Face hub reachability and offline mode, shared by every loader that may use it.
+
+Offline, the hub clients retry for minutes before failing; these helpers let a loader decide
+within seconds and, when offline, read only the local cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import urllib.parse
+from collections.abc import Iterator
+
+_TRUE_VALUES = ("1", "true", "yes", "on")
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def offline_requested() -> bool:
+  """Whether the environment asks for offline mode (any of the HF offline variables)."""
+  return any(os.environ.get(v, "").strip().lower() in _TRUE_VALUES for v in OFFLINE_VARIABLES)
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+  """TCP connect to the hub (or the HTTPS proxy) within ``timeout`` s, DNS included.
+
+  False at once when offline mode is requested. The probe runs in a daemon thread because
+  ``getaddrinfo`` ignores socket timeouts, so a hanging resolver costs at most ``timeout``.
+  """
+  if offline_requested():
+    return False
+  proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+  url = urllib.parse.urlsplit(proxy or os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+  host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+  if host is None:
+    return False
+  result: list[bool] = []
+
+  def probe() -> None:
+    try:
+      with socket.create_connection((host, port), timeout=timeout):
+        result.append(True)
+    except OSError:
+      result.append(False)
+
+  thread = threading.Thread(target=probe, daemon=True)
+  thread.start()
+  thread.join(timeout)
+  return bool(result and result[0])
+
+
+@contextlib.contextmanager
+def forced_offline() -> Iterator[None]:
+  """Offline mode for one load, even if ``datasets`` was imported before.
+
+  ``datasets`` and ``huggingface_hub`` read their offline flags into module constants at
+  import time; patching them (and restoring afterwards) makes a load use only the local cache
+  and fail at once instead of retrying the network.
+  """
+  import datasets.config
+  import huggingface_hub.constants
+
+  targets = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
+             (huggingface_hub.constants, "HF_HUB_OFFLINE")]
+  saved = [(m, a, getattr(m, a)) for m, a in targets if hasattr(m, a)]
+  try:
+    for m, a, _ in saved:
+      setattr(m, a, True)
+    yield
+  finally:
+    for m, a, v in saved:
+      setattr(m, a, v)
