@@ -47,8 +47,9 @@ METRICS = {"best_val_accuracy": True, "rougeL": True, "val_loss": False}
 HEADER = """\
 # Written by `python -m sweeps.best_lr` from the lr_tune runs (sweep=lr_tune) it found: per
 # optimizer, the lr with the best mean {what} over seeds, and every candidate's score.
-# Do not edit by hand; rerun it after `make lr_tune`. configs/sweep/exp/*/{name}.yaml loads this
-# file as `best_lr`; an optimizer missing here runs at its config's default lr.
+# Do not edit by hand; rerun it after `make lr_tune`. Loaded as `best_lr` by the
+# configs/sweep/exp/ file naming `best_lr@best_lr: {name}`; an optimizer missing here runs at
+# its config's default lr.
 """
 
 

@@ -8,11 +8,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from results import tables
 from sweeps import best_lr, gpu_pool
-from sweeps.expand import compose_job, expand, job_config, job_overrides
+from sweeps.expand import compose_job, expand, hydra_context, job_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 TAUS = (1, 2, 4, 8, 16, 32)
@@ -32,6 +33,16 @@ def cfg_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def table1(cfg_dir):
     return expand(["+sweep=table1"], cfg_dir)
+
+
+@pytest.fixture(scope="module")
+def table34(cfg_dir):
+    return expand(["+sweep=table34"], cfg_dir)
+
+
+@pytest.fixture(scope="module")
+def ablation(cfg_dir):
+    return expand(["+sweep=ablation"], cfg_dir)
 
 
 def _default_lr(optimizer):
@@ -69,32 +80,36 @@ def test_table1_is_14_configurations_per_model(table1):
 
 
 def test_table2_is_14_configurations_per_setting(cfg_dir):
-    jobs = expand(["+sweep=table2"], cfg_dir)
-    assert len(jobs) == 28
-    settings = Counter("lora" if j.config["model"]["lora"] else "full" for j in jobs)
-    assert settings == {"lora": 14, "full": 14}
-    for setting in ("lora", "full"):
-        arms = {(j.run["optimizer"], j.run["tau"]) for j in jobs
-                if ("lora" if j.config["model"]["lora"] else "full") == setting}
-        assert arms == ARMS
-    assert {j.run["dataset"] for j in jobs} == {"xsum"}
-    assert {j.run["sweep"] for j in jobs} == {"table2"}
-    assert {j.config["grad_clip"] for j in jobs} == {1.0}
+    overrides = job_overrides(["+sweep=table2"], cfg_dir)
+    assert len(overrides) == 28
+    arms = Counter(o for job in overrides for o in job if o.startswith("+sweep/arm="))
+    assert len(arms) == 14 and set(arms.values()) == {2}  # each arm once per setting
+    for i in (0, 1, 14, 27):  # Momentum and Adam of one setting, the ends of both
+        job = compose_job(overrides[i], cfg_dir)
+        assert job.run["sweep"] == "table2" and job.run["dataset"] == "xsum"
+        assert job.config["grad_clip"] == 1.0 and job.config["batch_size"] == 4
+        setting = "lora" if job.config["model"]["lora"] else "full"
+        assert setting == ("lora" if i < 14 else "full")
+        assert (job.run["optimizer"], job.run["tau"]) in ARMS
 
 
-@pytest.mark.parametrize("name", ["table34", "table3", "table4"])
-def test_tables_3_4_are_9_configurations(cfg_dir, name):
-    jobs = expand([f"+sweep={name}"], cfg_dir)
+def test_tables_3_4_are_9_configurations(cfg_dir, table34):
+    jobs = table34
     assert len(jobs) == 9
     assert {(j.run["alpha"], j.run["tau"]) for j in jobs} == {
         (a, t) for a in (0.9, 0.99, 0.999) for t in (2, 4, 8)}
     assert {(j.run["optimizer"], j.run["model"], j.run["dataset"], j.run["sweep"])
             for j in jobs} == {("ginger", "resnet18", "cifar100", "table34")}
     assert {j.run["sweep"] for j in jobs} <= set(tables.TABLE_SWEEPS["table3"])
+    # +sweep=table3 and +sweep=table4 are the same runs, in the same dirs.
+    for alias in ("table3", "table4"):
+        jobs = job_overrides([f"+sweep={alias}"], cfg_dir)
+        assert len(jobs) == 9
+        assert compose_job(jobs[-1], cfg_dir).run_dir == table34[-1].run_dir
 
 
-def test_ablation_is_clip_x_block(cfg_dir):
-    jobs = expand(["+sweep=ablation"], cfg_dir)
+def test_ablation_is_clip_x_block(ablation):
+    jobs = ablation
     assert {(j.run["rho"], j.run["block"]) for j in jobs} == {
         (1.0, "per_tensor"), (1.0, "global"), (None, "per_tensor"), (None, "global")}
     assert len(jobs) == 4 and {j.run["tau"] for j in jobs} == {4}
@@ -125,13 +140,15 @@ def test_seeds_are_a_sweep_axis(cfg_dir):
 
 
 def test_smoke_scale_swaps_in_embedded_data_and_tiny_models(cfg_dir, table1):
-    image = expand(["+sweep=table1", "scale=smoke"], cfg_dir)
-    assert len(image) == 28
-    assert {(j.run["dataset"], j.run["model"]) for j in image} == {("digits", "resnet_tiny")}
-    assert {j.run["experiment"] for j in image} == {"smoke_cifar100_resnet18",
-                                                     "smoke_cifar100_resnet50"}
-    assert {j.config["epochs"] for j in image} == {2}
-    assert not {j.run_dir for j in image} & {j.run_dir for j in table1}
+    overrides = job_overrides(["+sweep=table1", "scale=smoke"], cfg_dir)
+    assert len(overrides) == 28
+    full_dirs = {j.run_dir for j in table1}
+    for i, experiment in ((0, "smoke_cifar100_resnet18"), (-1, "smoke_cifar100_resnet50")):
+        job = compose_job(overrides[i], cfg_dir)
+        assert (job.run["dataset"], job.run["model"]) == ("digits", "resnet_tiny")
+        assert job.run["experiment"] == experiment and job.config["epochs"] == 2
+        assert job.run_dir not in full_dirs
+        assert job.run_dir.parts[:3] == ("multirun", "table1", experiment)
     xsum = compose_job(["+sweep=table2", "scale=smoke", "+sweep/exp=smoke/xsum_t5_lora",
                         "+sweep/arm=ginger_tau2"], cfg_dir)
     assert xsum.run["dataset"] == "xsum_demo"  # never counted as an XSUM cell of Table 2
@@ -140,11 +157,22 @@ def test_smoke_scale_swaps_in_embedded_data_and_tiny_models(cfg_dir, table1):
     assert xsum.config["model"]["lora"] == OmegaConf.to_container(lora)
 
 
-def test_sweeps_never_share_run_dirs(cfg_dir, table1):
-    dirs = [j.run_dir for j in table1]
-    for name in ("table34", "ablation"):
-        dirs += [j.run_dir for j in expand([f"+sweep={name}"], cfg_dir)]
+def test_sweeps_never_share_run_dirs(cfg_dir, table1, table34, ablation):
+    dirs = [j.run_dir for j in table1 + table34 + ablation]
     assert len(dirs) == len(set(dirs))
+    # The experiment is part of the subdir, so an overridden hydra.sweep.dir keeps runs apart.
+    moved = expand(["+sweep=table2", "+sweep/arm=adam", "hydra.sweep.dir=/elsewhere"], cfg_dir)
+    assert sorted(str(j.run_dir) for j in moved) == [
+        "/elsewhere/xsum_t5_full/adam,lr=0.001/seed=0",
+        "/elsewhere/xsum_t5_lora/adam,lr=0.001/seed=0"]
+    # A single job without -m (hydra.run.dir) keeps the arm and lr in its path too.
+    with hydra_context(cfg_dir) as hydra:
+        single = [hydra.compose_config("config", ["+sweep=table1", f"+sweep/arm={arm}",
+                                                  "+sweep/exp=full/cifar100_resnet18"],
+                                       run_mode=RunMode.RUN, from_shell=False).hydra.run.dir
+                  for arm in ("adam", "ginger_tau4")]
+    assert single == ["outputs/table1/cifar100_resnet18/adam,lr=0.001/default",
+                      "outputs/table1/cifar100_resnet18/ginger_tau4,lr=0.0002/default"]
 
 
 # ----------------------------------------------------------------------------- best lr
@@ -229,7 +257,7 @@ def test_best_lr_picks_writes_and_falls_back(tmp_path, cfg_dir, capsys):
 FAKE = """
 import json, os, sys, time
 start = time.time()
-time.sleep(0.3)
+time.sleep(0.2)
 record = {"device": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(),
           "args": sys.argv[1:]}
 with open(os.environ["FAKE_RECORD"], "a") as f:
@@ -301,20 +329,21 @@ def test_gpu_pool_runs_a_sweep(tmp_path, cfg_dir, monkeypatch, capsys):
 # ----------------------------------------------------------------------------- end to end
 
 
-def test_smoke_sweep_end_to_end_gives_table_rows(tmp_path, cfg_dir):
-    import train
-
+def test_smoke_sweep_end_to_end_gives_table_rows(tmp_path, capsys):
+    """Two Table 3/4 runs at scale=smoke, each `python train.py -m <job>` (so train.train under
+    Hydra's own multirun) in the GPU pool, two at a time on the CPU; then results.tables."""
     overrides = ["+sweep=table34", "scale=smoke", "tau=2", "alpha=0.9,0.99", "max_steps=2",
                  "eval_every=2", "log_every=1", "checkpoint_every=2", "spectrum_every=0",
                  f"hydra.sweep.dir={tmp_path}"]
-    jobs = expand(overrides, cfg_dir)
+    jobs = expand(overrides)  # the repo's configs/, which the train.py children read too
     assert len(jobs) == 2
-    for job in jobs:
-        train.train(job_config(job), job.run_dir)
+    assert gpu_pool.main(["--devices", "0,1", "--", *overrides]) == 0, capsys.readouterr().out
     runs = tables.collect_runs([tmp_path])
-    assert len(runs) == 2
-    for run in runs:
+    assert sorted(Path(r["path"]) for r in runs) == sorted(j.run_dir for j in jobs)
+    for run, job in zip(sorted(runs, key=lambda r: r["path"]),
+                        sorted(jobs, key=lambda j: str(j.run_dir))):
         assert run["status"] == "completed" and run["steps"] == 2
+        assert run["config"] == job.config  # Hydra composed what sweeps.expand predicted
         assert tables.rfield(run, "sweep") == "table34"
         assert (tables.rfield(run, "dataset"), tables.rfield(run, "model")) == (
             "digits", "resnet_tiny")
