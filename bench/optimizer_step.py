@@ -73,8 +73,9 @@ def make_optimizer(name: str, tau: int | None, block: str | None):
   return ginger.ginger(1e-3, tau=tau, block=block)
 
 
-def time_update(tx, shapes, scan_steps: int, repeats: int) -> tuple[float, float]:
-  """(median seconds per update, seconds to compile)."""
+def time_update(tx, shapes, scan_steps: int, repeats: int,
+                kernels: int = 0) -> tuple[float, float, str]:
+  """(median seconds per update, seconds to compile, per-kernel report or "")."""
   keys = jax.random.split(jax.random.key(0), len(shapes))
   params = [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
   grads = [0.01 * p for p in params]
@@ -98,7 +99,29 @@ def time_update(tx, shapes, scan_steps: int, repeats: int) -> tuple[float, float
     start = time.perf_counter()
     carry = jax.block_until_ready(compiled(*carry, grads, fisher))
     times.append((time.perf_counter() - start) / scan_steps)
-  return statistics.median(times), compile_s
+  report = ""
+  if kernels:
+    report = kernel_report(lambda: compiled(*carry, grads, fisher), scan_steps, kernels)
+  return statistics.median(times), compile_s, report
+
+
+def kernel_report(fn, steps: int, top: int) -> str:
+  """Device time per kernel of ``fn()`` (``steps`` updates), via CUPTI (torch.profiler sees
+  every kernel of the process, XLA's included). Kernel names are the HLO fusion names."""
+  try:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+      jax.block_until_ready(fn())
+  except Exception as e:  # noqa: BLE001 (no torch, no CUDA, no CUPTI: say so, don't fail)
+    return f"  (no kernel profile: {e!r})"
+  rows = sorted(((getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0),
+                  ev.count, ev.key) for ev in prof.key_averages()), reverse=True)
+  rows = [r for r in rows if r[0]]
+  lines = [f"  kernel time {sum(r[0] for r in rows) / steps:.1f} us/update in "
+           f"{sum(r[1] for r in rows) / steps:.1f} kernels/update; top {top}:"]
+  lines += [f"  {t / steps:9.1f} us/update {n / steps:5.1f}x  {name[:90]}"
+            for t, n, name in rows[:top]]
+  return "\n".join(lines)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, steps: int = 20) -> float:
@@ -120,6 +143,9 @@ def main(argv=None) -> None:
   parser.add_argument("--blocks", nargs="+", default=["per_tensor", "global"])
   parser.add_argument("--scan", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                      help="after the table, the N slowest kernels of each Ginger config "
+                           "(GPU; needs torch for CUPTI)")
   args = parser.parse_args(argv)
 
   device = jax.devices()[0]
@@ -132,6 +158,7 @@ def main(argv=None) -> None:
   print("| size | d | optimizer | tau | block | ms/update | x Adam | floor ms | x floor | "
         "compile s |")
   print("|---|---|---|---|---|---|---|---|---|---|")
+  reports: list[str] = []
   for size in args.sizes:
     shapes = SIZES[size]()
     d = sum(math.prod(s) for s in shapes)
@@ -145,8 +172,11 @@ def main(argv=None) -> None:
       configs += [("ginger", t, b) for t in args.taus for b in args.blocks]
     adam_s = None
     for name, tau, block in configs:
-      seconds, compile_s = time_update(make_optimizer(name, tau, block), shapes, args.scan,
-                                       args.repeats)
+      seconds, compile_s, report = time_update(
+          make_optimizer(name, tau, block), shapes, args.scan, args.repeats,
+          args.kernels if name == "ginger" else 0)
+      if report:
+        reports.append(f"{size} {name} tau={tau} {block}:\n{report}")
       adam_s = adam_s or seconds
       floor = ratio = ""
       if name == "ginger" and bandwidth:
@@ -155,6 +185,8 @@ def main(argv=None) -> None:
       print(f"| {size} | {d / 1e6:.1f}M | {name} | {tau or ''} | {block or ''} | "
             f"{1e3 * seconds:.3f} | {seconds / adam_s:.1f} | {floor} | {ratio} | "
             f"{compile_s:.1f} |", flush=True)
+  if reports:
+    print("\n" + "\n".join(reports))
 
 
 if __name__ == "__main__":

@@ -99,9 +99,9 @@ def scale_by_ginger(
   the *updated* ``G_t``, as in the paper's Algorithm 1. With ``fisher_grads=None`` the
   updates themselves are used as ``d_t``: the *empirical* Fisher, a different method.
 
-  Cost per step: three passes over ``U`` (two reads, one read-and-write; see
-  :mod:`ginger.lowrank`) with blocks of equal rank batched, plus one batched
-  ``(k+1) x (k+1)`` ``eigh`` per rank.
+  Cost per step: written as three passes over ``U`` (two reads, one read-and-write; see
+  :mod:`ginger.lowrank`), each one kernel per bucket of equal-rank blocks, plus one batched
+  ``(k+1) x (k+1)`` ``eigh`` per rank; bench/RESULTS.md has what a GPU actually runs.
 
   Args:
     tau: rank of the curvature model (a Python int >= 1).

@@ -6,12 +6,14 @@ padding and stay zero); vectors of those blocks are ``(m, n)`` and per-block sma
 ``(m, ...)``. The curvature model of a block is ``G = gamma I + U diag(sigma) U^T`` with
 ``sigma >= 0`` sorted descending; see ``docs``: ginger-math.md.
 
-One Brand eigen-update plus preconditioning costs three passes over ``U`` here
+One Brand eigen-update plus preconditioning is written as three passes over ``U``
 (:func:`project_pair`, :func:`residual_sums`, :func:`rotate_and_precondition`): two reads and
 one read-and-write. Everything else works on ``(k+1) x (k+1)`` matrices. The row-wise
 products are written as ``k`` multiply-adds (:func:`rowdot`, :func:`rowmatmul`) instead of
-dots so that XLA fuses them into the pass that needs them, and so that no float32 product of
-``U`` runs in TF32 on GPUs (a dot's default precision there), which would break ``U^T U = I``.
+dots so that XLA can fuse them into the pass that needs them, and so that no float32 product
+of ``U`` runs in TF32 on GPUs (a dot's default precision there), which would break
+``U^T U = I``. What XLA makes of this on a GPU (it does not fuse everything) is measured in
+bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -69,23 +71,32 @@ def small_matvec(mat: jax.Array, x: jax.Array, transpose: bool = False) -> jax.A
 # ---- the three passes over U ------------------------------------------------------------------
 
 
+def row_sums(u: jax.Array, xs: Sequence[jax.Array]) -> jax.Array:
+  """``U^T [x_1 ... x_j]`` per block: ``(..., n, k), j x (..., n) -> (..., k, j)``.
+
+  A dot at full float32 precision (``HIGHEST``: a default float32 dot may run in TF32 on
+  GPUs). On an H200 (bench/RESULTS.md) it ran within 5% of a fused two-stage reduction over
+  the rows, and it is several times faster on CPUs.
+  """
+  return jnp.einsum("...nk,...nj->...kj", u, jnp.stack(xs, -1), precision=HIGHEST)
+
+
 def project_pair(u: jax.Array, v: jax.Array, g: jax.Array):
   """Pass 1 (reads ``U``): ``U^T v``, ``U^T g`` and ``l1 = sum |v|`` per block.
 
-  One reduction over the rows of ``[U v, U g, |v|]``. ``l1`` is the scale of the next pass:
-  ``|v_i| <= l1``, so squares of ``v / l1`` neither overflow nor all underflow.
+  ``l1`` is the scale of the next pass: ``|v_i| <= l1``, so squares of ``v / l1`` neither
+  overflow nor all underflow.
   """
-  k = u.shape[-1]
-  cols = jnp.concatenate([u * v[..., None], u * g[..., None], jnp.abs(v)[..., None]], -1)
-  sums = jnp.sum(cols, axis=-2)
-  return sums[..., :k], sums[..., k:2 * k], sums[..., 2 * k]
+  cy = row_sums(u, [v, g])
+  return cy[..., 0], cy[..., 1], jnp.sum(jnp.abs(v), axis=-1)
 
 
 def first_residual(u: jax.Array, v: jax.Array, a: jax.Array, inv_l1: jax.Array) -> jax.Array:
   """``p1 = (v - U a) / l1``: the classical Gram-Schmidt residual, in units of ``l1``.
 
-  Passes 2 and 3 both evaluate this same expression, so both see the same rounded ``p1``;
-  that is what lets pass 2 measure, and pass 3 remove, ``p1``'s rounding error along ``U``.
+  Passes 2 and 3 both use this same expression (one value after XLA's CSE), so both see the
+  same rounded ``p1``; that is what lets pass 2 measure, and pass 3 remove, ``p1``'s rounding
+  error along ``U``.
   """
   return (v - rowdot(u, a)) * inv_l1[..., None]
 
@@ -97,13 +108,10 @@ def residual_sums(u, v, g, a, inv_l1):
   re-orthogonalisation): ``p = p1 - U (U^T p1)`` is orthogonal to ``U`` to working precision
   even when ``v`` lies almost in ``span U``, and ``||p||^2 = ||p1||^2 - ||U^T p1||^2``.
   """
-  k = u.shape[-1]
   p1 = first_residual(u, v, a, inv_l1)
   vs = v * inv_l1[..., None]
-  cols = jnp.concatenate([u * p1[..., None], (p1 * p1)[..., None], (p1 * g)[..., None],
-                          (vs * vs)[..., None]], -1)
-  sums = jnp.sum(cols, axis=-2)
-  return sums[..., :k], sums[..., k], sums[..., k + 1], sums[..., k + 2]
+  return (row_sums(u, [p1])[..., 0], jnp.sum(p1 * p1, -1), jnp.sum(p1 * g, -1),
+          jnp.sum(vs * vs, -1))
 
 
 def rotate_and_precondition(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
