@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from data import hub
-from data.images import DatasetUnavailableError
+from data.images import DatasetUnavailableError, epoch_permutation
 
 SOURCES = ("hf", "tfds", "local", "demo")
 SPLITS = ("train", "validation", "test")
@@ -497,7 +497,7 @@ def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.nd
     """Example order of one epoch: a pure function of (seed, epoch), so resuming reproduces it."""
     if not shuffle:
         return np.arange(n)
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    return epoch_permutation(seed, epoch, n)
 
 
 def num_batches(n: int, batch_size: int, *, drop_remainder: bool = True) -> int:
