@@ -4,10 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export JAX_PLATFORMS ?= cpu
-export HF_HUB_OFFLINE ?= 1
-export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
+# `make train` and `make test` are the offline defaults: no hub access, CPU for the tests.
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 .PHONY: venv train test test-all bench lint table1 table2 table3 table4 tables clean
 
@@ -15,22 +14,24 @@ venv: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "is ignored: it is neither" || true
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt > $(VENV)/pip.log 2>&1 \
+	  || { grep -v "is ignored: it is neither" $(VENV)/pip.log; exit 1; }
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
+	  >> $(VENV)/pip.log 2>&1 || { grep -v "is ignored: it is neither" $(VENV)/pip.log; exit 1; }
 	$(PY) -c "import jax, flax, optax, hydra, ginger"
 	touch $(STAMP)
 
 # The main job on its embedded offline default: Ginger vs Adam on scikit-learn's digits,
 # one run dir each under multirun/demo/, then both results side by side.
 train: $(STAMP)
-	$(PY) train.py -m experiment=demo optimizer=adam,ginger
+	$(OFFLINE) $(PY) train.py -m experiment=demo optimizer=adam,ginger
 	$(PY) -m results.compare multirun/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow" tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step
@@ -50,14 +51,9 @@ SCALE ?= full
 SEEDS ?= 0
 GPUS ?=
 SWEEP_ARGS ?=
-# JAX_PLATFORMS above defaults to cpu for `make train`/`make test`. Unless it was set in the
-# environment or on the command line, full-scale sweeps run with it unset (JAX takes the GPU)
-# and smoke sweeps on the CPU.
-ifeq ($(origin JAX_PLATFORMS),file)
-SWEEP_PLATFORMS = $(if $(filter full,$(SCALE)),,cpu)
-else
-SWEEP_PLATFORMS = $(JAX_PLATFORMS)
-endif
+# Smoke sweeps run on the CPU; full-scale ones on whatever JAX finds (the GPU), unless
+# JAX_PLATFORMS is set in the environment or on the command line.
+SWEEP_PLATFORMS = $(if $(JAX_PLATFORMS),$(JAX_PLATFORMS),$(if $(filter smoke,$(SCALE)),cpu,))
 SMOKE_PREFIX = $(if $(filter smoke,$(SCALE)),smoke_,)
 SWEEP_RUN = JAX_PLATFORMS=$(SWEEP_PLATFORMS) $(PY) -m sweeps.gpu_pool $(if $(GPUS),--devices $(GPUS)) --
 SWEEP_OVERRIDES = scale=$(SCALE) seed=$(SEEDS) $(SWEEP_ARGS)

@@ -2,6 +2,7 @@
 
     python evaluate.py run_dir=outputs/demo/optimizer=ginger
     python evaluate.py run_dir=... step=400 data.rouge_examples=1000
+    python evaluate.py run_dir=outputs/xsum_t5_lora/... data.eval_split=test   # XSUM test split
 
 Reads the run's resolved config (``.hydra/config.yaml``), rebuilds the model and data exactly
 as training did, restores the checkpoint (the latest unless ``step=``) and writes
@@ -46,8 +47,10 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
   import jax
   metrics = train.evaluate(setup.task, setup.eval_step, state, setup.frozen,
                            jax.device_put(setup.task.val_arrays), cfg)
-  result = {"run_dir": str(run_dir), "step": int(state.step), "split": "validation"} | metrics
-  out = run_dir / f"eval_step{int(state.step)}.json"
+  split = cfg.data.get("eval_split") or ("validation" if cfg.model.family == "t5"
+                                          else getattr(setup.task, "info", {}).get("val_split"))
+  result = {"run_dir": str(run_dir), "step": int(state.step), "split": split} | metrics
+  out = run_dir / f"eval_step{int(state.step)}_{split}.json"
   out.write_text(json.dumps(result, indent=2))
   result["written_to"] = str(out)
   return result

@@ -29,10 +29,11 @@ import numpy as np
 import optax
 from flax import nnx
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 import ginger
-from training import logs
+from training import logs, sharding
 from training.checkpoints import Checkpointer, CheckpointError
 from training.optimizers import CURVATURE, build_optimizer, learning_rate, optimizer_flops
 
@@ -69,12 +70,15 @@ def build_task(cfg):
   if cfg.model.family == "t5":
     from data import xsum
     tokenizer = xsum.load_tokenizer(cfg.data.tokenizer)
-    raw = xsum.load_xsum(cfg.data.source, cfg.data.path, splits=("train", "validation"),
+    # The evaluated split is "validation" unless data.eval_split says otherwise (evaluate.py
+    # data.eval_split=test); the task sees it under the name "validation" either way.
+    eval_split = cfg.data.get("eval_split") or "validation"
+    raw = xsum.load_xsum(cfg.data.source, cfg.data.path, splits=("train", eval_split),
                          limit=cfg.data.limit)
-    arrays = {split: xsum.tokenize_split(examples, tokenizer, prefix=cfg.data.prefix,
-                                         max_source_len=cfg.data.max_source_len,
-                                         max_target_len=cfg.data.max_target_len)
-              for split, examples in raw.items()}
+    arrays = {name: xsum.tokenize_split(raw[split], tokenizer, prefix=cfg.data.prefix,
+                                        max_source_len=cfg.data.max_source_len,
+                                        max_target_len=cfg.data.max_target_len)
+              for name, split in (("train", "train"), ("validation", eval_split))}
     return tasks.Seq2Seq(cfg.model, arrays, tokenizer, precision=cfg.precision,
                          seed=int(cfg.seed))
   raise ValueError(f"model.family must be resnet or t5, got {cfg.model.family!r}.")
@@ -86,8 +90,11 @@ def fisher_forward(cfg) -> str:
   return cfg.fisher_forward
 
 
-def make_steps(task, graphdef_train, graphdef_eval, tx, cfg):
-  """The jitted training and evaluation steps."""
+def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan,
+               state_shardings):
+  """The jitted training and evaluation steps, written once for any number of devices: the
+  batch indices are split along the mesh's ``data`` axis, the state is placed as
+  ``state_shardings`` says, and XLA (GSPMD) adds the collectives."""
   from ginger.fisher import cross_entropy, value_grad_and_fisher
   needs_fisher = cfg.optimizer.name in CURVATURE
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
@@ -137,7 +144,17 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg):
     model = nnx.merge(graphdef_eval, task.full_params(trainable, frozen), rest, copy=True)
     return task.eval_sums(model, arrays, idx)
 
-  return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
+  replicated = plan.replicated
+  train_step = jax.jit(train_step, donate_argnums=0,
+                       in_shardings=(state_shardings, replicated, replicated, plan.batch),
+                       out_shardings=state_shardings)
+  eval_on_mesh = jax.jit(eval_step, out_shardings=replicated)
+
+  def eval_step_on_host_indices(trainable, frozen, rest, arrays, idx):
+    return eval_on_mesh(trainable, frozen, rest, sharding.put(arrays, replicated),
+                        plan.indices(idx))
+
+  return train_step, eval_step_on_host_indices
 
 
 def initial_stats():
@@ -168,7 +185,7 @@ def evaluate(task, eval_step, state: TrainState, frozen, arrays, cfg) -> dict[st
   size = int(cfg.eval_batch_size)
   sums: dict[str, float] = {}
   for start in range(0, n, size):
-    idx = jnp.arange(start, min(start + size, n))
+    idx = np.arange(start, min(start + size, n))
     batch = jax.device_get(eval_step(state.trainable, frozen, state.rest, arrays, idx))
     for k, v in batch.items():
       sums[k] = sums.get(k, 0.0) + float(v)
@@ -230,12 +247,18 @@ class Setup(NamedTuple):
   total_steps: int
   sizes: list[int]         # sizes of the trained leaves
   n_model: int             # all model parameters
+  plan: sharding.Plan      # the device mesh and where arrays live on it
 
 
 def build(cfg: DictConfig) -> Setup:
+  sharding.initialize_distributed(cfg.get("distributed", "auto"))  # before any JAX work
   # Check the cheap things first, so a bad value fails before data and model are loaded.
   fisher_forward(cfg)
   build_optimizer(cfg, learning_rate(cfg, 1, 1))
+  plan = sharding.plan_from_config(cfg.get("mesh"))
+  if int(cfg.batch_size) % plan.data_size:
+    raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {plan.data_size} "
+                     "devices of the mesh's data axis (mesh.data).")
   task = build_task(cfg)
   model = task.model
   model.train()
@@ -254,11 +277,15 @@ def build(cfg: DictConfig) -> Setup:
   total_steps = int(cfg.max_steps) if cfg.max_steps else int(cfg.epochs) * steps_per_epoch
   schedule = learning_rate(cfg, steps_per_epoch, total_steps)
   tx = build_optimizer(cfg, schedule)
-  train_step, eval_step = make_steps(task, graphdef_train, graphdef_eval, tx, cfg)
   state = TrainState(jnp.zeros([], jnp.int32), trainable, rest, tx.init(trainable),
                      jax.random.key(int(cfg.seed)), initial_stats())
-  return Setup(task, state, task.frozen_params(params), train_step, eval_step, schedule,
-               steps_per_epoch, total_steps, sizes, n_model)
+  state_shardings = plan.state(state)
+  state = sharding.put(state, state_shardings)
+  frozen = sharding.put(task.frozen_params(params), plan.replicated)
+  train_step, eval_step = make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan,
+                                     state_shardings)
+  return Setup(task, state, frozen, train_step, eval_step, schedule, steps_per_epoch,
+               total_steps, sizes, n_model, plan)
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -272,7 +299,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
   n_train = len(next(iter(task.train_arrays.values())))
   batch_size = int(cfg.batch_size)
   eval_every = steps_per_epoch if cfg.eval_every == "epoch" else int(cfg.eval_every)
-  schedule, eval_step = setup.schedule, setup.eval_step
+  schedule, eval_step, plan = setup.schedule, setup.eval_step, setup.plan
   checkpointer = Checkpointer(run_dir)
   start = 0
   if checkpointer.latest_step() is not None:
@@ -280,29 +307,38 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
       state = checkpointer.restore(state)
       start = int(state.step)
       log.info("resumed from %s at step %d", checkpointer.directory, start)
+      finished = _finished_summary(run_dir, start, total_steps)
+      if finished is not None:
+        log.info("run already complete (%d steps): keeping its summary.json", start)
+        return finished
     else:
       log.info("resume=false: removing old checkpoints in %s", checkpointer.directory)
-      shutil.rmtree(checkpointer.directory)
+      if jax.process_index() == 0:
+        shutil.rmtree(checkpointer.directory)
+      sharding.sync("removed old checkpoints")
       checkpointer = Checkpointer(run_dir)
   config = OmegaConf.to_container(cfg, resolve=True)
   metrics = logs.MetricsLog(run_dir, cfg.logger, config, resume_step=start if start else None)
-  evals = [e for e in _read_events(metrics.path) if e["event"] == "eval"]
+  evals = [e for e in _read_events(metrics.path) if e["event"] == "eval"] if metrics.writer else []
 
-  train_arrays = jax.device_put(task.train_arrays)
-  val_arrays = jax.device_put(task.val_arrays)
+  # The whole dataset on every device; each step gathers its batch by index on the devices.
+  train_arrays = sharding.put(task.train_arrays, plan.replicated)
+  val_arrays = sharding.put(task.val_arrays, plan.replicated)
   from data.images import epoch_permutation
 
   def batch_indices(step):
     epoch, i = divmod(step, steps_per_epoch)
     perm = epoch_permutation(int(cfg.seed), epoch, n_train)
-    return jnp.asarray(perm[i * batch_size:(i + 1) * batch_size])
+    return plan.indices(perm[i * batch_size:(i + 1) * batch_size])  # split along `data`
 
+  # Compile once, ahead of time: the same executable gives XLA's cost/memory analysis and
+  # runs every step (calling the jitted function would compile a second time).
   compiled = train_step.lower(state, frozen, train_arrays, batch_indices(start)).compile()
   flops = {"analytic": analytic_flops(task, cfg, sizes, batch_size),
            "xla": _xla_flops(compiled)}
   summary_base = {
       "run": run_identity(cfg), "config": config, "versions": logs.versions(),
-      "device": logs.device_info(), "git_commit": logs.git_commit(),
+      "device": logs.device_info(), "mesh": plan.describe(), "git_commit": logs.git_commit(),
       "parameters": setup.n_model, "trained_parameters": sum(sizes),
       "steps_per_epoch": steps_per_epoch, "flops_per_iter": flops,
       "flops_method": {"analytic": "conv/dense (or transformer matmul) count: 3x forward "
@@ -321,7 +357,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
   status, error = "completed", None
   try:
     for step in range(start, total_steps):
-      state = train_step(state, frozen, train_arrays, batch_indices(step))
+      state = compiled(state, frozen, train_arrays, batch_indices(step))
       interval_steps += 1
       done = step + 1
       at_eval = done % eval_every == 0 or done == total_steps
@@ -380,7 +416,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
   } | best_of(evals, task.kind)
   if task.kind == "seq2seq":
     summary["train_perplexity"] = math.exp(mean_loss) if math.isfinite(mean_loss) else None
-  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  if jax.process_index() == 0:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
   metrics.close()
   if error:
     raise NonFiniteLossError(error)
@@ -423,6 +460,15 @@ def _finite(x) -> float | None:
   return x if math.isfinite(x) else None
 
 
+def _finished_summary(run_dir: Path, step: int, total_steps: int) -> dict | None:
+  """The summary of a run that already reached ``total_steps``, so a rerun changes nothing."""
+  path = run_dir / "summary.json"
+  if step < total_steps or not path.exists():
+    return None
+  summary = json.loads(path.read_text())
+  return summary if summary.get("status") == "completed" else None
+
+
 def _read_events(path: Path) -> list[dict]:
   if not path.exists():
     return []
@@ -441,6 +487,8 @@ def main(cfg: DictConfig) -> None:
   except (ValueError, DatasetUnavailableError, ModelUnavailableError, CheckpointError,
           NonFiniteLossError) as e:
     log.error("%s: %s", type(e).__name__, e)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+      return  # one failed job (e.g. a diverged lr in lr_tune) must not end the whole sweep
     sys.exit(1)
   shown = {k: summary.get(k) for k in (
       "best_val_accuracy", "val_loss_at_best", "rouge1", "rouge2", "rougeL",

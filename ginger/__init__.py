@@ -8,7 +8,7 @@
     params = optax.apply_updates(params, updates)
 """
 
-from ginger import fisher, lowrank
+from ginger import fisher, lowrank, sharding
 from ginger.ginger import ScaleByGingerState, ginger, scale_by_ginger
 from ginger.qng import ScaleByQNGState, qng, scale_by_qng
 
@@ -21,5 +21,6 @@ __all__ = [
     "qng",
     "scale_by_ginger",
     "scale_by_qng",
+    "sharding",
 ]
 __version__ = "0.1.0"

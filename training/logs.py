@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import subprocess
@@ -26,13 +27,20 @@ class MetricsLog:
   """Appends one JSON object per event to ``metrics.jsonl`` and mirrors it to wandb.
 
   On resume the file is truncated to the events at or before the checkpoint's step, so the
-  log of a resumed run equals that of an uninterrupted one.
+  log of a resumed run equals that of an uninterrupted one. In a multi-host run only process 0
+  writes (the file and wandb); the others return the same records.
   """
 
   def __init__(self, run_dir: Path, logger_cfg, config: dict, resume_step: int | None):
     self.path = run_dir / "metrics.jsonl"
     self.start = time.time()
     self.wall_offset = 0.0
+    self.writer = jax.process_index() == 0
+    self.wandb = None
+    if logger_cfg.name not in ("wandb", "none"):
+      raise ValueError(f"logger must be wandb or none, got {logger_cfg.name!r}.")
+    if not self.writer:
+      return
     if resume_step is not None and self.path.exists():
       kept = [line for line in self.path.read_text().splitlines()
               if line and json.loads(line).get("step", 0) <= resume_step]
@@ -41,14 +49,14 @@ class MetricsLog:
         self.wall_offset = json.loads(kept[-1]).get("wall_time_s", 0.0) or 0.0
     elif self.path.exists():
       self.path.unlink()
-    self.wandb = None
     if logger_cfg.name == "wandb":
       import wandb
+      # One wandb run per run dir: the id is derived from its absolute path, so a resumed run
+      # continues its wandb run and two dirs with the same name (e.g. "default") never merge.
+      run_id = hashlib.sha1(str(run_dir.absolute()).encode()).hexdigest()[:16]
       self.wandb = wandb.init(project=logger_cfg.project, mode=logger_cfg.mode, config=config,
-                              dir=str(run_dir), id=run_dir.name.replace("/", "_")[:64] or None,
+                              dir=str(run_dir), id=run_id, name=str(run_dir),
                               resume="allow", reinit="finish_previous")
-    elif logger_cfg.name != "none":
-      raise ValueError(f"logger must be wandb or none, got {logger_cfg.name!r}.")
 
   def wall_time(self) -> float:
     return self.wall_offset + time.time() - self.start
@@ -56,6 +64,8 @@ class MetricsLog:
   def write(self, event: str, step: int, **values: Any) -> dict:
     record = {"event": event, "step": int(step), "wall_time_s": round(self.wall_time(), 3)}
     record.update({k: _plain(v) for k, v in values.items()})
+    if not self.writer:
+      return record
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
     if self.wandb is not None and event != "spectrum":
@@ -72,7 +82,8 @@ class Progress:
   """A tqdm bar on a terminal; plain, greppable log lines otherwise (CI, files, SLURM)."""
 
   def __init__(self, total: int, initial: int):
-    self.tty = sys.stderr.isatty()
+    self.quiet = jax.process_index() != 0  # multi-host: process 0 reports for all
+    self.tty = sys.stderr.isatty() and not self.quiet
     self.bar = None
     if self.tty:
       from tqdm import tqdm
@@ -86,7 +97,7 @@ class Progress:
   def line(self, text: str) -> None:
     if self.bar is not None:
       self.bar.write(text)
-    else:
+    elif not self.quiet:
       print(text, flush=True)
 
   def close(self) -> None:
@@ -122,8 +133,8 @@ def device_info() -> dict[str, Any]:
 
 
 def peak_memory_bytes() -> int | None:
-  """The device's ``peak_bytes_in_use``; None where the backend does not report it (CPU)."""
-  stats = jax.devices()[0].memory_stats()
-  if not stats or "peak_bytes_in_use" not in stats:
-    return None
-  return int(stats["peak_bytes_in_use"])
+  """The largest ``peak_bytes_in_use`` of this process's devices (one device's peak, also on
+  a mesh); None where the backend does not report it (CPU)."""
+  stats = [device.memory_stats() for device in jax.local_devices()]
+  peaks = [int(s["peak_bytes_in_use"]) for s in stats if s and "peak_bytes_in_use" in s]
+  return max(peaks) if peaks else None
