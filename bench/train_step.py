@@ -2,6 +2,7 @@
 
     python -m bench.train_step --suite resnet18 --data .data/cifar10-jpeg.tar.xz
     python -m bench.train_step --suite t5 --data .data/xsum-1000.jsonl
+    python -m bench.train_step --suite resnet18 --data ... --extra mesh.data=2 batch_size=256
 
 Each configuration runs ``train.py`` for ``--steps`` steps in its own process (so that the
 device's peak-memory high-water mark belongs to that run alone) and the table is built from
@@ -61,13 +62,14 @@ def overrides(suite: str, name: str) -> list[str]:
   return spec["base"] + extra
 
 
-def run(suite: str, name: str, data: str, steps: int, out: Path, timeout: float) -> dict:
+def run(suite: str, name: str, data: str, steps: int, out: Path, timeout: float,
+        extra: list[str]) -> dict:
   run_dir = out / suite / name.replace(" ", "_").replace("=", "").replace("(", "").replace(
       ")", "").replace(":", "")
   cmd = [sys.executable, "train.py", *overrides(suite, name), f"data.path={data}",
          f"max_steps={steps}", f"eval_every={steps}", f"log_every={max(steps // 6, 1)}",
          f"checkpoint_every={10 * steps}", "logger=none", "resume=false",
-         f"hydra.run.dir={run_dir}"]
+         f"hydra.run.dir={run_dir}", *extra]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
@@ -87,15 +89,17 @@ def main(argv=None) -> None:
   parser.add_argument("--only", nargs="*", help="run names to keep (default: all)")
   parser.add_argument("--out", type=Path, default=Path("outputs/bench"))
   parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+  parser.add_argument("--extra", nargs="*", default=[],
+                      help="more overrides for every run, e.g. mesh.data=2 batch_size=256")
   args = parser.parse_args(argv)
   names = [n for n in SUITES[args.suite]["runs"] if not args.only or n in args.only]
-  print(f"# {datetime.date.today()} suite={args.suite} steps={args.steps}")
+  print(f"# {datetime.date.today()} suite={args.suite} steps={args.steps} extra={args.extra}")
   print("| run | trained params | ms/step | examples/s | x Adam | peak memory GB | compile+run s |")
   print("|---|---|---|---|---|---|---|", flush=True)
   adam = {}
   for name in names:
     start = time.perf_counter()
-    s = run(args.suite, name, args.data, args.steps, args.out, args.timeout)
+    s = run(args.suite, name, args.data, args.steps, args.out, args.timeout, args.extra)
     wall = time.perf_counter() - start
     if not s:
       print(f"| {name} | failed | | | | | {wall:.0f} |", flush=True)
