@@ -4,6 +4,7 @@ Reads the `summary.json` of every run dir under the given roots (Hydra output di
 train.py) and writes `table1.md/.tex` ... `table4.md/.tex` and `table_ablation.md/.tex`::
 
     python -m results.tables [roots...] --out results/ [--dataset cifar10] [--flops xla]
+    python -m results.tables multirun --dataset digits --models resnet_tiny   # smoke sweeps
 
 Each metric gets three columns: ours (mean ± sample std over seeds; no std for one seed), the
 paper's number (verbatim from `results/paper/*.csv`) and the difference ours - paper. Cells with
@@ -531,15 +532,16 @@ def build_table2(runs: Sequence[Run], flops: str = "analytic") -> Table:
                             load_paper("table2_xsum"), TABLE_SWEEPS["table2"])
 
 
-def _sensitivity(runs: Sequence[Run], name: str, metric: Metric, dataset: str) -> Table:
+def _sensitivity(runs: Sequence[Run], name: str, metric: Metric, dataset: str,
+                 model: str = "resnet18") -> Table:
     """Tables 3/4: Ginger on ResNet-18, rows alpha, column groups tau."""
     what = "best validation accuracy (%)" if name == "table3" else "minimum training loss (x1e-6)"
     number = name[-1]
     title = (f"Table {number}: Ginger sensitivity, {what}, ResNet-18 / CIFAR-100 "
              f"(paper Table {number})")
-    if dataset != "cifar100":
-        title = (f"Table {number}: {dataset} runs - NOT COMPARABLE with the paper "
-                 f"(paper columns are CIFAR-100)")
+    if dataset != "cifar100" or model != "resnet18":
+        title = (f"Table {number}: {dataset} / {model} runs - NOT COMPARABLE with the paper "
+                 f"(paper columns are ResNet-18 / CIFAR-100)")
     columns = [c for t in SENSITIVITY_TAUS for c in group_columns(f"τ={t}", [metric])]
     table = Table(name, title, f"Ginger, {what}, rows alpha, columns tau. {UNITS}", "α \\ τ",
                   columns)
@@ -547,7 +549,7 @@ def _sensitivity(runs: Sequence[Run], name: str, metric: Metric, dataset: str) -
     for alpha in SENSITIVITY_ALPHAS:
         cells: list[str] = []
         for tau in SENSITIVITY_TAUS:
-            crit = {"dataset": dataset, "model": "resnet18", "optimizer": "ginger",
+            crit = {"dataset": dataset, "model": model, "optimizer": "ginger",
                     "tau": tau, "alpha": alpha}
             sel = select_runs(runs, crit, TABLE_SWEEPS[name])
             cells += group_cells(sel, [metric], paper_row(paper, alpha=alpha, tau=tau))
@@ -558,16 +560,18 @@ def _sensitivity(runs: Sequence[Run], name: str, metric: Metric, dataset: str) -
     return _finish(table, used, notes)
 
 
-def build_table3(runs: Sequence[Run], dataset: str = "cifar100") -> Table:
+def build_table3(runs: Sequence[Run], dataset: str = "cifar100",
+                 model: str = "resnet18") -> Table:
     """Table 3 (paper: "Validation accuracy"): best val accuracy over alpha x tau."""
     metric = Metric("Acc", _get("best_val_accuracy"), "val_acc", "f2")
-    return _sensitivity(runs, "table3", metric, dataset)
+    return _sensitivity(runs, "table3", metric, dataset, model)
 
 
-def build_table4(runs: Sequence[Run], dataset: str = "cifar100") -> Table:
+def build_table4(runs: Sequence[Run], dataset: str = "cifar100",
+                 model: str = "resnet18") -> Table:
     """Table 4 (paper: "Training loss"): min training loss (x1e-6) over alpha x tau."""
     metric = Metric("Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2")
-    return _sensitivity(runs, "table4", metric, dataset)
+    return _sensitivity(runs, "table4", metric, dataset, model)
 
 
 # ----------------------------------------------------------------------------- ablation
@@ -657,14 +661,15 @@ def build_ablation(runs: Sequence[Run]) -> Table:
 
 
 def build_all(
-    runs: Sequence[Run], dataset: str = "cifar100", flops: str = "analytic"
+    runs: Sequence[Run], dataset: str = "cifar100", flops: str = "analytic",
+    models: Sequence[str] = ("resnet18", "resnet50"),
 ) -> list[Table]:
-    """All five tables."""
+    """All five tables; Tables 3/4 use the first of ``models``."""
     return [
-        build_table1(runs, dataset, flops=flops),
+        build_table1(runs, dataset, models=models, flops=flops),
         build_table2(runs, flops=flops),
-        build_table3(runs, dataset),
-        build_table4(runs, dataset),
+        build_table3(runs, dataset, models[0]),
+        build_table4(runs, dataset, models[0]),
         build_ablation(runs),
     ]
 
@@ -780,6 +785,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dataset", default="cifar100",
                         help="dataset for Tables 1, 3, 4 (e.g. cifar10 stand-in runs; such "
                              "tables are labelled not comparable and get a _<dataset> suffix)")
+    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50"],
+                        help="models of Table 1's column groups; Tables 3/4 use the first "
+                             "(e.g. --dataset digits --models resnet_tiny for smoke sweeps)")
     parser.add_argument("--flops", choices=FLOPS_SOURCES, default="analytic",
                         help="which FLOP count of summary.json to report")
     return parser.parse_args(argv)
@@ -806,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.dataset == "cifar100" else f"_{args.dataset}"
-    for table in build_all(runs, args.dataset, args.flops):
+    for table in build_all(runs, args.dataset, args.flops, args.models):
         name = table.name + (suffix if table.name in ("table1", "table3", "table4") else "")
         (out / f"{name}.md").write_text(to_markdown(table))
         (out / f"{name}.tex").write_text(to_latex(table))

@@ -160,6 +160,18 @@ def test_tables_3_and_4(tmp_path: Path) -> None:
     assert md3[4].startswith("| α \\ τ | τ=2 n | τ=2 Acc | τ=2 Acc paper | τ=2 Acc Δ |")
 
 
+def test_tables_3_and_4_for_smoke_model(tmp_path: Path) -> None:
+    """Smoke-scale sweeps (digits / resnet_tiny) fill Tables 3/4 when asked for that model,
+    labelled as not comparable; the default (ResNet-18 / CIFAR-100) table stays blank."""
+    smoke = {"optimizer": "ginger", "sweep": "table34", "alpha": 0.9, "tau": 2,
+             "model": "resnet_tiny", "dataset": "digits"}
+    make_run(tmp_path, "s", smoke, best_val_accuracy=91.0, min_train_loss=0.5)
+    runs = tables.collect_runs([tmp_path])
+    smoke_md = tables.to_markdown(tables.build_table3(runs, "digits", "resnet_tiny"))
+    assert "NOT COMPARABLE" in smoke_md and "| 0.9 | 1 | 91.00 |" in smoke_md
+    assert "91.00" not in tables.to_markdown(tables.build_table3(runs))
+
+
 def test_ablation_rows(tmp_path: Path) -> None:
     abl = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "gamma": 1e-5, "lr": 2e-4,
            "sweep": "ablation"}
