@@ -12,6 +12,7 @@ continues from the last checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -325,10 +326,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
   train_arrays = sharding.put(task.train_arrays, plan.replicated)
   val_arrays = sharding.put(task.val_arrays, plan.replicated)
   from data.images import epoch_permutation
+  # One shuffle per epoch, not per step (the permutation is a pure function of seed and epoch).
+  permutation = functools.lru_cache(maxsize=2)(
+      lambda epoch: epoch_permutation(int(cfg.seed), epoch, n_train))
 
   def batch_indices(step):
     epoch, i = divmod(step, steps_per_epoch)
-    perm = epoch_permutation(int(cfg.seed), epoch, n_train)
+    perm = permutation(epoch)
     return plan.indices(perm[i * batch_size:(i + 1) * batch_size])  # split along `data`
 
   # Compile once, ahead of time: the same executable gives XLA's cost/memory analysis and
