@@ -344,6 +344,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
       "run": run_identity(cfg), "config": config, "versions": logs.versions(),
       "device": logs.device_info(), "mesh": plan.describe(), "git_commit": logs.git_commit(),
       "parameters": setup.n_model, "trained_parameters": sum(sizes),
+      "optimizer_state_bytes_per_device": sharding.bytes_per_device(state.opt_state),
       "steps_per_epoch": steps_per_epoch, "flops_per_iter": flops,
       "flops_method": {"analytic": "conv/dense (or transformer matmul) count: 3x forward "
                                    "for loss grad, +2x (shared) or +3x (eval) forward for the "

@@ -94,25 +94,27 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   names = [n for n in SUITES[args.suite]["runs"] if not args.only or n in args.only]
   print(f"# {datetime.date.today()} suite={args.suite} steps={args.steps} extra={args.extra}")
-  print("| run | trained params | ms/step | examples/s | x Adam | peak memory GB | compile+run s |")
-  print("|---|---|---|---|---|---|---|", flush=True)
+  print("| run | trained params | ms/step | examples/s | x Adam | peak memory GB "
+        "| opt state MB/device | compile+run s |")
+  print("|---|---|---|---|---|---|---|---|", flush=True)
   adam = {}
   for name in names:
     start = time.perf_counter()
     s = run(args.suite, name, args.data, args.steps, args.out, args.timeout, args.extra)
     wall = time.perf_counter() - start
     if not s:
-      print(f"| {name} | failed | | | | | {wall:.0f} |", flush=True)
+      print(f"| {name} | failed | | | | | | {wall:.0f} |", flush=True)
       continue
     setting = name.split()[0] if args.suite == "t5" else ""
     t = s.get("step_time_s")
     if "adam" in name:
       adam[setting] = t
     ratio = f"{t / adam[setting]:.2f}" if t and adam.get(setting) else ""
-    mem = s.get("peak_memory_bytes")
+    mem, opt = s.get("peak_memory_bytes"), s.get("optimizer_state_bytes_per_device")
     print(f"| {name} | {s.get('trained_parameters'):,} | {1e3 * t:.1f} | "
           f"{s.get('examples_per_s'):.0f} | {ratio} | "
-          f"{'' if mem is None else f'{mem / 1e9:.2f}'} | {wall:.0f} |", flush=True)
+          f"{'' if mem is None else f'{mem / 1e9:.2f}'} | "
+          f"{'' if opt is None else f'{opt / 1e6:.1f}'} | {wall:.0f} |", flush=True)
   print(f"device={s.get('device') if s else None} versions={s.get('versions') if s else None}")
 
 

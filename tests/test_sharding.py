@@ -139,11 +139,7 @@ def test_sharded_optimizer_state_on_four_devices():
       # ratio small: d of a realistic size (sampled-Fisher vectors are scaled by 1/sqrt(N)).
       batches = [(like(), jax.tree.map(lambda x: 1e-2 * x, like())) for _ in range(3)]
       mesh = sharding.make_mesh(4)
-      dev = jax.devices()[0]
-
-      def device_bytes(tree):
-        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-                   if s.device == dev)
+      device_bytes = sharding.bytes_per_device
 
       out = {}
       for name, tx in {"ginger": ginger.ginger(1e-3, tau=4, gamma=1e-2),
@@ -257,6 +253,10 @@ def test_four_devices_give_the_one_device_results(tmp_path):
   assert one["summary"]["mesh"]["shape"] == {"data": 1, "model": 1}
   assert four["summary"]["mesh"]["shape"] == {"data": 4, "model": 1}
   assert four["summary"]["mesh"]["devices"] == 4
+  # U split along d: each device holds about a quarter of the optimizer state
+  state_one = one["summary"]["optimizer_state_bytes_per_device"]
+  state_four = four["summary"]["optimizer_state_bytes_per_device"]
+  assert 3.0 * state_four < state_one, (state_one, state_four)
   for key in ("final_train_loss", "min_train_loss", "val_loss_at_best", "best_val_accuracy"):
     assert _close(one["summary"][key], four["summary"][key]), key
   assert [e["step"] for e in one["events"]] == [e["step"] for e in four["events"]]

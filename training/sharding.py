@@ -165,6 +165,16 @@ def _put_global(x, sharding):
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def bytes_per_device(tree) -> int:
+  """The most bytes any one device holds of ``tree``'s arrays (a replicated array counts in
+  full on every device, a sharded one by its shard)."""
+  held: dict[Any, int] = {}
+  for x in jax.tree.leaves(tree):
+    for shard in getattr(x, "addressable_shards", ()):
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  return max(held.values(), default=0)
+
+
 def sync(name: str) -> None:
   """Waits until every process got here (a no-op in a single process)."""
   if jax.process_count() > 1:
