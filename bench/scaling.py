@@ -1,0 +1,70 @@
+"""Data-parallel scaling of whole training steps: 1, 2, 4... devices at a fixed batch per device.
+
+    python -m bench.scaling --data .data/cifar10-jpeg.tar.xz --devices 1 2 4
+
+For every device count N and optimizer, ``train.py`` runs in a fresh process (as in
+:mod:`bench.train_step`) on the first N devices (``mesh.data=N``) with batch ``N x
+--per-device-batch``; curvature optimizers run with the optimizer state sharded over the mesh
+and replicated. Columns: median step time, images/s, scaling efficiency (images/s over N times
+the same optimizer's 1-device images/s), one device's peak memory and optimizer-state bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from pathlib import Path
+
+from bench import train_step
+
+RUNS = ("adam", "ginger tau=8 (d-pass: shared forward)")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--data", required=True, help="local CIFAR-10 copy (data.path)")
+  parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
+  parser.add_argument("--per-device-batch", type=int, default=128)
+  parser.add_argument("--runs", nargs="+", default=list(RUNS),
+                      choices=list(train_step.SUITES["resnet18"]["runs"]))
+  parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument("--out", type=Path, default=Path("outputs/bench_scaling"))
+  parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+  args = parser.parse_args(argv)
+  if 1 not in args.devices:
+    parser.error("--devices must include 1 (the efficiency baseline)")
+
+  print(f"# {datetime.date.today()} ResNet-18, batch {args.per_device_batch} per device, "
+        f"steps={args.steps}")
+  print("| optimizer | devices | optimizer state | ms/step | images/s | efficiency "
+        "| peak memory GB/device | opt state MB/device |")
+  print("|---|---|---|---|---|---|---|---|", flush=True)
+  single: dict[str, float] = {}
+  summary = {}
+  for name in args.runs:
+    curvature = not name.startswith(("adam", "momentum"))
+    for n in sorted(args.devices):
+      for shard in ((True, False) if curvature and n > 1 else (True,)):
+        extra = [f"mesh.data={n}", f"batch_size={n * args.per_device_batch}",
+                 f"mesh.shard_optimizer_state={str(shard).lower()}"]
+        out = args.out / f"d{n}_{'sharded' if shard else 'replicated'}"
+        summary = train_step.run("resnet18", name, args.data, args.steps, out, args.timeout,
+                                 extra)
+        layout = "sharded" if shard and n > 1 else "replicated"
+        if not summary:
+          print(f"| {name} | {n} | {layout} | failed | | | | |", flush=True)
+          continue
+        rate = summary["examples_per_s"]
+        if n == 1:
+          single[name] = rate
+        eff = f"{rate / (n * single[name]):.1%}" if name in single else ""
+        mem = summary.get("peak_memory_bytes")
+        opt = summary.get("optimizer_state_bytes_per_device")
+        print(f"| {name} | {n} | {layout} | {1e3 * summary['step_time_s']:.2f} | {rate:.0f} "
+              f"| {eff} | {'' if mem is None else f'{mem / 1e9:.2f}'} "
+              f"| {'' if opt is None else f'{opt / 1e6:.1f}'} |", flush=True)
+  print(f"device={summary.get('device')} versions={summary.get('versions')}")
+
+
+if __name__ == "__main__":
+  main()
