@@ -126,6 +126,9 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
         eval_forward = lambda p: apply(graphdef_eval, p, frozen, state.rest, inputs)[0]
         _, _, extra["fisher_grads"] = value_grad_and_fisher(
             eval_forward, state.trainable, labels, fisher_key, mask=mask, fisher=cfg.fisher)
+    # Pin gradients (and d_t) replicated: otherwise GSPMD propagates the sharded optimizer
+    # state's layout back into the model's backward pass (hundreds of small all-gathers).
+    grads, extra = jax.lax.with_sharding_constraint((grads, extra), plan.replicated)
     grad_norm = optax.global_norm(grads)
     if clip is not None:
       grads, _ = clip.update(grads, clip.init(grads))
