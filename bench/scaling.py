@@ -4,8 +4,8 @@
 
 For every device count N and optimizer, ``train.py`` runs in a fresh process (as in
 :mod:`bench.train_step`) on the first N devices (``mesh.data=N``) with batch ``N x
---per-device-batch``; curvature optimizers run with the optimizer state sharded over the mesh
-and replicated. Columns: median step time, images/s, scaling efficiency (images/s over N times
+--per-device-batch``, with the optimizer state sharded over the mesh (arrays of at least
+``mesh.min_shard_size`` elements) and replicated. Columns: median step time, images/s, scaling efficiency (images/s over N times
 the same optimizer's 1-device images/s), one device's peak memory and optimizer-state bytes.
 """
 
@@ -42,9 +42,8 @@ def main(argv=None) -> None:
   single: dict[str, float] = {}
   summary = {}
   for name in args.runs:
-    curvature = not name.startswith(("adam", "momentum"))
     for n in sorted(args.devices):
-      for shard in ((True, False) if curvature and n > 1 else (True,)):
+      for shard in ((True, False) if n > 1 else (True,)):
         extra = [f"mesh.data={n}", f"batch_size={n * args.per_device_batch}",
                  f"mesh.shard_optimizer_state={str(shard).lower()}"]
         out = args.out / f"d{n}_{'sharded' if shard else 'replicated'}"
