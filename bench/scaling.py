@@ -5,8 +5,9 @@
 For every device count N and optimizer, ``train.py`` runs in a fresh process (as in
 :mod:`bench.train_step`) on the first N devices (``mesh.data=N``) with batch ``N x
 --per-device-batch``, with the optimizer state sharded over the mesh (arrays of at least
-``mesh.min_shard_size`` elements) and replicated. Columns: median step time, images/s, scaling efficiency (images/s over N times
-the same optimizer's 1-device images/s), one device's peak memory and optimizer-state bytes.
+``mesh.min_shard_size`` elements) and replicated. Columns: median step time, images/s,
+scaling efficiency (images/s over N times the same optimizer's 1-device images/s), one
+device's peak memory and optimizer-state bytes.
 """
 
 from __future__ import annotations
