@@ -36,6 +36,7 @@ def load_run_config(run_dir: Path, overrides: list[str]):
 
 def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = ()) -> dict:
   import train
+  from training import sharding
   from training.checkpoints import Checkpointer, CheckpointError
 
   cfg = load_run_config(run_dir, list(overrides))
@@ -44,9 +45,8 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
     raise CheckpointError(f"no checkpoint in {checkpointer.directory}: was the run started?")
   setup = train.build(cfg)
   state = checkpointer.restore(setup.state, step)
-  import jax
   metrics = train.evaluate(setup.task, setup.eval_step, state, setup.frozen,
-                           jax.device_put(setup.task.val_arrays), cfg)
+                           sharding.put(setup.task.val_arrays, setup.plan.replicated), cfg)
   split = cfg.data.get("eval_split") or ("validation" if cfg.model.family == "t5"
                                           else getattr(setup.task, "info", {}).get("val_split"))
   result = {"run_dir": str(run_dir), "step": int(state.step), "split": split} | metrics

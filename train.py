@@ -155,8 +155,8 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
   eval_on_mesh = jax.jit(eval_step, out_shardings=replicated)
 
   def eval_step_on_host_indices(trainable, frozen, rest, arrays, idx):
-    return eval_on_mesh(trainable, frozen, rest, sharding.put(arrays, replicated),
-                        plan.indices(idx))
+    # `arrays` are placed once by the caller (replicated); only the indices move per batch.
+    return eval_on_mesh(trainable, frozen, rest, arrays, plan.indices(idx))
 
   return train_step, eval_step_on_host_indices
 

@@ -58,11 +58,8 @@ def main(argv=None) -> None:
         if n == 1:
           single[name] = rate
         eff = f"{rate / (n * single[name]):.1%}" if name in single else ""
-        mem = summary.get("peak_memory_bytes")
-        opt = summary.get("optimizer_state_bytes_per_device")
         print(f"| {name} | {n} | {layout} | {1e3 * summary['step_time_s']:.2f} | {rate:.0f} "
-              f"| {eff} | {'' if mem is None else f'{mem / 1e9:.2f}'} "
-              f"| {'' if opt is None else f'{opt / 1e6:.1f}'} |", flush=True)
+              f"| {eff} | {train_step.memory_cells(summary)} |", flush=True)
   print(f"device={summary.get('device')} versions={summary.get('versions')}")
 
 

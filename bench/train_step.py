@@ -81,6 +81,14 @@ def run(suite: str, name: str, data: str, steps: int, out: Path, timeout: float,
   return json.loads((run_dir / "summary.json").read_text())
 
 
+def memory_cells(summary: dict) -> str:
+  """The "peak memory GB | opt state MB/device" table cells of a run (blank where the backend
+  reports nothing)."""
+  mem, opt = summary.get("peak_memory_bytes"), summary.get("optimizer_state_bytes_per_device")
+  return (f"{'' if mem is None else f'{mem / 1e9:.2f}'} | "
+          f"{'' if opt is None else f'{opt / 1e6:.1f}'}")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--suite", choices=list(SUITES), required=True)
@@ -110,11 +118,9 @@ def main(argv=None) -> None:
     if "adam" in name:
       adam[setting] = t
     ratio = f"{t / adam[setting]:.2f}" if t and adam.get(setting) else ""
-    mem, opt = s.get("peak_memory_bytes"), s.get("optimizer_state_bytes_per_device")
     print(f"| {name} | {s.get('trained_parameters'):,} | {1e3 * t:.1f} | "
-          f"{s.get('examples_per_s'):.0f} | {ratio} | "
-          f"{'' if mem is None else f'{mem / 1e9:.2f}'} | "
-          f"{'' if opt is None else f'{opt / 1e6:.1f}'} | {wall:.0f} |", flush=True)
+          f"{s.get('examples_per_s'):.0f} | {ratio} | {memory_cells(s)} | {wall:.0f} |",
+          flush=True)
   print(f"device={s.get('device') if s else None} versions={s.get('versions') if s else None}")
 
 
