@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) -m bench.optimizer_step
 
 lint: $(STAMP)
+	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 
 # ------------------------------------------------------------------------------ paper sweeps

@@ -45,10 +45,17 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
     raise CheckpointError(f"no checkpoint in {checkpointer.directory}: was the run started?")
   setup = train.build(cfg)
   state = checkpointer.restore(setup.state, step)
-  metrics = train.evaluate(setup.task, setup.eval_step, state, setup.frozen,
-                           sharding.put(setup.task.val_arrays, setup.plan.replicated), cfg)
-  split = cfg.data.get("eval_split") or ("validation" if cfg.model.family == "t5"
-                                          else getattr(setup.task, "info", {}).get("val_split"))
+  metrics = train.evaluate(
+    setup.task,
+    setup.eval_step,
+    state,
+    setup.frozen,
+    sharding.put(setup.task.val_arrays, setup.plan.replicated),
+    cfg,
+  )
+  split = cfg.data.get("eval_split") or (
+    "validation" if cfg.model.family == "t5" else getattr(setup.task, "info", {}).get("val_split")
+  )
   result = {"run_dir": str(run_dir), "step": int(state.step), "split": split} | metrics
   out = run_dir / f"eval_step{int(state.step)}_{split}.json"
   out.write_text(json.dumps(result, indent=2))
@@ -67,9 +74,11 @@ def main(argv: list[str]) -> int:
     return 2
   from data.images import DatasetUnavailableError
   from training.checkpoints import CheckpointError
+
   try:
-    result = evaluate_run(Path(args["run_dir"]), int(args["step"]) if "step" in args else None,
-                          overrides)
+    result = evaluate_run(
+      Path(args["run_dir"]), int(args["step"]) if "step" in args else None, overrides
+    )
   except (RunDirError, CheckpointError, DatasetUnavailableError, ValueError) as e:
     log.error("%s: %s", type(e).__name__, e)
     return 1

@@ -39,6 +39,7 @@ def resnet18_shapes() -> list[tuple[int, ...]]:
   from flax import nnx
 
   from models.resnet import build_resnet
+
   model = nnx.eval_shape(lambda: build_resnet("resnet18", 100, rngs=nnx.Rngs(0)))
   return [p.shape for p in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
@@ -57,9 +58,9 @@ def t5_small_shapes() -> list[tuple[int, ...]]:
 
 
 SIZES = {
-    "1M": lambda: [(1024, 1024)],
-    "resnet18": resnet18_shapes,
-    "t5-small": t5_small_shapes,
+  "1M": lambda: [(1024, 1024)],
+  "resnet18": resnet18_shapes,
+  "t5-small": t5_small_shapes,
 }
 
 
@@ -73,8 +74,9 @@ def make_optimizer(name: str, tau: int | None, block: str | None):
   return ginger.ginger(1e-3, tau=tau, block=block)
 
 
-def time_update(tx, shapes, scan_steps: int, repeats: int,
-                kernels: int = 0) -> tuple[float, float, str]:
+def time_update(
+  tx, shapes, scan_steps: int, repeats: int, kernels: int = 0
+) -> tuple[float, float, str]:
   """(median seconds per update, seconds to compile, per-kernel report or "")."""
   keys = jax.random.split(jax.random.key(0), len(shapes))
   params = [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
@@ -87,6 +89,7 @@ def time_update(tx, shapes, scan_steps: int, repeats: int,
       state, params = carry
       updates, state = tx.update(grads, state, params, fisher_grads=fisher)
       return (state, optax.apply_updates(params, updates)), None
+
     return jax.lax.scan(body, (state, params), None, length=scan_steps)[0]
 
   carry = (tx.init(params), params)
@@ -110,17 +113,26 @@ def kernel_report(fn, steps: int, top: int) -> str:
   every kernel of the process, XLA's included). Kernel names are the HLO fusion names."""
   try:
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
       jax.block_until_ready(fn())
   except Exception as e:  # noqa: BLE001 (no torch, no CUDA, no CUPTI: say so, don't fail)
     return f"  (no kernel profile: {e!r})"
-  rows = sorted(((getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0),
-                  ev.count, ev.key) for ev in prof.key_averages()), reverse=True)
+  rows = sorted(
+    (
+      (getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0), ev.count, ev.key)
+      for ev in prof.key_averages()
+    ),
+    reverse=True,
+  )
   rows = [r for r in rows if r[0]]
-  lines = [f"  kernel time {sum(r[0] for r in rows) / steps:.1f} us/update in "
-           f"{sum(r[1] for r in rows) / steps:.1f} kernels/update; top {top}:"]
-  lines += [f"  {t / steps:9.1f} us/update {n / steps:5.1f}x  {name[:90]}"
-            for t, n, name in rows[:top]]
+  lines = [
+    f"  kernel time {sum(r[0] for r in rows) / steps:.1f} us/update in "
+    f"{sum(r[1] for r in rows) / steps:.1f} kernels/update; top {top}:"
+  ]
+  lines += [
+    f"  {t / steps:9.1f} us/update {n / steps:5.1f}x  {name[:90]}" for t, n, name in rows[:top]
+  ]
   return "\n".join(lines)
 
 
@@ -143,20 +155,28 @@ def main(argv=None) -> None:
   parser.add_argument("--blocks", nargs="+", default=["per_tensor", "global"])
   parser.add_argument("--scan", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--kernels", type=int, default=0, metavar="N",
-                      help="after the table, the N slowest kernels of each Ginger config "
-                           "(GPU; needs torch for CUPTI)")
+  parser.add_argument(
+    "--kernels",
+    type=int,
+    default=0,
+    metavar="N",
+    help="after the table, the N slowest kernels of each Ginger config "
+    "(GPU; needs torch for CUPTI)",
+  )
   args = parser.parse_args(argv)
 
   device = jax.devices()[0]
   peak = next((bw for kind, bw in PEAK_BANDWIDTH.items() if kind in device.device_kind), None)
   bandwidth = copy_bandwidth() if device.platform == "gpu" else None
-  print(f"# {datetime.date.today()} device={device.device_kind} platform={device.platform} "
-        f"jax={jax.__version__} optax={optax.__version__}"
-        + (f" copy_bandwidth={bandwidth / 1e12:.2f}TB/s" if bandwidth else "")
-        + (f" datasheet_peak={peak / 1e12:.2f}TB/s" if peak else ""))
-  print("| size | d | optimizer | tau | block | ms/update | x Adam | floor ms | x floor | "
-        "compile s |")
+  print(
+    f"# {datetime.date.today()} device={device.device_kind} platform={device.platform} "
+    f"jax={jax.__version__} optax={optax.__version__}"
+    + (f" copy_bandwidth={bandwidth / 1e12:.2f}TB/s" if bandwidth else "")
+    + (f" datasheet_peak={peak / 1e12:.2f}TB/s" if peak else "")
+  )
+  print(
+    "| size | d | optimizer | tau | block | ms/update | x Adam | floor ms | x floor | compile s |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|")
   reports: list[str] = []
   for size in args.sizes:
@@ -173,8 +193,12 @@ def main(argv=None) -> None:
     adam_s = None
     for name, tau, block in configs:
       seconds, compile_s, report = time_update(
-          make_optimizer(name, tau, block), shapes, args.scan, args.repeats,
-          args.kernels if name == "ginger" else 0)
+        make_optimizer(name, tau, block),
+        shapes,
+        args.scan,
+        args.repeats,
+        args.kernels if name == "ginger" else 0,
+      )
       if report:
         reports.append(f"{size} {name} tau={tau} {block}:\n{report}")
       adam_s = adam_s or seconds
@@ -182,9 +206,12 @@ def main(argv=None) -> None:
       if name == "ginger" and bandwidth:
         floor_s = 2 * d * tau * 4 / bandwidth
         floor, ratio = f"{1e3 * floor_s:.3f}", f"{seconds / floor_s:.1f}"
-      print(f"| {size} | {d / 1e6:.1f}M | {name} | {tau or ''} | {block or ''} | "
-            f"{1e3 * seconds:.3f} | {seconds / adam_s:.1f} | {floor} | {ratio} | "
-            f"{compile_s:.1f} |", flush=True)
+      print(
+        f"| {size} | {d / 1e6:.1f}M | {name} | {tau or ''} | {block or ''} | "
+        f"{1e3 * seconds:.3f} | {seconds / adam_s:.1f} | {floor} | {ratio} | "
+        f"{compile_s:.1f} |",
+        flush=True,
+      )
   if reports:
     print("\n" + "\n".join(reports))
 

@@ -26,8 +26,9 @@ def main(argv=None) -> None:
   parser.add_argument("--data", required=True, help="local CIFAR-10 copy (data.path)")
   parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
   parser.add_argument("--per-device-batch", type=int, default=128)
-  parser.add_argument("--runs", nargs="+", default=list(RUNS),
-                      choices=list(train_step.SUITES["resnet18"]["runs"]))
+  parser.add_argument(
+    "--runs", nargs="+", default=list(RUNS), choices=list(train_step.SUITES["resnet18"]["runs"])
+  )
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--out", type=Path, default=Path("outputs/bench_scaling"))
   parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
@@ -35,21 +36,27 @@ def main(argv=None) -> None:
   if 1 not in args.devices:
     parser.error("--devices must include 1 (the efficiency baseline)")
 
-  print(f"# {datetime.date.today()} ResNet-18, batch {args.per_device_batch} per device, "
-        f"steps={args.steps}")
-  print("| optimizer | devices | optimizer state | ms/step | images/s | efficiency "
-        "| peak memory GB/device | opt state MB/device |")
+  print(
+    f"# {datetime.date.today()} ResNet-18, batch {args.per_device_batch} per device, "
+    f"steps={args.steps}"
+  )
+  print(
+    "| optimizer | devices | optimizer state | ms/step | images/s | efficiency "
+    "| peak memory GB/device | opt state MB/device |"
+  )
   print("|---|---|---|---|---|---|---|---|", flush=True)
   single: dict[str, float] = {}
   summary = {}
   for name in args.runs:
     for n in sorted(args.devices):
-      for shard in ((True, False) if n > 1 else (True,)):
-        extra = [f"mesh.data={n}", f"batch_size={n * args.per_device_batch}",
-                 f"mesh.shard_optimizer_state={str(shard).lower()}"]
+      for shard in (True, False) if n > 1 else (True,):
+        extra = [
+          f"mesh.data={n}",
+          f"batch_size={n * args.per_device_batch}",
+          f"mesh.shard_optimizer_state={str(shard).lower()}",
+        ]
         out = args.out / f"d{n}_{'sharded' if shard else 'replicated'}"
-        summary = train_step.run("resnet18", name, args.data, args.steps, out, args.timeout,
-                                 extra)
+        summary = train_step.run("resnet18", name, args.data, args.steps, out, args.timeout, extra)
         layout = "sharded" if shard and n > 1 else "replicated"
         if not summary:
           print(f"| {name} | {n} | {layout} | failed | | | | |", flush=True)
@@ -58,8 +65,11 @@ def main(argv=None) -> None:
         if n == 1:
           single[name] = rate
         eff = f"{rate / (n * single[name]):.1%}" if name in single else ""
-        print(f"| {name} | {n} | {layout} | {1e3 * summary['step_time_s']:.2f} | {rate:.0f} "
-              f"| {eff} | {train_step.memory_cells(summary)} |", flush=True)
+        print(
+          f"| {name} | {n} | {layout} | {1e3 * summary['step_time_s']:.2f} | {rate:.0f} "
+          f"| {eff} | {train_step.memory_cells(summary)} |",
+          flush=True,
+        )
   print(f"device={summary.get('device')} versions={summary.get('versions')}")
 
 

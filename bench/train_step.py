@@ -21,37 +21,47 @@ import time
 from pathlib import Path
 
 SUITES = {
-    # ResNet-18, batch 128, on CIFAR-10 (the same shapes as CIFAR-100 but for the last layer).
-    "resnet18": {
-        "base": ["experiment=cifar10_resnet18", "data.source=local", "batch_size=128"],
-        "runs": {
-            "adam": ["optimizer=adam"],
-            "momentum": ["optimizer=momentum"],
-            "qng tau=8": ["optimizer=qng", "tau=8"],
-            "ginger tau=8 (d-pass: eval forward)": ["optimizer=ginger", "tau=8",
-                                                    "fisher_forward=eval"],
-            "ginger tau=8 (d-pass: shared forward)": ["optimizer=ginger", "tau=8",
-                                                      "fisher_forward=shared"],
-        },
+  # ResNet-18, batch 128, on CIFAR-10 (the same shapes as CIFAR-100 but for the last layer).
+  "resnet18": {
+    "base": ["experiment=cifar10_resnet18", "data.source=local", "batch_size=128"],
+    "runs": {
+      "adam": ["optimizer=adam"],
+      "momentum": ["optimizer=momentum"],
+      "qng tau=8": ["optimizer=qng", "tau=8"],
+      "ginger tau=8 (d-pass: eval forward)": ["optimizer=ginger", "tau=8", "fisher_forward=eval"],
+      "ginger tau=8 (d-pass: shared forward)": [
+        "optimizer=ginger",
+        "tau=8",
+        "fisher_forward=shared",
+      ],
     },
-    # t5-small shapes (random weights: timing only), batch 4, 512/128 tokens.
-    "t5": {
-        "base": ["experiment=xsum_t5_full", "model=t5_small_random", "data.source=local",
-                 "data.tokenizer=demo", "data.rouge_examples=0", "batch_size=4"],
-        "runs": {
-            "full adam": ["optimizer=adam"],
-            "full ginger tau=1": ["optimizer=ginger", "tau=1"],
-            "full ginger tau=8": ["optimizer=ginger", "tau=8"],
-            "full ginger tau=32": ["optimizer=ginger", "tau=32"],
-            "lora adam": ["optimizer=adam"],
-            "lora ginger tau=1": ["optimizer=ginger", "tau=1"],
-            "lora ginger tau=8": ["optimizer=ginger", "tau=8"],
-            "lora ginger tau=32": ["optimizer=ginger", "tau=32"],
-        },
+  },
+  # t5-small shapes (random weights: timing only), batch 4, 512/128 tokens.
+  "t5": {
+    "base": [
+      "experiment=xsum_t5_full",
+      "model=t5_small_random",
+      "data.source=local",
+      "data.tokenizer=demo",
+      "data.rouge_examples=0",
+      "batch_size=4",
+    ],
+    "runs": {
+      "full adam": ["optimizer=adam"],
+      "full ginger tau=1": ["optimizer=ginger", "tau=1"],
+      "full ginger tau=8": ["optimizer=ginger", "tau=8"],
+      "full ginger tau=32": ["optimizer=ginger", "tau=32"],
+      "lora adam": ["optimizer=adam"],
+      "lora ginger tau=1": ["optimizer=ginger", "tau=1"],
+      "lora ginger tau=8": ["optimizer=ginger", "tau=8"],
+      "lora ginger tau=32": ["optimizer=ginger", "tau=32"],
     },
+  },
 }
-LORA = ("model.lora={rank:8,alpha:32.0,train_1d:false,"
-        "targets:'(self_attention|cross_attention)/(q|k|v|o)/kernel$'}")
+LORA = (
+  "model.lora={rank:8,alpha:32.0,train_1d:false,"
+  "targets:'(self_attention|cross_attention)/(q|k|v|o)/kernel$'}"
+)
 
 
 def overrides(suite: str, name: str) -> list[str]:
@@ -62,14 +72,28 @@ def overrides(suite: str, name: str) -> list[str]:
   return spec["base"] + extra
 
 
-def run(suite: str, name: str, data: str, steps: int, out: Path, timeout: float,
-        extra: list[str]) -> dict:
-  run_dir = out / suite / name.replace(" ", "_").replace("=", "").replace("(", "").replace(
-      ")", "").replace(":", "")
-  cmd = [sys.executable, "train.py", *overrides(suite, name), f"data.path={data}",
-         f"max_steps={steps}", f"eval_every={steps}", f"log_every={max(steps // 6, 1)}",
-         f"checkpoint_every={10 * steps}", "logger=none", "resume=false",
-         f"hydra.run.dir={run_dir}", *extra]
+def run(
+  suite: str, name: str, data: str, steps: int, out: Path, timeout: float, extra: list[str]
+) -> dict:
+  run_dir = (
+    out
+    / suite
+    / name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", "").replace(":", "")
+  )
+  cmd = [
+    sys.executable,
+    "train.py",
+    *overrides(suite, name),
+    f"data.path={data}",
+    f"max_steps={steps}",
+    f"eval_every={steps}",
+    f"log_every={max(steps // 6, 1)}",
+    f"checkpoint_every={10 * steps}",
+    "logger=none",
+    "resume=false",
+    f"hydra.run.dir={run_dir}",
+    *extra,
+  ]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
@@ -85,8 +109,9 @@ def memory_cells(summary: dict) -> str:
   """The "peak memory GB | opt state MB/device" table cells of a run (blank where the backend
   reports nothing)."""
   mem, opt = summary.get("peak_memory_bytes"), summary.get("optimizer_state_bytes_per_device")
-  return (f"{'' if mem is None else f'{mem / 1e9:.2f}'} | "
-          f"{'' if opt is None else f'{opt / 1e6:.1f}'}")
+  return (
+    f"{'' if mem is None else f'{mem / 1e9:.2f}'} | {'' if opt is None else f'{opt / 1e6:.1f}'}"
+  )
 
 
 def main(argv=None) -> None:
@@ -97,13 +122,19 @@ def main(argv=None) -> None:
   parser.add_argument("--only", nargs="*", help="run names to keep (default: all)")
   parser.add_argument("--out", type=Path, default=Path("outputs/bench"))
   parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-  parser.add_argument("--extra", nargs="*", default=[],
-                      help="more overrides for every run, e.g. mesh.data=2 batch_size=256")
+  parser.add_argument(
+    "--extra",
+    nargs="*",
+    default=[],
+    help="more overrides for every run, e.g. mesh.data=2 batch_size=256",
+  )
   args = parser.parse_args(argv)
   names = [n for n in SUITES[args.suite]["runs"] if not args.only or n in args.only]
   print(f"# {datetime.date.today()} suite={args.suite} steps={args.steps} extra={args.extra}")
-  print("| run | trained params | ms/step | examples/s | x Adam | peak memory GB "
-        "| opt state MB/device | compile+run s |")
+  print(
+    "| run | trained params | ms/step | examples/s | x Adam | peak memory GB "
+    "| opt state MB/device | compile+run s |"
+  )
   print("|---|---|---|---|---|---|---|---|", flush=True)
   adam = {}
   for name in names:
@@ -118,9 +149,11 @@ def main(argv=None) -> None:
     if "adam" in name:
       adam[setting] = t
     ratio = f"{t / adam[setting]:.2f}" if t and adam.get(setting) else ""
-    print(f"| {name} | {s.get('trained_parameters'):,} | {1e3 * t:.1f} | "
-          f"{s.get('examples_per_s'):.0f} | {ratio} | {memory_cells(s)} | {wall:.0f} |",
-          flush=True)
+    print(
+      f"| {name} | {s.get('trained_parameters'):,} | {1e3 * t:.1f} | "
+      f"{s.get('examples_per_s'):.0f} | {ratio} | {memory_cells(s)} | {wall:.0f} |",
+      flush=True,
+    )
   print(f"device={s.get('device') if s else None} versions={s.get('versions') if s else None}")
 
 

@@ -61,8 +61,11 @@ def forced_offline() -> Iterator[None]:
   import datasets.config
   import huggingface_hub.constants
 
-  targets = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
-             (huggingface_hub.constants, "HF_HUB_OFFLINE")]
+  targets = [
+    (datasets.config, "HF_HUB_OFFLINE"),
+    (datasets.config, "HF_DATASETS_OFFLINE"),
+    (huggingface_hub.constants, "HF_HUB_OFFLINE"),
+  ]
   saved = [(m, a, getattr(m, a)) for m, a in targets if hasattr(m, a)]
   try:
     for m, a, _ in saved:

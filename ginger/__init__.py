@@ -1,11 +1,11 @@
 """Ginger: a damped low-rank Gauss-Newton preconditioner (and QNG) for optax.
 
-    import ginger, optax
-    tx = ginger.ginger(learning_rate=1e-3, tau=8)
-    state = tx.init(params)
-    (loss, _), grads, d = ginger.fisher.value_grad_and_fisher(logits_fn, params, y, rng)
-    updates, state = tx.update(grads, state, params, fisher_grads=d)
-    params = optax.apply_updates(params, updates)
+import ginger, optax
+tx = ginger.ginger(learning_rate=1e-3, tau=8)
+state = tx.init(params)
+(loss, _), grads, d = ginger.fisher.value_grad_and_fisher(logits_fn, params, y, rng)
+updates, state = tx.update(grads, state, params, fisher_grads=d)
+params = optax.apply_updates(params, updates)
 """
 
 from ginger import fisher, lowrank, sharding
@@ -13,14 +13,14 @@ from ginger.ginger import ScaleByGingerState, ginger, scale_by_ginger
 from ginger.qng import ScaleByQNGState, qng, scale_by_qng
 
 __all__ = [
-    "ScaleByGingerState",
-    "ScaleByQNGState",
-    "fisher",
-    "ginger",
-    "lowrank",
-    "qng",
-    "scale_by_ginger",
-    "scale_by_qng",
-    "sharding",
+  "ScaleByGingerState",
+  "ScaleByQNGState",
+  "fisher",
+  "ginger",
+  "lowrank",
+  "qng",
+  "scale_by_ginger",
+  "scale_by_qng",
+  "sharding",
 ]
 __version__ = "0.1.0"

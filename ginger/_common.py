@@ -26,8 +26,9 @@ def _concrete(x) -> float | None:
 def check_tau(tau) -> int:
   if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)):
     raise ValueError(
-        f"tau must be a Python int >= 1 (the rank; it fixes array shapes, so under "
-        f"optax.inject_hyperparams pass static_args=('tau',)), got {tau!r}.")
+      f"tau must be a Python int >= 1 (the rank; it fixes array shapes, so under "
+      f"optax.inject_hyperparams pass static_args=('tau',)), got {tau!r}."
+    )
   tau = int(tau)
   if tau < 1:
     raise ValueError(f"tau must be >= 1 (the rank of the curvature model), got {tau}.")
@@ -37,8 +38,9 @@ def check_tau(tau) -> int:
 def check_alpha(alpha) -> None:
   value = _concrete(alpha)
   if value is not None and not 0.0 < value < 1.0:
-    raise ValueError(f"alpha must lie in the open interval (0, 1) (the curvature EMA decay), "
-                     f"got {value}.")
+    raise ValueError(
+      f"alpha must lie in the open interval (0, 1) (the curvature EMA decay), got {value}."
+    )
 
 
 def check_gamma(gamma) -> None:
@@ -60,8 +62,9 @@ def check_dtype(name) -> jnp.dtype:
   except TypeError:
     dtype = None
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"state_dtype must name a floating dtype such as 'float32' or "
-                     f"'float64', got {name!r}.")
+    raise ValueError(
+      f"state_dtype must name a floating dtype such as 'float32' or 'float64', got {name!r}."
+    )
   return dtype
 
 
@@ -85,15 +88,17 @@ def fisher_vectors(updates, fisher_grads, dtype) -> list[jax.Array]:
   want, got = jax.tree.structure(updates), jax.tree.structure(fisher_grads)
   if want != got:
     raise ValueError(
-        "fisher_grads must have the same pytree structure as updates; got\n"
-        f"  fisher_grads: {got}\n  updates:      {want}\n"
-        "(under optax.masked, pass mask_compatible_extra_args=True so fisher_grads is masked "
-        "like the updates).")
+      "fisher_grads must have the same pytree structure as updates; got\n"
+      f"  fisher_grads: {got}\n  updates:      {want}\n"
+      "(under optax.masked, pass mask_compatible_extra_args=True so fisher_grads is masked "
+      "like the updates)."
+    )
   mismatched = [
-      (jax.tree_util.keystr(p), u.shape, f.shape)
-      for (p, u), f in zip(jax.tree_util.tree_leaves_with_path(updates),
-                           jax.tree.leaves(fisher_grads), strict=True)
-      if u.shape != f.shape
+    (jax.tree_util.keystr(p), u.shape, f.shape)
+    for (p, u), f in zip(
+      jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(fisher_grads), strict=True
+    )
+    if u.shape != f.shape
   ]
   if mismatched:
     raise ValueError(f"fisher_grads leaf shapes differ from updates: {mismatched}")
@@ -108,7 +113,7 @@ def blocks_of(num_leaves: int, block: str) -> list[list[int]]:
 
 
 def default_fisher_to_gradient(
-    tx: optax.GradientTransformationExtraArgs,
+  tx: optax.GradientTransformationExtraArgs,
 ) -> optax.GradientTransformationExtraArgs:
   """Feeds the raw gradient as ``fisher_grads`` when the caller gives none.
 
@@ -145,6 +150,7 @@ class Bucket:
   ``members[j]`` lists block ``j``'s pieces as ``(leaf index, first row)``; a per-tensor block
   has one piece, the global block one per leaf. Rows past the pieces are zero padding.
   """
+
   rows: int
   rank: int
   members: tuple[tuple[tuple[int, int], ...], ...]
@@ -153,6 +159,7 @@ class Bucket:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Where each leaf's rows of ``U`` live: static (hashable) pytree metadata."""
+
   treedef: Any
   sizes: tuple[int, ...]
   buckets: tuple[Bucket, ...]
@@ -208,7 +215,7 @@ def _size_runs(distinct: list[int], counts: list[int], rank: int) -> list[set[in
         best[end], start[end] = cost, first
   runs, end = [], len(distinct)
   while end:
-    runs.append(set(distinct[start[end]:end]))
+    runs.append(set(distinct[start[end] : end]))
     end = start[end]
   return runs[::-1]
 
@@ -234,5 +241,5 @@ def scatter(layout: Layout, stacks: Sequence[jax.Array]) -> list[jax.Array]:
   for bucket, stack in zip(layout.buckets, stacks, strict=True):
     for j, pieces in enumerate(bucket.members):
       for i, row in pieces:
-        out[i] = stack[j, row:row + layout.sizes[i]]
+        out[i] = stack[j, row : row + layout.sizes[i]]
   return out

@@ -32,8 +32,7 @@ def _weights(labels: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.
   return weights, jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array,
-                  mask: jax.Array | None = None) -> jax.Array:
+def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None) -> jax.Array:
   """Mean softmax cross-entropy over the counted predictions (padding masked out)."""
   weights, count = _weights(labels, mask)
   logp = jax.nn.log_softmax(_upcast(logits))
@@ -41,8 +40,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
   return jnp.sum(nll * weights) / count
 
 
-def loss_cotangent(logits: jax.Array, labels: jax.Array,
-                   mask: jax.Array | None = None) -> jax.Array:
+def loss_cotangent(
+  logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
   """``d loss / d logits`` of :func:`cross_entropy`: ``(softmax - onehot(y)) w / N``."""
   weights, count = _weights(labels, mask)
   probs = jax.nn.softmax(_upcast(logits))
@@ -50,8 +50,13 @@ def loss_cotangent(logits: jax.Array, labels: jax.Array,
   return ((probs - onehot) * (weights / count)[..., None]).astype(logits.dtype)
 
 
-def fisher_cotangent(logits: jax.Array, rng: jax.Array, mask: jax.Array | None = None, *,
-                     labels: jax.Array | None = None) -> jax.Array:
+def fisher_cotangent(
+  logits: jax.Array,
+  rng: jax.Array,
+  mask: jax.Array | None = None,
+  *,
+  labels: jax.Array | None = None,
+) -> jax.Array:
   """``d/d logits`` of ``sum_i log p(y_hat_i) / sqrt(N)`` with ``y_hat_i ~ softmax(logits_i)``.
 
   Pulling this cotangent back through the model gives the sampled-Fisher vector ``d_t``.
@@ -69,14 +74,14 @@ def fisher_cotangent(logits: jax.Array, rng: jax.Array, mask: jax.Array | None =
 
 
 def value_grad_and_fisher(
-    logits_fn: Callable[[Any], Any],
-    params: Any,
-    labels: jax.Array,
-    rng: jax.Array,
-    *,
-    mask: jax.Array | None = None,
-    has_aux: bool = False,
-    fisher: str = "sampled",
+  logits_fn: Callable[[Any], Any],
+  params: Any,
+  labels: jax.Array,
+  rng: jax.Array,
+  *,
+  mask: jax.Array | None = None,
+  has_aux: bool = False,
+  fisher: str = "sampled",
 ) -> tuple[tuple[jax.Array, Any], Any, Any]:
   """Loss, loss gradient and sampled-Fisher vector from one forward pass.
 
@@ -101,8 +106,10 @@ def value_grad_and_fisher(
   else:
     (logits, vjp_fn), aux = jax.vjp(logits_fn, params), None
   if logits.shape[:-1] != labels.shape:
-    raise ValueError(f"logits shape {logits.shape} does not match labels shape "
-                     f"{labels.shape} (expected labels.shape + (num_classes,)).")
+    raise ValueError(
+      f"logits shape {logits.shape} does not match labels shape "
+      f"{labels.shape} (expected labels.shape + (num_classes,))."
+    )
   loss = cross_entropy(logits, labels, mask)
   (grads,) = vjp_fn(loss_cotangent(logits, labels, mask))
   ct = fisher_cotangent(logits, rng, mask, labels=labels if fisher == "empirical" else None)

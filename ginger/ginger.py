@@ -51,12 +51,13 @@ class StackedBasis:
   def leaf(self, i: int) -> jax.Array:
     """Rows of ``U`` belonging to leaf ``i`` (in ``jax.tree.leaves(params)`` order)."""
     b, j, row = self.layout.where(i)
-    return self.stacks[b][j, row:row + self.layout.sizes[i]]
+    return self.stacks[b][j, row : row + self.layout.sizes[i]]
 
   def tree(self):
     """A pytree like the params whose leaves are :meth:`leaf`."""
-    return jax.tree.unflatten(self.layout.treedef,
-                              [self.leaf(i) for i in range(len(self.layout.sizes))])
+    return jax.tree.unflatten(
+      self.layout.treedef, [self.leaf(i) for i in range(len(self.layout.sizes))]
+    )
 
   def __getitem__(self, key):
     return self.tree()[key]
@@ -77,19 +78,20 @@ class ScaleByGingerState(NamedTuple):
     sigma: the eigenvalues ``sigma`` of each block: a pytree like the params of
       ``(k,)`` arrays for ``block="per_tensor"``, a single ``(k,)`` array for ``"global"``.
   """
+
   count: chex.Array
   u: Any
   sigma: Any
 
 
 def scale_by_ginger(
-    tau: int,
-    alpha: float = 0.99,
-    gamma: float = 1e-5,
-    block: str = "per_tensor",
-    *,
-    state_dtype: str = "float32",
-    reorthonormalise_every: int = 1000,
+  tau: int,
+  alpha: float = 0.99,
+  gamma: float = 1e-5,
+  block: str = "per_tensor",
+  *,
+  state_dtype: str = "float32",
+  reorthonormalise_every: int = 1000,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Preconditions updates by Ginger's damped low-rank curvature model.
 
@@ -130,8 +132,10 @@ def scale_by_ginger(
   def init_fn(params):
     vectors, treedef = _common.flat_vectors(params, state_dtype)
     layout = _common.plan_layout([v.size for v in vectors], tau, block, treedef)
-    u = StackedBasis([lowrank.init_basis(len(b.members), b.rows, b.rank, state_dtype)
-                      for b in layout.buckets], layout)
+    u = StackedBasis(
+      [lowrank.init_basis(len(b.members), b.rows, b.rank, state_dtype) for b in layout.buckets],
+      layout,
+    )
     sigmas = [jnp.zeros((b.rank,), state_dtype) for b in layout.buckets for _ in b.members]
     if block == "per_tensor":
       sigma = jax.tree.unflatten(treedef, _per_leaf(layout, sigmas))
@@ -148,12 +152,18 @@ def scale_by_ginger(
     sigmas = _sigma_stacks(layout, state.sigma, block)
     count = optax.safe_increment(state.count)
     # Only the small factors leave the cond, so skipping it copies nothing of U.
-    factors = jax.lax.cond(count % reorthonormalise_every == 0,
-                           _reorthonormalising_factors, _identity_factors, us, sigmas)
+    factors = jax.lax.cond(
+      count % reorthonormalise_every == 0,
+      _reorthonormalising_factors,
+      _identity_factors,
+      us,
+      sigmas,
+    )
     new_us, outs, new_sigmas = brand_step(us, factors, vs, gs, alpha, gamma)
     if block == "per_tensor":
-      sigma = jax.tree.unflatten(jax.tree.structure(state.sigma),
-                                 _per_leaf(layout, [s for st in new_sigmas for s in st]))
+      sigma = jax.tree.unflatten(
+        jax.tree.structure(state.sigma), _per_leaf(layout, [s for st in new_sigmas for s in st])
+      )
     else:
       sigma = new_sigmas[0][0] if new_sigmas else state.sigma
     new_state = ScaleByGingerState(count=count, u=StackedBasis(new_us, layout), sigma=sigma)
@@ -176,8 +186,10 @@ def brand_step(us, factors, vs, gs, alpha, gamma):
   qs = [q for q, _ in factors]
   first = [lowrank.project_pair(u, v, g) for u, v, g in zip(us, vs, gs, strict=True)]
   small = [_before_residual(cu, yu, l1, q) for (cu, yu, l1), q in zip(first, qs, strict=True)]
-  second = [lowrank.residual_sums(u, v, g, s["a1"], s["inv_l1"])
-            for u, v, g, s in zip(us, vs, gs, small, strict=True)]
+  second = [
+    lowrank.residual_sums(u, v, g, s["a1"], s["inv_l1"])
+    for u, v, g, s in zip(us, vs, gs, small, strict=True)
+  ]
   for s, (c2u, pp, pg, vv), (q, sigma) in zip(small, second, factors, strict=True):
     s.update(c2=lowrank.small_matvec(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
   # Brand's cores of all blocks of one rank share one batched eigh (one solver launch).
@@ -187,17 +199,15 @@ def brand_step(us, factors, vs, gs, alpha, gamma):
   coefs: list[dict] = [{}] * len(us)
   for members in by_rank.values():
     sizes = [us[b].shape[0] for b in members]
-    joined = {key: jnp.concatenate([small[b][key] for b in members])
-              for key in small[members[0]]}
+    joined = {key: jnp.concatenate([small[b][key] for b in members]) for key in small[members[0]]}
     joined["q"] = jnp.concatenate([qs[b] for b in members])
-    for b, part in zip(members, _split(_after_residual(joined, alpha, gamma), sizes),
-                       strict=True):
+    for b, part in zip(members, _split(_after_residual(joined, alpha, gamma), sizes), strict=True):
       coefs[b] = part
   new_us, outs = [], []
   for u, v, g, s, co in zip(us, vs, gs, small, coefs, strict=True):
     u_new, out = lowrank.rotate_and_precondition(
-        u, v, g, s["a1"], s["inv_l1"], co["a2"], co["inv_r"], co["rot"], co["b"], co["z"],
-        gamma)
+      u, v, g, s["a1"], s["inv_l1"], co["a2"], co["inv_r"], co["rot"], co["b"], co["z"], gamma
+    )
     new_us.append(u_new)
     outs.append(out)
   return new_us, outs, [co["sigma"] for co in coefs]
@@ -207,8 +217,13 @@ def _before_residual(cu, yu, l1, q):
   """Small quantities after pass 1, in the orthonormal basis ``U Q``."""
   c = lowrank.small_matvec(q, cu, transpose=True)
   inv_l1 = 1.0 / jnp.maximum(l1, jnp.finfo(l1.dtype).tiny)
-  return {"c": c, "y": lowrank.small_matvec(q, yu, transpose=True), "l1": l1,
-          "inv_l1": inv_l1, "a1": lowrank.small_matvec(q, c)}
+  return {
+    "c": c,
+    "y": lowrank.small_matvec(q, yu, transpose=True),
+    "l1": l1,
+    "inv_l1": inv_l1,
+    "a1": lowrank.small_matvec(q, c),
+  }
 
 
 def _after_residual(s, alpha, gamma):
@@ -226,17 +241,23 @@ def _after_residual(s, alpha, gamma):
   p_norm = jnp.where(in_span, 0.0, p_norm)
   inv_p = jnp.where(in_span, 0.0, 1.0 / jnp.where(in_span, 1.0, p_norm))
   c = s["c"] + s["l1"][..., None] * s["c2"]
-  core, scale = lowrank.brand_core(c, s["l1"] * p_norm, s["sigma"], s["l1"] * v_norm_l1,
-                                   in_span, alpha)
+  core, scale = lowrank.brand_core(
+    c, s["l1"] * p_norm, s["sigma"], s["l1"] * v_norm_l1, in_span, alpha
+  )
   w, vecs = lowrank.sorted_eigh(core)
   sigma = lowrank.rescale_sigma(w, scale, rank)
   top, b = vecs[..., :rank, :rank], vecs[..., rank, :rank]
   p_g = (s["pg"] - jnp.sum(s["c2"] * s["y"], -1)) * inv_p  # p^T g with p of unit norm
   y_new = lowrank.small_matvec(top, s["y"], transpose=True) + b * p_g[..., None]
   weight = sigma / (gamma + sigma)
-  return {"sigma": sigma, "a2": lowrank.small_matvec(s["q"], s["c2"]), "inv_r": inv_p,
-          "rot": jnp.matmul(s["q"], top, precision=lowrank.HIGHEST), "b": b,
-          "z": weight * y_new}
+  return {
+    "sigma": sigma,
+    "a2": lowrank.small_matvec(s["q"], s["c2"]),
+    "inv_r": inv_p,
+    "rot": jnp.matmul(s["q"], top, precision=lowrank.HIGHEST),
+    "b": b,
+    "z": weight * y_new,
+  }
 
 
 def _split(tree: dict, sizes: list[int]) -> list[dict]:
@@ -247,14 +268,17 @@ def _split(tree: dict, sizes: list[int]) -> list[dict]:
 
 
 def _identity_factors(us, sigmas):
-  eyes = [jnp.broadcast_to(jnp.eye(u.shape[-1], dtype=u.dtype), (u.shape[0],) + u.shape[-1:] * 2)
-          for u in us]
+  eyes = [
+    jnp.broadcast_to(jnp.eye(u.shape[-1], dtype=u.dtype), (u.shape[0],) + u.shape[-1:] * 2)
+    for u in us
+  ]
   return list(zip(eyes, sigmas, strict=True))
 
 
 def _reorthonormalising_factors(us, sigmas):
-  return [lowrank.reorthonormalising_factor(lowrank.gram(u), s)
-          for u, s in zip(us, sigmas, strict=True)]
+  return [
+    lowrank.reorthonormalising_factor(lowrank.gram(u), s) for u, s in zip(us, sigmas, strict=True)
+  ]
 
 
 def _sigma_stacks(layout: _common.Layout, sigma, block) -> list[jax.Array]:
@@ -262,8 +286,9 @@ def _sigma_stacks(layout: _common.Layout, sigma, block) -> list[jax.Array]:
   if block != "per_tensor":
     return [sigma[None]] if layout.buckets else []
   leaves = jax.tree.leaves(sigma)
-  return [jnp.stack([leaves[pieces[0][0]] for pieces in bucket.members])
-          for bucket in layout.buckets]
+  return [
+    jnp.stack([leaves[pieces[0][0]] for pieces in bucket.members]) for bucket in layout.buckets
+  ]
 
 
 def _per_leaf(layout: _common.Layout, sigmas: list[jax.Array]) -> list[jax.Array]:
@@ -277,16 +302,16 @@ def _per_leaf(layout: _common.Layout, sigmas: list[jax.Array]) -> list[jax.Array
 
 
 def ginger(
-    learning_rate: optax.ScalarOrSchedule,
-    tau: int = 4,
-    alpha: float = 0.99,
-    gamma: float = 1e-5,
-    b1: float = 0.9,
-    rho: float | None = None,
-    block: str = "per_tensor",
-    *,
-    state_dtype: str = "float32",
-    reorthonormalise_every: int = 1000,
+  learning_rate: optax.ScalarOrSchedule,
+  tau: int = 4,
+  alpha: float = 0.99,
+  gamma: float = 1e-5,
+  b1: float = 0.9,
+  rho: float | None = None,
+  block: str = "per_tensor",
+  *,
+  state_dtype: str = "float32",
+  reorthonormalise_every: int = 1000,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Ginger optimizer as the authors compose it.
 
@@ -308,10 +333,18 @@ def ginger(
   """
   if rho is not None and _common._concrete(rho) is not None and not float(rho) > 0:
     raise ValueError(f"rho must be > 0 or None (no clip), got {rho}.")
-  return _common.default_fisher_to_gradient(optax.chain(
+  return _common.default_fisher_to_gradient(
+    optax.chain(
       optax.ema(b1, debias=True),
-      scale_by_ginger(tau, alpha, gamma, block, state_dtype=state_dtype,
-                      reorthonormalise_every=reorthonormalise_every),
+      scale_by_ginger(
+        tau,
+        alpha,
+        gamma,
+        block,
+        state_dtype=state_dtype,
+        reorthonormalise_every=reorthonormalise_every,
+      ),
       optax.clip(rho) if rho is not None else optax.identity(),
       optax.scale_by_learning_rate(learning_rate),
-  ))
+    )
+  )

@@ -64,8 +64,9 @@ def rowmatmul(u: jax.Array, mat: jax.Array) -> jax.Array:
 
 def small_matvec(mat: jax.Array, x: jax.Array, transpose: bool = False) -> jax.Array:
   """``M x`` (or ``M^T x``) batched over leading axes, in full float32/64 precision."""
-  return jnp.einsum("...ji,...j->...i" if transpose else "...ij,...j->...i", mat, x,
-                    precision=HIGHEST)
+  return jnp.einsum(
+    "...ji,...j->...i" if transpose else "...ij,...j->...i", mat, x, precision=HIGHEST
+  )
 
 
 # ---- the three passes over U ------------------------------------------------------------------
@@ -110,8 +111,12 @@ def residual_sums(u, v, g, a, inv_l1):
   """
   p1 = first_residual(u, v, a, inv_l1)
   vs = v * inv_l1[..., None]
-  return (row_sums(u, [p1])[..., 0], jnp.sum(p1 * p1, -1), jnp.sum(p1 * g, -1),
-          jnp.sum(vs * vs, -1))
+  return (
+    row_sums(u, [p1])[..., 0],
+    jnp.sum(p1 * p1, -1),
+    jnp.sum(p1 * g, -1),
+    jnp.sum(vs * vs, -1),
+  )
 
 
 def rotate_and_precondition(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
@@ -147,17 +152,25 @@ def brand_core(c, r, sigma, v_norm, in_span, alpha):
   """
   dtype = sigma.dtype
   k = sigma.shape[-1]
-  s = jnp.maximum(jnp.maximum(v_norm, jnp.sqrt(jnp.max(sigma, axis=-1, initial=0.0))),
-                  jnp.sqrt(jnp.finfo(dtype).tiny))
+  s = jnp.maximum(
+    jnp.maximum(v_norm, jnp.sqrt(jnp.max(sigma, axis=-1, initial=0.0))),
+    jnp.sqrt(jnp.finfo(dtype).tiny),
+  )
   cs, rs = c / s[..., None], r / s
   beta = 1.0 - alpha
-  top = (alpha * (sigma / s[..., None] / s[..., None])[..., None] * jnp.eye(k, dtype=dtype)
-         + beta * cs[..., :, None] * cs[..., None, :])
+  top = (
+    alpha * (sigma / s[..., None] / s[..., None])[..., None] * jnp.eye(k, dtype=dtype)
+    + beta * cs[..., :, None] * cs[..., None, :]
+  )
   col = beta * rs[..., None] * cs
   corner = jnp.where(in_span, -1.0, beta * rs * rs)
-  core = jnp.concatenate([
+  core = jnp.concatenate(
+    [
       jnp.concatenate([top, col[..., :, None]], -1),
-      jnp.concatenate([col, corner[..., None]], -1)[..., None, :]], -2)
+      jnp.concatenate([col, corner[..., None]], -1)[..., None, :],
+    ],
+    -2,
+  )
   return core.astype(dtype), s
 
 

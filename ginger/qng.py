@@ -37,6 +37,7 @@ class ScaleByQNGState(NamedTuple):
     kappa: ``(num_blocks, tau)`` Sherman-Morrison weights (0 for an empty slot).
     scale: ``(num_blocks, tau)``: ``1/sqrt(alpha)`` for a filled slot, 1 for an empty one.
   """
+
   count: chex.Array
   qhat: Any
   kappa: chex.Array
@@ -44,11 +45,11 @@ class ScaleByQNGState(NamedTuple):
 
 
 def scale_by_qng(
-    tau: int,
-    alpha: float = 0.99,
-    block: str = "global",
-    *,
-    state_dtype: str = "float32",
+  tau: int,
+  alpha: float = 0.99,
+  block: str = "global",
+  *,
+  state_dtype: str = "float32",
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions updates by QNG's product-form curvature ``G = A A^T``.
 
@@ -73,9 +74,11 @@ def scale_by_qng(
     qhat = jax.tree.unflatten(treedef, [jnp.zeros((v.size, tau), state_dtype) for v in vectors])
     n_blocks = len(_common.blocks_of(len(vectors), block))
     return ScaleByQNGState(
-        count=jnp.zeros([], jnp.int32), qhat=qhat,
-        kappa=jnp.zeros((n_blocks, tau), state_dtype),
-        scale=jnp.ones((n_blocks, tau), state_dtype))
+      count=jnp.zeros([], jnp.int32),
+      qhat=qhat,
+      kappa=jnp.zeros((n_blocks, tau), state_dtype),
+      scale=jnp.ones((n_blocks, tau), state_dtype),
+    )
 
   def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):
     del params, extra_args
@@ -115,8 +118,9 @@ def scale_by_qng(
       x = _apply_inverse(x, q_pieces, kappa[b], scale[b], order[::-1])
       for i, piece, y in zip(idx, q_pieces, x, strict=True):
         q_flat[i], out[i] = piece, y
-    new_state = ScaleByQNGState(count=count, qhat=jax.tree.unflatten(q_def, q_flat),
-                                kappa=kappa, scale=scale)
+    new_state = ScaleByQNGState(
+      count=count, qhat=jax.tree.unflatten(q_def, q_flat), kappa=kappa, scale=scale
+    )
     return _common.unflatten_like(out, updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -135,18 +139,20 @@ def _apply_inverse(xs, q_pieces, kappa, scale, order):
 
 
 def qng(
-    learning_rate: optax.ScalarOrSchedule,
-    tau: int = 8,
-    alpha: float = 0.99,
-    b1: float = 0.9,
-    block: str = "global",
-    *,
-    state_dtype: str = "float32",
+  learning_rate: optax.ScalarOrSchedule,
+  tau: int = 8,
+  alpha: float = 0.99,
+  b1: float = 0.9,
+  block: str = "global",
+  *,
+  state_dtype: str = "float32",
 ) -> optax.GradientTransformationExtraArgs:
   """QNG composed like :func:`ginger.ginger` (bias-corrected momentum -> curvature update ->
   precondition -> ``-lr``), so the two differ only in the curvature model."""
-  return _common.default_fisher_to_gradient(optax.chain(
+  return _common.default_fisher_to_gradient(
+    optax.chain(
       optax.ema(b1, debias=True),
       scale_by_qng(tau, alpha, block, state_dtype=state_dtype),
       optax.scale_by_learning_rate(learning_rate),
-  ))
+    )
+  )

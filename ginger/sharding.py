@@ -47,8 +47,9 @@ def axis_size(mesh: Mesh, axis: Axis) -> int:
   return math.prod(mesh.shape[name] for name in _names(axis))
 
 
-def partition_spec(shape: Sequence[int], size: int, axis: Axis = "data", *,
-                   min_size: int = MIN_SIZE) -> PartitionSpec:
+def partition_spec(
+  shape: Sequence[int], size: int, axis: Axis = "data", *, min_size: int = MIN_SIZE
+) -> PartitionSpec:
   """``PartitionSpec`` of one array: its largest axis divisible by ``size`` split over
   ``axis``, or replicated (``P()``) when the array is small, scalar or nothing divides.
   The last axis of an array of two or more axes (a basis's rank) is never split."""
@@ -66,8 +67,14 @@ def partition_spec(shape: Sequence[int], size: int, axis: Axis = "data", *,
   return PartitionSpec(*spec)
 
 
-def state_partition_specs(state, mesh: Mesh | None = None, axis: Axis = "data", *,
-                          min_size: int = MIN_SIZE, size: int | None = None):
+def state_partition_specs(
+  state,
+  mesh: Mesh | None = None,
+  axis: Axis = "data",
+  *,
+  min_size: int = MIN_SIZE,
+  size: int | None = None,
+):
   """A pytree like ``state`` (arrays or ``ShapeDtypeStruct``s) of ``PartitionSpec``s.
 
   Args:
@@ -82,13 +89,13 @@ def state_partition_specs(state, mesh: Mesh | None = None, axis: Axis = "data", 
     if mesh is None:
       raise ValueError("state_partition_specs needs a mesh or the axis size.")
     size = axis_size(mesh, axis)
-  return jax.tree.map(lambda x: partition_spec(np.shape(x), size, axis, min_size=min_size),
-                      state)
+  return jax.tree.map(lambda x: partition_spec(np.shape(x), size, axis, min_size=min_size), state)
 
 
 def state_shardings(state, mesh: Mesh, axis: Axis = "data", *, min_size: int = MIN_SIZE):
   """``NamedSharding``s for ``state`` on ``mesh`` (see :func:`state_partition_specs`), ready
   for ``jax.device_put`` and ``jax.jit(in_shardings=..., out_shardings=...)``."""
   specs = state_partition_specs(state, mesh, axis, min_size=min_size)
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return jax.tree.map(
+    lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+  )

@@ -1,6 +1,6 @@
 """Print the runs under a folder side by side (what `make train` shows at the end).
 
-    python -m results.compare multirun/demo
+python -m results.compare multirun/demo
 """
 
 from __future__ import annotations
@@ -9,10 +9,17 @@ import argparse
 import json
 from pathlib import Path
 
-COLUMNS = [("optimizer", "optimizer"), ("tau", "tau"), ("lr", "lr"),
-           ("best_val_accuracy", "best val acc %"), ("val_loss_at_best", "val loss @best"),
-           ("rougeL", "ROUGE-L"), ("min_train_loss", "min train loss"),
-           ("steps", "steps"), ("step_time_s", "s/step")]
+COLUMNS = [
+  ("optimizer", "optimizer"),
+  ("tau", "tau"),
+  ("lr", "lr"),
+  ("best_val_accuracy", "best val acc %"),
+  ("val_loss_at_best", "val loss @best"),
+  ("rougeL", "ROUGE-L"),
+  ("min_train_loss", "min train loss"),
+  ("steps", "steps"),
+  ("step_time_s", "s/step"),
+]
 
 
 def _fmt(value) -> str:

@@ -41,385 +41,425 @@ METRIC_NAMES = {"val_accuracy": "val. accuracy (%)", "rougeL": "ROUGE-L (%)"}
 
 @dataclass
 class Series:
-    """The numeric content of one metrics.jsonl, as arrays (NaN where a value is missing)."""
+  """The numeric content of one metrics.jsonl, as arrays (NaN where a value is missing)."""
 
-    train: dict[str, np.ndarray] = field(default_factory=dict)  # step, wall, loss
-    eval: dict[str, np.ndarray] = field(default_factory=dict)  # step, wall, value
-    eval_metric: str | None = None
-    spectrum_steps: list[int] = field(default_factory=list)
-    spectrum: list[dict[str, list[float]]] = field(default_factory=list)
+  train: dict[str, np.ndarray] = field(default_factory=dict)  # step, wall, loss
+  eval: dict[str, np.ndarray] = field(default_factory=dict)  # step, wall, value
+  eval_metric: str | None = None
+  spectrum_steps: list[int] = field(default_factory=list)
+  spectrum: list[dict[str, list[float]]] = field(default_factory=list)
 
 
 @dataclass
 class RunInfo:
-    """A run dir with its run fields (empty without summary.json) and summary (or None)."""
+  """A run dir with its run fields (empty without summary.json) and summary (or None)."""
 
-    path: Path
-    meta: dict[str, Any]
-    summary: dict[str, Any] | None
+  path: Path
+  meta: dict[str, Any]
+  summary: dict[str, Any] | None
 
 
 def slug(text: str) -> str:
-    """A file-name-safe version of `text`."""
-    return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_") or "run"
+  """A file-name-safe version of `text`."""
+  return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_") or "run"
 
 
 def read_events(run_dir: str | Path) -> Iterable[dict[str, Any]]:
-    """The JSON objects of metrics.jsonl; unreadable files and malformed lines are skipped."""
-    try:
-        with open(Path(run_dir) / "metrics.jsonl") as f:
-            for line in f:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(event, dict):
-                    yield event
-    except OSError:
-        return
+  """The JSON objects of metrics.jsonl; unreadable files and malformed lines are skipped."""
+  try:
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+      for line in f:
+        try:
+          event = json.loads(line)
+        except ValueError:
+          continue
+        if isinstance(event, dict):
+          yield event
+  except OSError:
+    return
 
 
 def _num(x: Any) -> float:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+  return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
 
 
 def _arrays(rows: list[tuple[float, ...]], names: Sequence[str]) -> dict[str, np.ndarray]:
-    data = np.array(rows, dtype=float).reshape(-1, len(names))
-    return {name: data[:, i] for i, name in enumerate(names)}
+  data = np.array(rows, dtype=float).reshape(-1, len(names))
+  return {name: data[:, i] for i, name in enumerate(names)}
 
 
 def read_series(run_dir: str | Path) -> Series:
-    """Train, eval and spectrum events of a run as arrays."""
-    train, evals, series = [], [], Series()
-    for event in read_events(run_dir):
-        kind, step = event.get("event"), _num(event.get("step"))
-        if kind == "train":
-            train.append((step, _num(event.get("wall_time_s")), _num(event.get("train_loss"))))
-        elif kind == "eval":
-            series.eval_metric = series.eval_metric or next(
-                (m for m in VAL_METRICS if m in event), None)
-            value = _num(event.get(series.eval_metric)) if series.eval_metric else math.nan
-            evals.append((step, _num(event.get("wall_time_s")), value))
-        elif kind == "spectrum" and isinstance(event.get("sigma"), dict):
-            series.spectrum_steps.append(int(step) if math.isfinite(step) else len(series.spectrum))
-            series.spectrum.append(event["sigma"])
-    series.train = _arrays(train, ("step", "wall", "loss"))
-    series.eval = _arrays(evals, ("step", "wall", "value"))
-    return series
+  """Train, eval and spectrum events of a run as arrays."""
+  train, evals, series = [], [], Series()
+  for event in read_events(run_dir):
+    kind, step = event.get("event"), _num(event.get("step"))
+    if kind == "train":
+      train.append((step, _num(event.get("wall_time_s")), _num(event.get("train_loss"))))
+    elif kind == "eval":
+      series.eval_metric = series.eval_metric or next((m for m in VAL_METRICS if m in event), None)
+      value = _num(event.get(series.eval_metric)) if series.eval_metric else math.nan
+      evals.append((step, _num(event.get("wall_time_s")), value))
+    elif kind == "spectrum" and isinstance(event.get("sigma"), dict):
+      series.spectrum_steps.append(int(step) if math.isfinite(step) else len(series.spectrum))
+      series.spectrum.append(event["sigma"])
+  series.train = _arrays(train, ("step", "wall", "loss"))
+  series.eval = _arrays(evals, ("step", "wall", "value"))
+  return series
 
 
 def load_runs(roots: Iterable[str | Path]) -> list[RunInfo]:
-    """Every run dir under `roots`, with its summary where there is one."""
-    infos = []
-    for run_dir in tables.find_run_dirs(roots):
-        summary = tables.load_summary(run_dir)
-        meta = dict(summary["run"]) if summary else {}
-        infos.append(RunInfo(run_dir, meta, summary))
-    return infos
+  """Every run dir under `roots`, with its summary where there is one."""
+  infos = []
+  for run_dir in tables.find_run_dirs(roots):
+    summary = tables.load_summary(run_dir)
+    meta = dict(summary["run"]) if summary else {}
+    infos.append(RunInfo(run_dir, meta, summary))
+  return infos
 
 
 # ----------------------------------------------------------------------------- curves
 
 
 def config_labels(metas: Sequence[dict[str, Any]]) -> list[str]:
-    """Legend labels: optimizer and tau, plus the keys that vary among that optimizer's runs."""
-    by_optimizer: dict[Any, list[dict[str, Any]]] = {}
-    for meta in metas:
-        by_optimizer.setdefault(meta.get("optimizer"), []).append(meta)
-    varying = {
-        opt: [k for k in LABEL_KEYS[2:] if len({repr(m.get(k)) for m in group}) > 1]
-        for opt, group in by_optimizer.items()
-    }
-    labels = []
-    for meta in metas:
-        text = str(meta.get("optimizer") or "?")
-        if meta.get("tau") is not None:
-            text += f" τ={meta['tau']}"
-        labels += [text + "".join(f" {k}={meta.get(k)}" for k in varying[meta.get("optimizer")])]
-    return labels
+  """Legend labels: optimizer and tau, plus the keys that vary among that optimizer's runs."""
+  by_optimizer: dict[Any, list[dict[str, Any]]] = {}
+  for meta in metas:
+    by_optimizer.setdefault(meta.get("optimizer"), []).append(meta)
+  varying = {
+    opt: [k for k in LABEL_KEYS[2:] if len({repr(m.get(k)) for m in group}) > 1]
+    for opt, group in by_optimizer.items()
+  }
+  labels = []
+  for meta in metas:
+    text = str(meta.get("optimizer") or "?")
+    if meta.get("tau") is not None:
+      text += f" τ={meta['tau']}"
+    labels += [text + "".join(f" {k}={meta.get(k)}" for k in varying[meta.get("optimizer")])]
+  return labels
 
 
 def group_name(info: RunInfo) -> str:
-    """The experiment a run belongs to; runs without summary.json go by their parent dir."""
-    parts = [str(info.meta[k]) for k in GROUP_KEYS if info.meta.get(k)]
-    return "-".join(dict.fromkeys(parts)) if parts else f"no-summary-{info.path.parent.name}"
+  """The experiment a run belongs to; runs without summary.json go by their parent dir."""
+  parts = [str(info.meta[k]) for k in GROUP_KEYS if info.meta.get(k)]
+  return "-".join(dict.fromkeys(parts)) if parts else f"no-summary-{info.path.parent.name}"
 
 
 def _plot_xy(ax: Any, x: np.ndarray, y: np.ndarray, **style: Any) -> bool:
-    """Plot the finite points of (x, y); False when there are none."""
-    ok = np.isfinite(x) & np.isfinite(y)
-    if not ok.any():
-        return False
-    ax.plot(x[ok], y[ok], **style)
-    return True
+  """Plot the finite points of (x, y); False when there are none."""
+  ok = np.isfinite(x) & np.isfinite(y)
+  if not ok.any():
+    return False
+  ax.plot(x[ok], y[ok], **style)
+  return True
 
 
 def _draw_run(axes: np.ndarray, series: Series, color: Any, label: str | None) -> str | None:
-    """Draw one run's four curves; returns the eval metric's name."""
-    style = {"color": color, "lw": 1.0, "alpha": 0.85}
-    for col, xkey in enumerate(("step", "wall")):
-        if series.eval:
-            _plot_xy(axes[0, col], series.eval[xkey], series.eval["value"], marker=".",
-                     label=label if col == 0 else None, **style)
-        if series.train:
-            _plot_xy(axes[1, col], series.train[xkey], series.train["loss"], **style)
-    return series.eval_metric
+  """Draw one run's four curves; returns the eval metric's name."""
+  style = {"color": color, "lw": 1.0, "alpha": 0.85}
+  for col, xkey in enumerate(("step", "wall")):
+    if series.eval:
+      _plot_xy(
+        axes[0, col],
+        series.eval[xkey],
+        series.eval["value"],
+        marker=".",
+        label=label if col == 0 else None,
+        **style,
+      )
+    if series.train:
+      _plot_xy(axes[1, col], series.train[xkey], series.train["loss"], **style)
+  return series.eval_metric
 
 
 def _finish_curves(fig: Any, axes: np.ndarray, title: str, metric: str | None) -> None:
-    """Axis labels, log loss axis, legend."""
-    for col, xlabel in enumerate(("step", "wall-clock (s)")):
-        axes[0, col].set_ylabel(METRIC_NAMES.get(metric or "", "validation metric"))
-        axes[1, col].set_ylabel("training loss")
-        axes[1, col].set_xlabel(xlabel)
-        lines = axes[1, col].get_lines()
-        if lines and all((line.get_ydata() > 0).all() for line in lines):
-            axes[1, col].set_yscale("log")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="center right", fontsize="small")
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 0.8 if handles else 1, 0.96))
+  """Axis labels, log loss axis, legend."""
+  for col, xlabel in enumerate(("step", "wall-clock (s)")):
+    axes[0, col].set_ylabel(METRIC_NAMES.get(metric or "", "validation metric"))
+    axes[1, col].set_ylabel("training loss")
+    axes[1, col].set_xlabel(xlabel)
+    lines = axes[1, col].get_lines()
+    if lines and all((line.get_ydata() > 0).all() for line in lines):
+      axes[1, col].set_yscale("log")
+  handles, labels = axes[0, 0].get_legend_handles_labels()
+  if handles:
+    fig.legend(handles, labels, loc="center right", fontsize="small")
+  fig.suptitle(title)
+  fig.tight_layout(rect=(0, 0, 0.8 if handles else 1, 0.96))
 
 
 def plot_curves(infos: Sequence[RunInfo], out: Path) -> list[Path]:
-    """One curves_<experiment>.png per experiment; returns the files written."""
-    groups: dict[str, list[RunInfo]] = {}
-    for info in infos:
-        groups.setdefault(group_name(info), []).append(info)
-    written = []
-    for name, members in sorted(groups.items()):
-        path = _plot_group(name, members, out)
-        if path:
-            written.append(path)
-    return written
+  """One curves_<experiment>.png per experiment; returns the files written."""
+  groups: dict[str, list[RunInfo]] = {}
+  for info in infos:
+    groups.setdefault(group_name(info), []).append(info)
+  written = []
+  for name, members in sorted(groups.items()):
+    path = _plot_group(name, members, out)
+    if path:
+      written.append(path)
+  return written
 
 
 def _plot_group(name: str, members: Sequence[RunInfo], out: Path) -> Path | None:
-    """Curves of one experiment: a colour per configuration, seeds share it."""
-    labels = config_labels([m.meta for m in members])
-    if all(not m.meta for m in members):
-        labels = [m.path.name for m in members]
-    unique = list(dict.fromkeys(labels))
-    cmap = plt.cm.tab10 if len(unique) <= 10 else plt.cm.tab20
-    colors = {lab: cmap(i % cmap.N) for i, lab in enumerate(unique)}
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8), squeeze=False)
-    drawn, metric, seen = False, None, set()
-    for info, label in zip(members, labels, strict=True):
-        series = read_series(info.path)
-        if not (series.train["step"].size or series.eval["step"].size):
-            continue
-        metric = _draw_run(axes, series, colors[label], None if label in seen else label) or metric
-        seen.add(label)
-        drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    _finish_curves(fig, axes, name, metric)
-    path = out / f"curves_{slug(name)}.png"
-    fig.savefig(path, dpi=110)
+  """Curves of one experiment: a colour per configuration, seeds share it."""
+  labels = config_labels([m.meta for m in members])
+  if all(not m.meta for m in members):
+    labels = [m.path.name for m in members]
+  unique = list(dict.fromkeys(labels))
+  cmap = plt.cm.tab10 if len(unique) <= 10 else plt.cm.tab20
+  colors = {lab: cmap(i % cmap.N) for i, lab in enumerate(unique)}
+  fig, axes = plt.subplots(2, 2, figsize=(13, 8), squeeze=False)
+  drawn, metric, seen = False, None, set()
+  for info, label in zip(members, labels, strict=True):
+    series = read_series(info.path)
+    if not (series.train["step"].size or series.eval["step"].size):
+      continue
+    metric = _draw_run(axes, series, colors[label], None if label in seen else label) or metric
+    seen.add(label)
+    drawn = True
+  if not drawn:
     plt.close(fig)
-    return path
+    return None
+  _finish_curves(fig, axes, name, metric)
+  path = out / f"curves_{slug(name)}.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
 
 
 # ----------------------------------------------------------------------------- final vs tau
 
 
 def _final_metric(dataset: str) -> tuple[str, str, str]:
-    """(summary key, paper column, axis label) of a dataset's headline metric."""
-    if dataset == "xsum":
-        return "rougeL", "rougeL", "ROUGE-L (%)"
-    return "best_val_accuracy", "acc", "best val. accuracy (%)"
+  """(summary key, paper column, axis label) of a dataset's headline metric."""
+  if dataset == "xsum":
+    return "rougeL", "rougeL", "ROUGE-L (%)"
+  return "best_val_accuracy", "acc", "best val. accuracy (%)"
 
 
 def _panels(runs: Sequence[tables.Run], dataset: str) -> list[tuple[str, dict[str, Any]]]:
-    """(title, criteria) per panel: one per model, or per setting for XSUM."""
-    mine = [r for r in runs if tables.rfield(r, "dataset") == dataset]
-    key = "setting" if dataset == "xsum" else "model"
-    values = sorted({tables.rfield(r, key) for r in mine}, key=tables.sort_key)
-    return [(f"{key} {v}", {"dataset": dataset, key: v}) for v in values]
+  """(title, criteria) per panel: one per model, or per setting for XSUM."""
+  mine = [r for r in runs if tables.rfield(r, "dataset") == dataset]
+  key = "setting" if dataset == "xsum" else "model"
+  values = sorted({tables.rfield(r, key) for r in mine}, key=tables.sort_key)
+  return [(f"{key} {v}", {"dataset": dataset, key: v}) for v in values]
 
 
 def _paper_points(dataset: str, crit: dict[str, Any], optimizer: str) -> dict[int, float]:
-    """The paper's numbers by tau for this panel (empty when the paper has none)."""
-    if dataset == "cifar100":
-        rows, keys = tables.load_paper("table1_cifar100"), {"model": crit.get("model")}
-    elif dataset == "xsum":
-        rows, keys = tables.load_paper("table2_xsum"), {"setting": crit.get("setting")}
-    else:
-        return {}
-    col = _final_metric(dataset)[1]
-    points = {}
-    for tau in tables.TAUS:
-        row = tables.paper_row(rows, optimizer=optimizer, tau=tau, **keys)
-        if row and row.get(col):
-            points[tau] = float(row[col])
-    return points
+  """The paper's numbers by tau for this panel (empty when the paper has none)."""
+  if dataset == "cifar100":
+    rows, keys = tables.load_paper("table1_cifar100"), {"model": crit.get("model")}
+  elif dataset == "xsum":
+    rows, keys = tables.load_paper("table2_xsum"), {"setting": crit.get("setting")}
+  else:
+    return {}
+  col = _final_metric(dataset)[1]
+  points = {}
+  for tau in tables.TAUS:
+    row = tables.paper_row(rows, optimizer=optimizer, tau=tau, **keys)
+    if row and row.get(col):
+      points[tau] = float(row[col])
+  return points
 
 
 def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dict) -> bool:
-    """Ginger and QNG against tau; Adam/Momentum as lines; paper dashed. False if empty."""
-    key = _final_metric(dataset)[0]
-    drawn, taus = False, set()
-    for i, optimizer in enumerate(("ginger", "qng")):
-        pts = []
-        for tau in sorted({tables.rfield(r, "tau") for r in runs
-                           if tables.rfield(r, "optimizer") == optimizer
-                           and tables.is_number(tables.rfield(r, "tau"))}):
-            sel = tables.select_runs(runs, tables.cell_criteria(optimizer, tau, **crit))
-            stat = tables.aggregate(r.get(key) for r in sel.runs)
-            if stat.mean is not None:
-                pts.append((tau, stat.mean, stat.std or 0.0))
-        if pts:
-            x, y, e = np.array(pts).T
-            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, color=f"C{i}", label=optimizer)
-            drawn, taus = True, taus | set(x)
-        paper = _paper_points(dataset, crit, optimizer)
-        if paper:
-            ax.plot(list(paper), list(paper.values()), ls="--", color=f"C{i}", alpha=0.5,
-                    label=f"{optimizer} (paper)")
-            taus |= set(paper)
-    for i, optimizer in enumerate(("adam", "momentum"), start=2):
-        stat = tables.aggregate(r.get(key) for r in
-                                tables.select_runs(runs, dict(crit, optimizer=optimizer)).runs)
-        if stat.mean is not None:
-            ax.axhline(stat.mean, color=f"C{i}", ls=":", label=optimizer)
-            drawn = True
-    if taus:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(taus), [f"{t:g}" for t in sorted(taus)])
-    return drawn
+  """Ginger and QNG against tau; Adam/Momentum as lines; paper dashed. False if empty."""
+  key = _final_metric(dataset)[0]
+  drawn, taus = False, set()
+  for i, optimizer in enumerate(("ginger", "qng")):
+    pts = []
+    for tau in sorted(
+      {
+        tables.rfield(r, "tau")
+        for r in runs
+        if tables.rfield(r, "optimizer") == optimizer and tables.is_number(tables.rfield(r, "tau"))
+      }
+    ):
+      sel = tables.select_runs(runs, tables.cell_criteria(optimizer, tau, **crit))
+      stat = tables.aggregate(r.get(key) for r in sel.runs)
+      if stat.mean is not None:
+        pts.append((tau, stat.mean, stat.std or 0.0))
+    if pts:
+      x, y, e = np.array(pts).T
+      ax.errorbar(x, y, yerr=e, marker="o", capsize=3, color=f"C{i}", label=optimizer)
+      drawn, taus = True, taus | set(x)
+    paper = _paper_points(dataset, crit, optimizer)
+    if paper:
+      ax.plot(
+        list(paper),
+        list(paper.values()),
+        ls="--",
+        color=f"C{i}",
+        alpha=0.5,
+        label=f"{optimizer} (paper)",
+      )
+      taus |= set(paper)
+  for i, optimizer in enumerate(("adam", "momentum"), start=2):
+    stat = tables.aggregate(
+      r.get(key) for r in tables.select_runs(runs, dict(crit, optimizer=optimizer)).runs
+    )
+    if stat.mean is not None:
+      ax.axhline(stat.mean, color=f"C{i}", ls=":", label=optimizer)
+      drawn = True
+  if taus:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(taus), [f"{t:g}" for t in sorted(taus)])
+  return drawn
 
 
 def plot_final_vs_tau(runs: Sequence[tables.Run], out: Path) -> list[Path]:
-    """One tau_<dataset>.png per dataset with completed runs; returns the files written."""
-    written = []
-    datasets = {tables.rfield(r, "dataset") for r in runs if tables.is_done(r)} - {None}
-    for dataset in sorted(map(str, datasets)):
-        panels = _panels(runs, dataset)
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-        drawn = [_draw_tau_panel(ax, runs, dataset, crit) for ax, (_, crit) in
-                 zip(axes[0], panels, strict=True)]
-        if not any(drawn):
-            plt.close(fig)
-            continue
-        for ax, (title, _) in zip(axes[0], panels, strict=True):
-            ax.set(title=title, xlabel="τ", ylabel=_final_metric(dataset)[2])
-            ax.legend(fontsize="small")
-        fig.suptitle(f"{dataset}: final metric against τ")
-        fig.tight_layout()
-        path = out / f"tau_{slug(dataset)}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
+  """One tau_<dataset>.png per dataset with completed runs; returns the files written."""
+  written = []
+  datasets = {tables.rfield(r, "dataset") for r in runs if tables.is_done(r)} - {None}
+  for dataset in sorted(map(str, datasets)):
+    panels = _panels(runs, dataset)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    drawn = [
+      _draw_tau_panel(ax, runs, dataset, crit)
+      for ax, (_, crit) in zip(axes[0], panels, strict=True)
+    ]
+    if not any(drawn):
+      plt.close(fig)
+      continue
+    for ax, (title, _) in zip(axes[0], panels, strict=True):
+      ax.set(title=title, xlabel="τ", ylabel=_final_metric(dataset)[2])
+      ax.legend(fontsize="small")
+    fig.suptitle(f"{dataset}: final metric against τ")
+    fig.tight_layout()
+    path = out / f"tau_{slug(dataset)}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+  return written
 
 
 # ----------------------------------------------------------------------------- spectrum
 
 
 def spectrum_matrix(series: Series, param: str) -> np.ndarray:
-    """(events x rank) eigenvalues of one parameter block, NaN-padded."""
-    rows = [list(map(_num, s.get(param) or [])) for s in series.spectrum]
-    width = max((len(r) for r in rows), default=0)
-    return np.array([r + [math.nan] * (width - len(r)) for r in rows], dtype=float)
+  """(events x rank) eigenvalues of one parameter block, NaN-padded."""
+  rows = [list(map(_num, s.get(param) or [])) for s in series.spectrum]
+  width = max((len(r) for r in rows), default=0)
+  return np.array([r + [math.nan] * (width - len(r)) for r in rows], dtype=float)
 
 
 def pick_params(series: Series, params: Sequence[str] | None, limit: int = 4) -> list[str]:
-    """The requested blocks that occur, else the `limit` with the largest final top sigma."""
-    names = sorted({p for s in series.spectrum for p in s})
-    if params:
-        return [p for p in params if p in names]
-    last = series.spectrum[-1] if series.spectrum else {}
+  """The requested blocks that occur, else the `limit` with the largest final top sigma."""
+  names = sorted({p for s in series.spectrum for p in s})
+  if params:
+    return [p for p in params if p in names]
+  last = series.spectrum[-1] if series.spectrum else {}
 
-    def top(p: str) -> float:
-        values = [_num(v) for v in last.get(p) or []]
-        finite = [v for v in values if math.isfinite(v)]
-        return max(finite, default=-math.inf)
+  def top(p: str) -> float:
+    values = [_num(v) for v in last.get(p) or []]
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite, default=-math.inf)
 
-    return sorted(names, key=lambda p: (-top(p), p))[:limit]
+  return sorted(names, key=lambda p: (-top(p), p))[:limit]
 
 
-def plot_spectrum(run_dir: str | Path, out: Path, params: Sequence[str] | None = None,
-                  limit: int = 4) -> Path | None:
-    """spectrum_<run>.png: each eigenvalue index as a line against step (log y), per block."""
-    series = read_series(run_dir)
-    chosen = pick_params(series, params, limit)
-    if not chosen:
-        return None
-    fig, axes = plt.subplots(1, len(chosen), figsize=(5 * len(chosen), 4), squeeze=False)
-    steps = np.array(series.spectrum_steps, dtype=float)
-    for ax, param in zip(axes[0], chosen, strict=True):
-        sigma = spectrum_matrix(series, param)
-        sigma[~(sigma > 0)] = np.nan  # log axis: drop zeros, negatives, NaN
-        colors = plt.cm.viridis(np.linspace(0, 1, max(sigma.shape[1], 1)))
-        for i in range(sigma.shape[1]):
-            _plot_xy(ax, steps, sigma[:, i], color=colors[i], lw=1,
-                     label=f"σ{i + 1}" if sigma.shape[1] <= 8 else None)
-        if np.isfinite(sigma).any():
-            ax.set_yscale("log")
-        ax.set(title=param, xlabel="step", ylabel="σ (curvature eigenvalue)")
-        if sigma.shape[1] <= 8 and ax.get_lines():
-            ax.legend(fontsize="x-small")
-    name = slug("-".join(Path(run_dir).resolve().parts[-3:]))
-    fig.suptitle(f"Ginger spectrum: {run_dir}")
-    fig.tight_layout()
-    path = out / f"spectrum_{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def plot_spectrum(
+  run_dir: str | Path, out: Path, params: Sequence[str] | None = None, limit: int = 4
+) -> Path | None:
+  """spectrum_<run>.png: each eigenvalue index as a line against step (log y), per block."""
+  series = read_series(run_dir)
+  chosen = pick_params(series, params, limit)
+  if not chosen:
+    return None
+  fig, axes = plt.subplots(1, len(chosen), figsize=(5 * len(chosen), 4), squeeze=False)
+  steps = np.array(series.spectrum_steps, dtype=float)
+  for ax, param in zip(axes[0], chosen, strict=True):
+    sigma = spectrum_matrix(series, param)
+    sigma[~(sigma > 0)] = np.nan  # log axis: drop zeros, negatives, NaN
+    colors = plt.cm.viridis(np.linspace(0, 1, max(sigma.shape[1], 1)))
+    for i in range(sigma.shape[1]):
+      _plot_xy(
+        ax,
+        steps,
+        sigma[:, i],
+        color=colors[i],
+        lw=1,
+        label=f"σ{i + 1}" if sigma.shape[1] <= 8 else None,
+      )
+    if np.isfinite(sigma).any():
+      ax.set_yscale("log")
+    ax.set(title=param, xlabel="step", ylabel="σ (curvature eigenvalue)")
+    if sigma.shape[1] <= 8 and ax.get_lines():
+      ax.legend(fontsize="x-small")
+  name = slug("-".join(Path(run_dir).resolve().parts[-3:]))
+  fig.suptitle(f"Ginger spectrum: {run_dir}")
+  fig.tight_layout()
+  path = out / f"spectrum_{name}.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
 
 
 def default_spectrum_runs(infos: Sequence[RunInfo], limit: int) -> list[Path]:
-    """The first `limit` Ginger runs (by path) whose metrics.jsonl holds spectrum events."""
-    chosen = []
-    for info in infos:
-        if len(chosen) >= limit:
-            break
-        if info.meta.get("optimizer") in ("ginger", None) and read_series(info.path).spectrum:
-            chosen.append(info.path)
-    return chosen
+  """The first `limit` Ginger runs (by path) whose metrics.jsonl holds spectrum events."""
+  chosen = []
+  for info in infos:
+    if len(chosen) >= limit:
+      break
+    if info.meta.get("optimizer") in ("ginger", None) and read_series(info.path).spectrum:
+      chosen.append(info.path)
+  return chosen
 
 
 # ----------------------------------------------------------------------------- command line
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Command-line options."""
-    parser = argparse.ArgumentParser(prog="python -m results.plots", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the PNGs")
-    parser.add_argument("--spectrum-run", action="append", default=[],
-                        help="run dir whose sigma spectrum to plot (repeatable; default: the "
-                             "first --max-spectrum Ginger runs with spectrum events)")
-    parser.add_argument("--param", action="append", default=[],
-                        help="parameter block(s) for the spectrum (default: the 4 with the "
-                             "largest final top eigenvalue)")
-    parser.add_argument("--max-spectrum", type=int, default=3,
-                        help="how many runs get a spectrum plot when --spectrum-run is not given")
-    return parser.parse_args(argv)
+  """Command-line options."""
+  parser = argparse.ArgumentParser(
+    prog="python -m results.plots",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
+  parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the PNGs")
+  parser.add_argument(
+    "--spectrum-run",
+    action="append",
+    default=[],
+    help="run dir whose sigma spectrum to plot (repeatable; default: the "
+    "first --max-spectrum Ginger runs with spectrum events)",
+  )
+  parser.add_argument(
+    "--param",
+    action="append",
+    default=[],
+    help="parameter block(s) for the spectrum (default: the 4 with the "
+    "largest final top eigenvalue)",
+  )
+  parser.add_argument(
+    "--max-spectrum",
+    type=int,
+    default=3,
+    help="how many runs get a spectrum plot when --spectrum-run is not given",
+  )
+  return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Scan the roots and write every plot to --out."""
-    args = parse_args(argv)
-    roots = args.roots or list(tables.DEFAULT_ROOTS)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    infos = load_runs(roots)
-    written = plot_curves(infos, out)
-    written += plot_final_vs_tau([i.summary for i in infos if i.summary], out)
-    spectrum_runs = args.spectrum_run or default_spectrum_runs(infos, args.max_spectrum)
-    for run_dir in spectrum_runs:
-        path = plot_spectrum(run_dir, out, args.param or None)
-        if path:
-            written.append(path)
-    print(f"{len(infos)} run dirs; wrote {len(written)} plots to {out}", file=sys.stderr)
-    for path in written:
-        print(f"  {path}", file=sys.stderr)
-    return 0
+  """Scan the roots and write every plot to --out."""
+  args = parse_args(argv)
+  roots = args.roots or list(tables.DEFAULT_ROOTS)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  infos = load_runs(roots)
+  written = plot_curves(infos, out)
+  written += plot_final_vs_tau([i.summary for i in infos if i.summary], out)
+  spectrum_runs = args.spectrum_run or default_spectrum_runs(infos, args.max_spectrum)
+  for run_dir in spectrum_runs:
+    path = plot_spectrum(run_dir, out, args.param or None)
+    if path:
+      written.append(path)
+  print(f"{len(infos)} run dirs; wrote {len(written)} plots to {out}", file=sys.stderr)
+  for path in written:
+    print(f"  {path}", file=sys.stderr)
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

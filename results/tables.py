@@ -36,17 +36,26 @@ EXCLUDED_SWEEPS = frozenset({"lr_tune"})  # never enter a paper table
 DONE_STATUSES = ("completed", None)  # a summary without "status" counts as completed
 SKIP_DIRS = frozenset({"checkpoints", "wandb"})
 CONFIG_KEYS = (
-    "experiment", "model", "dataset", "setting", "optimizer",
-    "tau", "alpha", "gamma", "rho", "block", "lr",
+  "experiment",
+  "model",
+  "dataset",
+  "setting",
+  "optimizer",
+  "tau",
+  "alpha",
+  "gamma",
+  "rho",
+  "block",
+  "lr",
 )
 OPTIMIZER_NAMES = {"momentum": "Momentum", "adam": "Adam", "qng": "QNG", "ginger": "Ginger"}
 MODEL_NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
 FLOPS_SOURCES = ("analytic", "xla")
 TABLE_SWEEPS = {
-    "table1": ("table1",),
-    "table2": ("table2",),
-    "table3": ("table3", "table4", "table34"),
-    "table4": ("table3", "table4", "table34"),
+  "table1": ("table1",),
+  "table2": ("table2",),
+  "table3": ("table3", "table4", "table34"),
+  "table4": ("table3", "table4", "table34"),
 }
 
 Run = dict[str, Any]
@@ -56,132 +65,134 @@ Run = dict[str, Any]
 
 
 def find_run_dirs(roots: Iterable[str | Path]) -> list[Path]:
-    """Every dir under `roots` holding a summary.json or a metrics.jsonl, sorted."""
-    found: set[Path] = set()
-    for root in map(Path, roots):
-        if not root.is_dir():
-            continue
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(
-                d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")
-            )
-            if "summary.json" in filenames or "metrics.jsonl" in filenames:
-                found.add(Path(dirpath))
-    return sorted(found)
+  """Every dir under `roots` holding a summary.json or a metrics.jsonl, sorted."""
+  found: set[Path] = set()
+  for root in map(Path, roots):
+    if not root.is_dir():
+      continue
+    for dirpath, dirnames, filenames in os.walk(root):
+      dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+      if "summary.json" in filenames or "metrics.jsonl" in filenames:
+        found.add(Path(dirpath))
+  return sorted(found)
 
 
 def load_summary(run_dir: str | Path) -> Run | None:
-    """The run's summary.json plus "path" and "mtime"; None if absent, unreadable or no "run"."""
-    path = Path(run_dir) / "summary.json"
-    try:
-        data = json.loads(path.read_text())
-        mtime = path.stat().st_mtime
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("run"), dict):
-        return None
-    data["path"], data["mtime"] = str(run_dir), mtime
-    return data
+  """The run's summary.json plus "path" and "mtime"; None if absent, unreadable or no "run"."""
+  path = Path(run_dir) / "summary.json"
+  try:
+    data = json.loads(path.read_text())
+    mtime = path.stat().st_mtime
+  except (OSError, ValueError):
+    return None
+  if not isinstance(data, dict) or not isinstance(data.get("run"), dict):
+    return None
+  data["path"], data["mtime"] = str(run_dir), mtime
+  return data
 
 
 def collect_runs(roots: Iterable[str | Path]) -> list[Run]:
-    """Summaries of all run dirs under `roots`; dirs without a usable summary.json are skipped."""
-    runs = (load_summary(d) for d in find_run_dirs(roots))
-    return [r for r in runs if r is not None]
+  """Summaries of all run dirs under `roots`; dirs without a usable summary.json are skipped."""
+  runs = (load_summary(d) for d in find_run_dirs(roots))
+  return [r for r in runs if r is not None]
 
 
 def rfield(run: Run, key: str) -> Any:
-    """A field of the run's "run" block (None when missing)."""
-    return (run.get("run") or {}).get(key)
+  """A field of the run's "run" block (None when missing)."""
+  return (run.get("run") or {}).get(key)
 
 
 def is_done(run: Run) -> bool:
-    """Whether the run finished (status "completed", or no status recorded)."""
-    return run.get("status") in DONE_STATUSES
+  """Whether the run finished (status "completed", or no status recorded)."""
+  return run.get("status") in DONE_STATUSES
 
 
 # ----------------------------------------------------------------------------- selection
 
 
 def is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equality that treats 0.99 and 0.9900000001 (or 4 and 4.0) as the same value."""
-    if is_number(a) and is_number(b):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-    return a == b
+  """Equality that treats 0.99 and 0.9900000001 (or 4 and 4.0) as the same value."""
+  if is_number(a) and is_number(b):
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+  return a == b
 
 
 def _accepts(value: Any, want: Any) -> bool:
-    """`want` is one allowed value, or a tuple of them."""
-    options = want if isinstance(want, tuple) else (want,)
-    return any(_same(value, w) for w in options)
+  """`want` is one allowed value, or a tuple of them."""
+  options = want if isinstance(want, tuple) else (want,)
+  return any(_same(value, w) for w in options)
 
 
 def sort_key(value: Any) -> tuple[int, Any]:
-    """Sorts numbers, then strings, then None."""
-    if is_number(value):
-        return (0, value)
-    return (2, "") if value is None else (1, str(value))
+  """Sorts numbers, then strings, then None."""
+  if is_number(value):
+    return (0, value)
+  return (2, "") if value is None else (1, str(value))
 
 
 def config_key(run: Run) -> tuple:
-    """The run's hyperparameters (everything but the seed)."""
-    return tuple(rfield(run, k) for k in CONFIG_KEYS)
+  """The run's hyperparameters (everything but the seed)."""
+  return tuple(rfield(run, k) for k in CONFIG_KEYS)
 
 
 def dedupe_seeds(runs: Iterable[Run]) -> list[Run]:
-    """One run per seed: the newest summary.json wins (a rerun replaces the earlier one)."""
-    best: dict[Any, Run] = {}
-    for run in runs:
-        seed = rfield(run, "seed")
-        key = seed if seed is not None else run.get("path")
-        if key not in best or run.get("mtime", 0) > best[key].get("mtime", 0):
-            best[key] = run
-    return sorted(best.values(), key=lambda r: sort_key(rfield(r, "seed")))
+  """One run per seed: the newest summary.json wins (a rerun replaces the earlier one)."""
+  best: dict[Any, Run] = {}
+  for run in runs:
+    seed = rfield(run, "seed")
+    key = seed if seed is not None else run.get("path")
+    if key not in best or run.get("mtime", 0) > best[key].get("mtime", 0):
+      best[key] = run
+  return sorted(best.values(), key=lambda r: sort_key(rfield(r, "seed")))
 
 
 @dataclass
 class Selection:
-    """The runs chosen for one table cell, and a note when several configurations matched."""
+  """The runs chosen for one table cell, and a note when several configurations matched."""
 
-    runs: list[Run]
-    note: str | None = None
+  runs: list[Run]
+  note: str | None = None
 
 
 def _describe(run: Run, keys: Sequence[str]) -> str:
-    return ", ".join(f"{k}={rfield(run, k)}" for k in keys)
+  return ", ".join(f"{k}={rfield(run, k)}" for k in keys)
 
 
 def select_runs(
-    runs: Iterable[Run], criteria: dict[str, Any], sweeps: Sequence[str] = ()
+  runs: Iterable[Run], criteria: dict[str, Any], sweeps: Sequence[str] = ()
 ) -> Selection:
-    """Completed runs matching `criteria` ({run field: value or tuple of values}).
+  """Completed runs matching `criteria` ({run field: value or tuple of values}).
 
-    Runs of an excluded sweep (lr_tune) never count. Runs of one of `sweeps` are preferred over
-    others. If the remaining runs hold several configurations (e.g. two learning rates), the one
-    with the most seeds (then the newest) is used and the note says so.
-    """
-    pool = [
-        r for r in runs
-        if is_done(r) and rfield(r, "sweep") not in EXCLUDED_SWEEPS
-        and all(_accepts(rfield(r, k), w) for k, w in criteria.items())
-    ]
-    pool = [r for r in pool if rfield(r, "sweep") in sweeps] or pool
-    groups: dict[tuple, list[Run]] = {}
-    for run in pool:
-        groups.setdefault(config_key(run), []).append(run)
-    if not groups:
-        return Selection([])
-    chosen = {k: dedupe_seeds(v) for k, v in groups.items()}
-    best = max(chosen.values(), key=lambda rs: (len(rs), max(r.get("mtime", 0) for r in rs)))
-    if len(chosen) == 1:
-        return Selection(best)
-    varying = [k for i, k in enumerate(CONFIG_KEYS) if len({repr(g[i]) for g in chosen}) > 1]
-    return Selection(best, f"{len(chosen)} configurations matched; used "
-                           f"{_describe(best[0], varying)} (n={len(best)})")
+  Runs of an excluded sweep (lr_tune) never count. Runs of one of `sweeps` are preferred over
+  others. If the remaining runs hold several configurations (e.g. two learning rates), the one
+  with the most seeds (then the newest) is used and the note says so.
+  """
+  pool = [
+    r
+    for r in runs
+    if is_done(r)
+    and rfield(r, "sweep") not in EXCLUDED_SWEEPS
+    and all(_accepts(rfield(r, k), w) for k, w in criteria.items())
+  ]
+  pool = [r for r in pool if rfield(r, "sweep") in sweeps] or pool
+  groups: dict[tuple, list[Run]] = {}
+  for run in pool:
+    groups.setdefault(config_key(run), []).append(run)
+  if not groups:
+    return Selection([])
+  chosen = {k: dedupe_seeds(v) for k, v in groups.items()}
+  best = max(chosen.values(), key=lambda rs: (len(rs), max(r.get("mtime", 0) for r in rs)))
+  if len(chosen) == 1:
+    return Selection(best)
+  varying = [k for i, k in enumerate(CONFIG_KEYS) if len({repr(g[i]) for g in chosen}) > 1]
+  return Selection(
+    best,
+    f"{len(chosen)} configurations matched; used {_describe(best[0], varying)} (n={len(best)})",
+  )
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -189,101 +200,101 @@ def select_runs(
 
 @dataclass(frozen=True)
 class Stat:
-    """Mean, sample std (None for fewer than two values) and count of one metric."""
+  """Mean, sample std (None for fewer than two values) and count of one metric."""
 
-    mean: float | None
-    std: float | None
-    n: int
+  mean: float | None
+  std: float | None
+  n: int
 
 
 def aggregate(values: Iterable[Any]) -> Stat:
-    """Mean ± sample std of the numeric values (None and non-numbers are ignored)."""
-    xs = [float(v) for v in values if is_number(v)]
-    if not xs:
-        return Stat(None, None, 0)
-    std = statistics.stdev(xs) if len(xs) > 1 else None
-    return Stat(statistics.fmean(xs), std, len(xs))
+  """Mean ± sample std of the numeric values (None and non-numbers are ignored)."""
+  xs = [float(v) for v in values if is_number(v)]
+  if not xs:
+    return Stat(None, None, 0)
+  std = statistics.stdev(xs) if len(xs) > 1 else None
+  return Stat(statistics.fmean(xs), std, len(xs))
 
 
 def fmt_num(x: float | None, style: str, signed: bool = False) -> str:
-    """Format `x` as "f2"/"f3" (fixed decimals) or "sci" ("2.21e9"); blank for None."""
-    if x is None:
-        return ""
-    if not math.isfinite(x):
-        return str(x)
-    sign = "+" if signed else ""
-    if style == "sci":
-        mantissa, exponent = f"{x:{sign}.2e}".split("e")
-        return f"{mantissa}e{int(exponent)}"
-    return f"{x:{sign}.{int(style[1:])}f}"
+  """Format `x` as "f2"/"f3" (fixed decimals) or "sci" ("2.21e9"); blank for None."""
+  if x is None:
+    return ""
+  if not math.isfinite(x):
+    return str(x)
+  sign = "+" if signed else ""
+  if style == "sci":
+    mantissa, exponent = f"{x:{sign}.2e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+  return f"{x:{sign}.{int(style[1:])}f}"
 
 
 def fmt_stat(stat: Stat, style: str) -> str:
-    """ "mean ± std", or just the mean for one seed, or blank."""
-    if stat.mean is None:
-        return ""
-    text = fmt_num(stat.mean, style)
-    return text if stat.std is None else f"{text} ± {fmt_num(stat.std, style)}"
+  """ "mean ± std", or just the mean for one seed, or blank."""
+  if stat.mean is None:
+    return ""
+  text = fmt_num(stat.mean, style)
+  return text if stat.std is None else f"{text} ± {fmt_num(stat.std, style)}"
 
 
 def _parse(text: str) -> Any:
-    """A CSV cell as int, float, str, or None when empty."""
-    if text == "":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+  """A CSV cell as int, float, str, or None when empty."""
+  if text == "":
+    return None
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
 
 
 def load_paper(name: str) -> list[dict[str, str]]:
-    """Rows of results/paper/<name>.csv, values as the paper prints them."""
-    with open(PAPER_DIR / f"{name}.csv", newline="") as f:
-        return list(csv.DictReader(f))
+  """Rows of results/paper/<name>.csv, values as the paper prints them."""
+  with open(PAPER_DIR / f"{name}.csv", newline="") as f:
+    return list(csv.DictReader(f))
 
 
 def paper_row(rows: Iterable[dict[str, str]], **keys: Any) -> dict[str, str] | None:
-    """The paper row whose columns equal `keys` (None matches an empty cell)."""
-    for row in rows:
-        if all(_same(_parse(row.get(k, "")), v) for k, v in keys.items()):
-            return row
-    return None
+  """The paper row whose columns equal `keys` (None matches an empty cell)."""
+  for row in rows:
+    if all(_same(_parse(row.get(k, "")), v) for k, v in keys.items()):
+      return row
+  return None
 
 
 # ----------------------------------------------------------------------------- metrics
 
 
 def _get(key: str, scale: float = 1.0) -> Callable[[Run], float | None]:
-    """Getter for a top-level summary number, multiplied by `scale`."""
+  """Getter for a top-level summary number, multiplied by `scale`."""
 
-    def get(run: Run) -> float | None:
-        value = run.get(key)
-        return value * scale if is_number(value) else None
+  def get(run: Run) -> float | None:
+    value = run.get(key)
+    return value * scale if is_number(value) else None
 
-    return get
+  return get
 
 
 def _flops(source: str) -> Callable[[Run], float | None]:
-    """Getter for flops_per_iter[source] ("analytic" or "xla")."""
+  """Getter for flops_per_iter[source] ("analytic" or "xla")."""
 
-    def get(run: Run) -> float | None:
-        flops = run.get("flops_per_iter")
-        value = flops.get(source) if isinstance(flops, dict) else None
-        return value if is_number(value) else None
+  def get(run: Run) -> float | None:
+    flops = run.get("flops_per_iter")
+    value = flops.get(source) if isinstance(flops, dict) else None
+    return value if is_number(value) else None
 
-    return get
+  return get
 
 
 def _first(*keys: str) -> Callable[[Run], float | None]:
-    """Getter for the first of `keys` that the summary has as a number."""
+  """Getter for the first of `keys` that the summary has as a number."""
 
-    def get(run: Run) -> float | None:
-        values = (_get(k)(run) for k in keys)
-        return next((v for v in values if v is not None), None)
+  def get(run: Run) -> float | None:
+    values = (_get(k)(run) for k in keys)
+    return next((v for v in values if v is not None), None)
 
-    return get
+  return get
 
 
 _primary = _first("best_val_accuracy", "rougeL")  # image runs: accuracy; seq2seq: ROUGE-L
@@ -291,49 +302,49 @@ _primary = _first("best_val_accuracy", "rougeL")  # image runs: accuracy; seq2se
 
 @dataclass(frozen=True)
 class Metric:
-    """One reported number: label, getter (display units), paper CSV column, format style."""
+  """One reported number: label, getter (display units), paper CSV column, format style."""
 
-    label: str
-    value: Callable[[Run], float | None]
-    paper_key: str | None
-    style: str
-    paired: bool = True  # False: only our column (no paper/difference columns)
+  label: str
+  value: Callable[[Run], float | None]
+  paper_key: str | None
+  style: str
+  paired: bool = True  # False: only our column (no paper/difference columns)
 
 
 def image_metrics(flops: str = "analytic") -> list[Metric]:
-    """Table 1's columns for one model."""
-    return [
-        Metric("Acc", _get("best_val_accuracy"), "acc", "f2"),
-        Metric("Val loss", _get("val_loss_at_best"), "val_loss", "f3"),
-        Metric("Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2"),
-        Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci"),
-        Metric("Mem GB", _get("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
-    ]
+  """Table 1's columns for one model."""
+  return [
+    Metric("Acc", _get("best_val_accuracy"), "acc", "f2"),
+    Metric("Val loss", _get("val_loss_at_best"), "val_loss", "f3"),
+    Metric("Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2"),
+    Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci"),
+    Metric("Mem GB", _get("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
+  ]
 
 
 def xsum_metrics(flops: str = "analytic") -> list[Metric]:
-    """Table 2's columns for one setting."""
-    return [
-        Metric("R1", _get("rouge1"), "rouge1", "f2"),
-        Metric("R2", _get("rouge2"), "rouge2", "f2"),
-        Metric("RL", _get("rougeL"), "rougeL", "f2"),
-        Metric("Train ppl", _get("train_perplexity"), "train_ppl", "f3"),
-        Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci"),
-        Metric("Mem GB", _get("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
-    ]
+  """Table 2's columns for one setting."""
+  return [
+    Metric("R1", _get("rouge1"), "rouge1", "f2"),
+    Metric("R2", _get("rouge2"), "rouge2", "f2"),
+    Metric("RL", _get("rougeL"), "rougeL", "f2"),
+    Metric("Train ppl", _get("train_perplexity"), "train_ppl", "f3"),
+    Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci"),
+    Metric("Mem GB", _get("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
+  ]
 
 
 def metric_cells(runs: Sequence[Run], metric: Metric, paper: dict[str, str] | None) -> list[str]:
-    """[ours, paper, ours - paper] for a paired metric, [ours] otherwise."""
-    stat = aggregate(metric.value(r) for r in runs)
-    ours = fmt_stat(stat, metric.style)
-    if not metric.paired:
-        return [ours]
-    theirs = (paper or {}).get(metric.paper_key or "", "") or ""
-    diff = ""
-    if stat.mean is not None and theirs:
-        diff = fmt_num(stat.mean - float(theirs), metric.style, signed=True)
-    return [ours, theirs, diff]
+  """[ours, paper, ours - paper] for a paired metric, [ours] otherwise."""
+  stat = aggregate(metric.value(r) for r in runs)
+  ours = fmt_stat(stat, metric.style)
+  if not metric.paired:
+    return [ours]
+  theirs = (paper or {}).get(metric.paper_key or "", "") or ""
+  diff = ""
+  if stat.mean is not None and theirs:
+    diff = fmt_num(stat.mean - float(theirs), metric.style, signed=True)
+  return [ours, theirs, diff]
 
 
 # ----------------------------------------------------------------------------- table model
@@ -341,237 +352,273 @@ def metric_cells(runs: Sequence[Run], metric: Metric, paper: dict[str, str] | No
 
 @dataclass
 class Column:
-    """A column: group (model, setting, tau; "" for none), metric label, and sub-label
-    ("ours", "paper", "Δ"; "" for columns that are not one of a metric's three)."""
+  """A column: group (model, setting, tau; "" for none), metric label, and sub-label
+  ("ours", "paper", "Δ"; "" for columns that are not one of a metric's three)."""
 
-    group: str
-    label: str
-    sub: str = ""
+  group: str
+  label: str
+  sub: str = ""
 
-    def header(self) -> str:
-        """One-line header for markdown: "<group> <label> [paper|Δ]"."""
-        return " ".join(x for x in (self.group, self.label, self.sub) if x and x != "ours")
+  def header(self) -> str:
+    """One-line header for markdown: "<group> <label> [paper|Δ]"."""
+    return " ".join(x for x in (self.group, self.label, self.sub) if x and x != "ours")
 
 
 @dataclass
 class Row:
-    """A row: label, one text cell per column, and whether a rule precedes it."""
+  """A row: label, one text cell per column, and whether a rule precedes it."""
 
-    label: str
-    cells: list[str]
-    rule_before: bool = False
+  label: str
+  cells: list[str]
+  rule_before: bool = False
 
 
 @dataclass
 class Table:
-    """A rendered-ready table: every cell is already text ("" = blank)."""
+  """A rendered-ready table: every cell is already text ("" = blank)."""
 
-    name: str
-    title: str
-    caption: str
-    row_header: str
-    columns: list[Column]
-    rows: list[Row] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+  name: str
+  title: str
+  caption: str
+  row_header: str
+  columns: list[Column]
+  rows: list[Row] = field(default_factory=list)
+  notes: list[str] = field(default_factory=list)
 
 
 def group_columns(group: str, metrics: Sequence[Metric]) -> list[Column]:
-    """n, then ours/paper/Δ per metric, all in `group`."""
-    cols = [Column(group, "n")]
-    for m in metrics:
-        subs = ("ours", "paper", "Δ") if m.paired else ("",)
-        cols += [Column(group, m.label, sub) for sub in subs]
-    return cols
+  """n, then ours/paper/Δ per metric, all in `group`."""
+  cols = [Column(group, "n")]
+  for m in metrics:
+    subs = ("ours", "paper", "Δ") if m.paired else ("",)
+    cols += [Column(group, m.label, sub) for sub in subs]
+  return cols
 
 
 def group_cells(
-    sel: Selection, metrics: Sequence[Metric], paper: dict[str, str] | None
+  sel: Selection, metrics: Sequence[Metric], paper: dict[str, str] | None
 ) -> list[str]:
-    """Cells matching `group_columns`: n (blank if none) and each metric's cells."""
-    cells = [str(len(sel.runs)) if sel.runs else ""]
-    for m in metrics:
-        cells += metric_cells(sel.runs, m, paper)
-    return cells
+  """Cells matching `group_columns`: n (blank if none) and each metric's cells."""
+  cells = [str(len(sel.runs)) if sel.runs else ""]
+  for m in metrics:
+    cells += metric_cells(sel.runs, m, paper)
+  return cells
 
 
 def _tau_text(tau: Any) -> str:
-    return "" if tau is None else f" (τ={tau})"
+  return "" if tau is None else f" (τ={tau})"
 
 
 def optimizer_label(optimizer: str, tau: Any) -> str:
-    """ "QNG (τ=4)", "Adam", as in the paper."""
-    return OPTIMIZER_NAMES.get(optimizer, optimizer) + _tau_text(tau)
+  """ "QNG (τ=4)", "Adam", as in the paper."""
+  return OPTIMIZER_NAMES.get(optimizer, optimizer) + _tau_text(tau)
 
 
 def provenance_note(runs: Iterable[Run]) -> str | None:
-    """Which devices, JAX versions and commits produced the runs in a table."""
-    counts: dict[str, dict[str, int]] = {"device": {}, "jax": {}, "git": {}}
-    for run in {r["path"]: r for r in runs}.values():
-        for kind, value in (("device", _device(run)), ("jax", _jax(run)),
-                            ("git", str(run.get("git_commit") or "?")[:10])):
-            counts[kind][value] = counts[kind].get(value, 0) + 1
-    if not counts["device"]:
-        return None
-    parts = [f"{k}: " + ", ".join(f"{v} ({n})" for v, n in sorted(c.items()))
-             for k, c in counts.items()]
-    return "From summary.json of the runs used - " + "; ".join(parts) + "."
+  """Which devices, JAX versions and commits produced the runs in a table."""
+  counts: dict[str, dict[str, int]] = {"device": {}, "jax": {}, "git": {}}
+  for run in {r["path"]: r for r in runs}.values():
+    for kind, value in (
+      ("device", _device(run)),
+      ("jax", _jax(run)),
+      ("git", str(run.get("git_commit") or "?")[:10]),
+    ):
+      counts[kind][value] = counts[kind].get(value, 0) + 1
+  if not counts["device"]:
+    return None
+  parts = [
+    f"{k}: " + ", ".join(f"{v} ({n})" for v, n in sorted(c.items())) for k, c in counts.items()
+  ]
+  return "From summary.json of the runs used - " + "; ".join(parts) + "."
 
 
 def _device(run: Run) -> str:
-    device = run.get("device")
-    if isinstance(device, dict):
-        for key in ("device_kind", "kind", "name", "platform"):
-            if device.get(key):
-                return str(device[key])
-        return json.dumps(device, sort_keys=True)
-    return str(device) if device else "?"
+  device = run.get("device")
+  if isinstance(device, dict):
+    for key in ("device_kind", "kind", "name", "platform"):
+      if device.get(key):
+        return str(device[key])
+    return json.dumps(device, sort_keys=True)
+  return str(device) if device else "?"
 
 
 def _jax(run: Run) -> str:
-    versions = run.get("versions")
-    return str(versions.get("jax", "?")) if isinstance(versions, dict) else "?"
+  versions = run.get("versions")
+  return str(versions.get("jax", "?")) if isinstance(versions, dict) else "?"
 
 
 def _finish(table: Table, used: list[Run], notes: list[str]) -> Table:
-    """Attach the cell notes and the provenance note."""
-    table.notes += notes
-    note = provenance_note(used)
-    table.notes.append(note or "No completed runs found: all our cells are blank.")
-    return table
+  """Attach the cell notes and the provenance note."""
+  table.notes += notes
+  note = provenance_note(used)
+  table.notes.append(note or "No completed runs found: all our cells are blank.")
+  return table
 
 
 # ----------------------------------------------------------------------------- tables
 
 
-UNITS = ("ours = mean ± sample std over n seeds (no std for one seed); paper = the paper's number; "
-         "Δ = ours - paper; blank = no completed run.")
+UNITS = (
+  "ours = mean ± sample std over n seeds (no std for one seed); paper = the paper's number; "
+  "Δ = ours - paper; blank = no completed run."
+)
 
 
 def _optimizer_keys(
-    found: Iterable[tuple[str, Any]], order: Sequence[str]
+  found: Iterable[tuple[str, Any]], order: Sequence[str]
 ) -> list[tuple[str, Any]]:
-    """The paper's (optimizer, tau) rows plus any other tau found in our runs, in paper order."""
-    keys = {(o, None) for o in order if o in ("momentum", "adam")}
-    keys |= {(o, t) for o in order if o in ("qng", "ginger") for t in TAUS}
-    keys |= {(o, None if o in ("momentum", "adam") else t) for o, t in found if o in order}
-    return sorted(keys, key=lambda k: (order.index(k[0]), sort_key(k[1])))
+  """The paper's (optimizer, tau) rows plus any other tau found in our runs, in paper order."""
+  keys = {(o, None) for o in order if o in ("momentum", "adam")}
+  keys |= {(o, t) for o in order if o in ("qng", "ginger") for t in TAUS}
+  keys |= {(o, None if o in ("momentum", "adam") else t) for o, t in found if o in order}
+  return sorted(keys, key=lambda k: (order.index(k[0]), sort_key(k[1])))
 
 
 def cell_criteria(optimizer: str, tau: Any, **base: Any) -> dict[str, Any]:
-    """Cell criteria; the curvature methods must use the paper's alpha (or leave it unset)."""
-    crit = dict(base, optimizer=optimizer)
-    if tau is not None:
-        crit.update(tau=tau, alpha=(PAPER_ALPHA, None))
-    return crit
+  """Cell criteria; the curvature methods must use the paper's alpha (or leave it unset)."""
+  crit = dict(base, optimizer=optimizer)
+  if tau is not None:
+    crit.update(tau=tau, alpha=(PAPER_ALPHA, None))
+  return crit
 
 
 def _found(runs: Iterable[Run], **base: Any) -> set[tuple[str, Any]]:
-    """(optimizer, tau) pairs among runs that some cell of a table with `base` would use."""
-    return {(rfield(r, "optimizer"), rfield(r, "tau")) for r in runs
-            if is_done(r) and rfield(r, "sweep") not in EXCLUDED_SWEEPS
-            and all(_accepts(rfield(r, k), v) for k, v in base.items())
-            and (rfield(r, "tau") is None or _accepts(rfield(r, "alpha"), (PAPER_ALPHA, None)))}
+  """(optimizer, tau) pairs among runs that some cell of a table with `base` would use."""
+  return {
+    (rfield(r, "optimizer"), rfield(r, "tau"))
+    for r in runs
+    if is_done(r)
+    and rfield(r, "sweep") not in EXCLUDED_SWEEPS
+    and all(_accepts(rfield(r, k), v) for k, v in base.items())
+    and (rfield(r, "tau") is None or _accepts(rfield(r, "alpha"), (PAPER_ALPHA, None)))
+  }
 
 
-def _optimizer_table(table: Table, runs: Sequence[Run], groups: Sequence[tuple[str, dict]],
-                     metrics: Sequence[Metric], order: Sequence[str], paper: list[dict],
-                     sweeps: Sequence[str]) -> Table:
-    """Fill a Table 1/2-style table: rows (optimizer, tau), column groups from `groups`."""
-    found: set[tuple[str, Any]] = set()
-    for _, base in groups:
-        found |= _found(runs, **base)
-    used, notes = [], []
-    for optimizer, tau in _optimizer_keys(found, order):
-        label = optimizer_label(optimizer, tau)
-        cells: list[str] = []
-        for name, base in groups:
-            sel = select_runs(runs, cell_criteria(optimizer, tau, **base), sweeps)
-            paper_keys = {k: v for k, v in base.items() if k in ("model", "setting")}
-            cells += group_cells(sel, metrics, paper_row(paper, optimizer=optimizer, tau=tau,
-                                                         **paper_keys))
-            used += sel.runs
-            if sel.note:
-                notes.append(f"{name} / {label}: {sel.note}.")
-        rule = optimizer == "ginger" and not any(r.label.startswith("Ginger") for r in table.rows)
-        table.rows.append(Row(label, cells, rule_before=rule))
-    return _finish(table, used, notes)
+def _optimizer_table(
+  table: Table,
+  runs: Sequence[Run],
+  groups: Sequence[tuple[str, dict]],
+  metrics: Sequence[Metric],
+  order: Sequence[str],
+  paper: list[dict],
+  sweeps: Sequence[str],
+) -> Table:
+  """Fill a Table 1/2-style table: rows (optimizer, tau), column groups from `groups`."""
+  found: set[tuple[str, Any]] = set()
+  for _, base in groups:
+    found |= _found(runs, **base)
+  used, notes = [], []
+  for optimizer, tau in _optimizer_keys(found, order):
+    label = optimizer_label(optimizer, tau)
+    cells: list[str] = []
+    for name, base in groups:
+      sel = select_runs(runs, cell_criteria(optimizer, tau, **base), sweeps)
+      paper_keys = {k: v for k, v in base.items() if k in ("model", "setting")}
+      cells += group_cells(
+        sel, metrics, paper_row(paper, optimizer=optimizer, tau=tau, **paper_keys)
+      )
+      used += sel.runs
+      if sel.note:
+        notes.append(f"{name} / {label}: {sel.note}.")
+    rule = optimizer == "ginger" and not any(r.label.startswith("Ginger") for r in table.rows)
+    table.rows.append(Row(label, cells, rule_before=rule))
+  return _finish(table, used, notes)
 
 
 def build_table1(
-    runs: Sequence[Run],
-    dataset: str = "cifar100",
-    models: Sequence[str] = ("resnet18", "resnet50"),
-    flops: str = "analytic",
+  runs: Sequence[Run],
+  dataset: str = "cifar100",
+  models: Sequence[str] = ("resnet18", "resnet50"),
+  flops: str = "analytic",
 ) -> Table:
-    """Table 1: CIFAR-100, one row per optimizer (and tau), a column group per model."""
-    metrics = image_metrics(flops)
-    groups = [(MODEL_NAMES.get(m, m), {"dataset": dataset, "model": m}) for m in models]
-    caption = (f"Best validation accuracy (%), validation loss at that eval, minimum training "
-               f"loss (x1e-6, like the paper), FLOPs per iteration ({flops} count), peak memory "
-               f"(GB = bytes/1e9). {UNITS}")
-    title = "Table 1: CIFAR-100 (paper Table 1)"
-    if dataset != "cifar100":
-        title = (f"Table 1: {dataset} runs - NOT COMPARABLE with the paper "
-                 f"(paper columns are CIFAR-100)")
-    columns = [c for name, _ in groups for c in group_columns(name, metrics)]
-    table = Table("table1", title, caption, "Optimizer", columns)
-    return _optimizer_table(table, runs, groups, metrics, ("momentum", "adam", "qng", "ginger"),
-                            load_paper("table1_cifar100"), TABLE_SWEEPS["table1"])
+  """Table 1: CIFAR-100, one row per optimizer (and tau), a column group per model."""
+  metrics = image_metrics(flops)
+  groups = [(MODEL_NAMES.get(m, m), {"dataset": dataset, "model": m}) for m in models]
+  caption = (
+    f"Best validation accuracy (%), validation loss at that eval, minimum training "
+    f"loss (x1e-6, like the paper), FLOPs per iteration ({flops} count), peak memory "
+    f"(GB = bytes/1e9). {UNITS}"
+  )
+  title = "Table 1: CIFAR-100 (paper Table 1)"
+  if dataset != "cifar100":
+    title = f"Table 1: {dataset} runs - NOT COMPARABLE with the paper (paper columns are CIFAR-100)"
+  columns = [c for name, _ in groups for c in group_columns(name, metrics)]
+  table = Table("table1", title, caption, "Optimizer", columns)
+  return _optimizer_table(
+    table,
+    runs,
+    groups,
+    metrics,
+    ("momentum", "adam", "qng", "ginger"),
+    load_paper("table1_cifar100"),
+    TABLE_SWEEPS["table1"],
+  )
 
 
 def build_table2(runs: Sequence[Run], flops: str = "analytic") -> Table:
-    """Table 2: XSUM, one row per optimizer (and tau), column groups LoRA and Full."""
-    metrics = xsum_metrics(flops)
-    groups = [("LoRA", {"dataset": "xsum", "setting": "lora"}),
-              ("Full", {"dataset": "xsum", "setting": "full"})]
-    caption = (f"ROUGE-1/2/L (%), training perplexity, FLOPs per iteration ({flops} count), "
-               f"peak memory (GB = bytes/1e9). {UNITS}")
-    columns = [c for name, _ in groups for c in group_columns(name, metrics)]
-    table = Table("table2", "Table 2: XSUM, T5 (paper Table 2)", caption, "Optimizer", columns)
-    return _optimizer_table(table, runs, groups, metrics, ("adam", "momentum", "qng", "ginger"),
-                            load_paper("table2_xsum"), TABLE_SWEEPS["table2"])
+  """Table 2: XSUM, one row per optimizer (and tau), column groups LoRA and Full."""
+  metrics = xsum_metrics(flops)
+  groups = [
+    ("LoRA", {"dataset": "xsum", "setting": "lora"}),
+    ("Full", {"dataset": "xsum", "setting": "full"}),
+  ]
+  caption = (
+    f"ROUGE-1/2/L (%), training perplexity, FLOPs per iteration ({flops} count), "
+    f"peak memory (GB = bytes/1e9). {UNITS}"
+  )
+  columns = [c for name, _ in groups for c in group_columns(name, metrics)]
+  table = Table("table2", "Table 2: XSUM, T5 (paper Table 2)", caption, "Optimizer", columns)
+  return _optimizer_table(
+    table,
+    runs,
+    groups,
+    metrics,
+    ("adam", "momentum", "qng", "ginger"),
+    load_paper("table2_xsum"),
+    TABLE_SWEEPS["table2"],
+  )
 
 
-def _sensitivity(runs: Sequence[Run], name: str, metric: Metric, dataset: str,
-                 model: str = "resnet18") -> Table:
-    """Tables 3/4: Ginger on ResNet-18, rows alpha, column groups tau."""
-    what = "best validation accuracy (%)" if name == "table3" else "minimum training loss (x1e-6)"
-    number = name[-1]
-    title = (f"Table {number}: Ginger sensitivity, {what}, ResNet-18 / CIFAR-100 "
-             f"(paper Table {number})")
-    if dataset != "cifar100" or model != "resnet18":
-        title = (f"Table {number}: {dataset} / {model} runs - NOT COMPARABLE with the paper "
-                 f"(paper columns are ResNet-18 / CIFAR-100)")
-    columns = [c for t in SENSITIVITY_TAUS for c in group_columns(f"τ={t}", [metric])]
-    table = Table(name, title, f"Ginger, {what}, rows alpha, columns tau. {UNITS}", "α \\ τ",
-                  columns)
-    paper, used, notes = load_paper("table34_sensitivity"), [], []
-    for alpha in SENSITIVITY_ALPHAS:
-        cells: list[str] = []
-        for tau in SENSITIVITY_TAUS:
-            crit = {"dataset": dataset, "model": model, "optimizer": "ginger",
-                    "tau": tau, "alpha": alpha}
-            sel = select_runs(runs, crit, TABLE_SWEEPS[name])
-            cells += group_cells(sel, [metric], paper_row(paper, alpha=alpha, tau=tau))
-            used += sel.runs
-            if sel.note:
-                notes.append(f"α={alpha}, τ={tau}: {sel.note}.")
-        table.rows.append(Row(str(alpha), cells))
-    return _finish(table, used, notes)
+def _sensitivity(
+  runs: Sequence[Run], name: str, metric: Metric, dataset: str, model: str = "resnet18"
+) -> Table:
+  """Tables 3/4: Ginger on ResNet-18, rows alpha, column groups tau."""
+  what = "best validation accuracy (%)" if name == "table3" else "minimum training loss (x1e-6)"
+  number = name[-1]
+  title = (
+    f"Table {number}: Ginger sensitivity, {what}, ResNet-18 / CIFAR-100 (paper Table {number})"
+  )
+  if dataset != "cifar100" or model != "resnet18":
+    title = (
+      f"Table {number}: {dataset} / {model} runs - NOT COMPARABLE with the paper "
+      f"(paper columns are ResNet-18 / CIFAR-100)"
+    )
+  columns = [c for t in SENSITIVITY_TAUS for c in group_columns(f"τ={t}", [metric])]
+  table = Table(name, title, f"Ginger, {what}, rows alpha, columns tau. {UNITS}", "α \\ τ", columns)
+  paper, used, notes = load_paper("table34_sensitivity"), [], []
+  for alpha in SENSITIVITY_ALPHAS:
+    cells: list[str] = []
+    for tau in SENSITIVITY_TAUS:
+      crit = {"dataset": dataset, "model": model, "optimizer": "ginger", "tau": tau, "alpha": alpha}
+      sel = select_runs(runs, crit, TABLE_SWEEPS[name])
+      cells += group_cells(sel, [metric], paper_row(paper, alpha=alpha, tau=tau))
+      used += sel.runs
+      if sel.note:
+        notes.append(f"α={alpha}, τ={tau}: {sel.note}.")
+    table.rows.append(Row(str(alpha), cells))
+  return _finish(table, used, notes)
 
 
-def build_table3(runs: Sequence[Run], dataset: str = "cifar100",
-                 model: str = "resnet18") -> Table:
-    """Table 3 (paper: "Validation accuracy"): best val accuracy over alpha x tau."""
-    metric = Metric("Acc", _get("best_val_accuracy"), "val_acc", "f2")
-    return _sensitivity(runs, "table3", metric, dataset, model)
+def build_table3(runs: Sequence[Run], dataset: str = "cifar100", model: str = "resnet18") -> Table:
+  """Table 3 (paper: "Validation accuracy"): best val accuracy over alpha x tau."""
+  metric = Metric("Acc", _get("best_val_accuracy"), "val_acc", "f2")
+  return _sensitivity(runs, "table3", metric, dataset, model)
 
 
-def build_table4(runs: Sequence[Run], dataset: str = "cifar100",
-                 model: str = "resnet18") -> Table:
-    """Table 4 (paper: "Training loss"): min training loss (x1e-6) over alpha x tau."""
-    metric = Metric("Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2")
-    return _sensitivity(runs, "table4", metric, dataset, model)
+def build_table4(runs: Sequence[Run], dataset: str = "cifar100", model: str = "resnet18") -> Table:
+  """Table 4 (paper: "Training loss"): min training loss (x1e-6) over alpha x tau."""
+  metric = Metric("Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2")
+  return _sensitivity(runs, "table4", metric, dataset, model)
 
 
 # ----------------------------------------------------------------------------- ablation
@@ -581,246 +628,285 @@ ABLATION_VARIANT = ("rho", "block", "lr", "gamma")
 
 
 def ablation_metrics(dataset: Any) -> list[Metric]:
-    """Ablation columns; paper numbers only where the paper has them (CIFAR-100, XSUM)."""
-    image = dataset == "cifar100"
-    primary = "acc" if image else ("rougeL" if dataset == "xsum" else None)
-    return [
-        Metric("Acc / R-L", _primary, primary, "f2"),
-        Metric("Val loss", _first("val_loss_at_best", "val_loss"),
-               "val_loss" if image else None, "f3"),
-        Metric("Train loss 1e-6", _get("min_train_loss", 1e6),
-               "min_train_loss_1e-6" if image else None, "f2"),
-        Metric("Step s", _get("step_time_s"), None, "f3", paired=False),
-        Metric("Mem GB", _get("peak_memory_bytes", 1e-9), None, "f2", paired=False),
-    ]
+  """Ablation columns; paper numbers only where the paper has them (CIFAR-100, XSUM)."""
+  image = dataset == "cifar100"
+  primary = "acc" if image else ("rougeL" if dataset == "xsum" else None)
+  return [
+    Metric("Acc / R-L", _primary, primary, "f2"),
+    Metric("Val loss", _first("val_loss_at_best", "val_loss"), "val_loss" if image else None, "f3"),
+    Metric(
+      "Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6" if image else None, "f2"
+    ),
+    Metric("Step s", _get("step_time_s"), None, "f3", paired=False),
+    Metric("Mem GB", _get("peak_memory_bytes", 1e-9), None, "f2", paired=False),
+  ]
 
 
 def _ablation_paper(base: dict[str, Any]) -> dict[str, str] | None:
-    """The paper's Ginger row at the same model/setting and tau, if the paper has one."""
-    if base["dataset"] == "cifar100":
-        return paper_row(load_paper("table1_cifar100"), optimizer="ginger", tau=base["tau"],
-                         model=base["model"])
-    if base["dataset"] == "xsum":
-        return paper_row(load_paper("table2_xsum"), optimizer="ginger", tau=base["tau"],
-                         setting=base["setting"])
-    return None
+  """The paper's Ginger row at the same model/setting and tau, if the paper has one."""
+  if base["dataset"] == "cifar100":
+    return paper_row(
+      load_paper("table1_cifar100"), optimizer="ginger", tau=base["tau"], model=base["model"]
+    )
+  if base["dataset"] == "xsum":
+    return paper_row(
+      load_paper("table2_xsum"), optimizer="ginger", tau=base["tau"], setting=base["setting"]
+    )
+  return None
 
 
 def _ablation_groups(runs: Iterable[Run]) -> dict[tuple, dict[tuple, list[Run]]]:
-    """Completed Ginger runs: base config -> variant (rho, block, lr, gamma) -> runs."""
-    groups: dict[tuple, dict[tuple, list[Run]]] = {}
-    for run in runs:
-        if rfield(run, "optimizer") != "ginger" or not is_done(run):
-            continue
-        if rfield(run, "sweep") in EXCLUDED_SWEEPS:
-            continue
-        base = tuple(rfield(run, k) for k in ABLATION_BASE)
-        variant = tuple(rfield(run, k) for k in ABLATION_VARIANT)
-        groups.setdefault(base, {}).setdefault(variant, []).append(run)
-    return groups
+  """Completed Ginger runs: base config -> variant (rho, block, lr, gamma) -> runs."""
+  groups: dict[tuple, dict[tuple, list[Run]]] = {}
+  for run in runs:
+    if rfield(run, "optimizer") != "ginger" or not is_done(run):
+      continue
+    if rfield(run, "sweep") in EXCLUDED_SWEEPS:
+      continue
+    base = tuple(rfield(run, k) for k in ABLATION_BASE)
+    variant = tuple(rfield(run, k) for k in ABLATION_VARIANT)
+    groups.setdefault(base, {}).setdefault(variant, []).append(run)
+  return groups
 
 
 def _tuple_key(values: tuple) -> tuple:
-    return tuple(sort_key(v) for v in values)
+  return tuple(sort_key(v) for v in values)
 
 
 def build_ablation(runs: Sequence[Run]) -> Table:
-    """Ginger with vs without the element-wise clip rho, per-tensor vs global block.
+  """Ginger with vs without the element-wise clip rho, per-tensor vs global block.
 
-    One row per variant (rho, block, lr, gamma) of every base setting (dataset, model, setting,
-    tau, alpha) that has at least two variants among completed Ginger runs.
-    """
-    columns = [Column("", h) for h in ("ρ", "block", "lr", "γ")]
-    columns += group_columns("", ablation_metrics("cifar100"))
-    caption = ("Ginger ablation: element-wise clip rho (none = no clip) and curvature block "
-               "(per_tensor / global). paper = the paper's Ginger number at the same model "
-               "(or XSUM setting) and tau; the paper does not name its variant (the authors' "
-               "code clips with rho=1, per tensor). Acc / R-L = best val. accuracy (%) or "
-               "ROUGE-L; Step s = median step time; Mem GB = bytes/1e9. " + UNITS)
-    table = Table("table_ablation", "Ablation: Ginger clip (rho) and block", caption,
-                  "Setting", columns)
-    used: list[Run] = []
-    for base_values, variants in sorted(_ablation_groups(runs).items(),
-                                        key=lambda kv: _tuple_key(kv[0])):
-        if len(variants) < 2:
-            continue
-        base = dict(zip(ABLATION_BASE, base_values, strict=True))
-        label = " ".join(str(base[k]) for k in ("dataset", "model", "setting") if base[k])
-        label += f" τ={base['tau']} α={base['alpha']}"
-        metrics, paper = ablation_metrics(base["dataset"]), _ablation_paper(base)
-        for i, (variant, vruns) in enumerate(sorted(variants.items(),
-                                                    key=lambda kv: _tuple_key(kv[0]))):
-            sel = Selection(dedupe_seeds(vruns))
-            rho, block, lr, gamma = ("none" if v is None else str(v) for v in variant)
-            cells = [rho, block, lr, gamma] + group_cells(sel, metrics, paper)
-            table.rows.append(Row(label, cells, rule_before=i == 0 and bool(table.rows)))
-            used += sel.runs
-    if not table.rows:
-        table.notes.append("No setting has two or more Ginger variants (rho/block/lr/gamma) yet.")
-    return _finish(table, used, [])
+  One row per variant (rho, block, lr, gamma) of every base setting (dataset, model, setting,
+  tau, alpha) that has at least two variants among completed Ginger runs.
+  """
+  columns = [Column("", h) for h in ("ρ", "block", "lr", "γ")]
+  columns += group_columns("", ablation_metrics("cifar100"))
+  caption = (
+    "Ginger ablation: element-wise clip rho (none = no clip) and curvature block "
+    "(per_tensor / global). paper = the paper's Ginger number at the same model "
+    "(or XSUM setting) and tau; the paper does not name its variant (the authors' "
+    "code clips with rho=1, per tensor). Acc / R-L = best val. accuracy (%) or "
+    "ROUGE-L; Step s = median step time; Mem GB = bytes/1e9. " + UNITS
+  )
+  table = Table(
+    "table_ablation", "Ablation: Ginger clip (rho) and block", caption, "Setting", columns
+  )
+  used: list[Run] = []
+  for base_values, variants in sorted(
+    _ablation_groups(runs).items(), key=lambda kv: _tuple_key(kv[0])
+  ):
+    if len(variants) < 2:
+      continue
+    base = dict(zip(ABLATION_BASE, base_values, strict=True))
+    label = " ".join(str(base[k]) for k in ("dataset", "model", "setting") if base[k])
+    label += f" τ={base['tau']} α={base['alpha']}"
+    metrics, paper = ablation_metrics(base["dataset"]), _ablation_paper(base)
+    for i, (variant, vruns) in enumerate(
+      sorted(variants.items(), key=lambda kv: _tuple_key(kv[0]))
+    ):
+      sel = Selection(dedupe_seeds(vruns))
+      rho, block, lr, gamma = ("none" if v is None else str(v) for v in variant)
+      cells = [rho, block, lr, gamma] + group_cells(sel, metrics, paper)
+      table.rows.append(Row(label, cells, rule_before=i == 0 and bool(table.rows)))
+      used += sel.runs
+  if not table.rows:
+    table.notes.append("No setting has two or more Ginger variants (rho/block/lr/gamma) yet.")
+  return _finish(table, used, [])
 
 
 def build_all(
-    runs: Sequence[Run], dataset: str = "cifar100", flops: str = "analytic",
-    models: Sequence[str] = ("resnet18", "resnet50"),
+  runs: Sequence[Run],
+  dataset: str = "cifar100",
+  flops: str = "analytic",
+  models: Sequence[str] = ("resnet18", "resnet50"),
 ) -> list[Table]:
-    """All five tables; Tables 3/4 use the first of ``models``."""
-    return [
-        build_table1(runs, dataset, models=models, flops=flops),
-        build_table2(runs, flops=flops),
-        build_table3(runs, dataset, models[0]),
-        build_table4(runs, dataset, models[0]),
-        build_ablation(runs),
-    ]
+  """All five tables; Tables 3/4 use the first of ``models``."""
+  return [
+    build_table1(runs, dataset, models=models, flops=flops),
+    build_table2(runs, flops=flops),
+    build_table3(runs, dataset, models[0]),
+    build_table4(runs, dataset, models[0]),
+    build_ablation(runs),
+  ]
 
 
 # ----------------------------------------------------------------------------- rendering
 
 
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|")
+  return text.replace("|", "\\|")
 
 
 def to_markdown(table: Table) -> str:
-    """A GitHub pipe table with title, caption and notes; headers read "<group> <label>"."""
-    headers = [table.row_header] + [c.header() for c in table.columns]
-    lines = [f"## {table.title}", "", table.caption, ""]
-    lines.append("| " + " | ".join(_md_cell(h) for h in headers) + " |")
-    lines.append("|---|" + "---:|" * len(table.columns))
-    for row in table.rows:
-        lines.append("| " + " | ".join(_md_cell(c) for c in [row.label, *row.cells]) + " |")
-    if table.notes:
-        lines.append("")
-        lines += [f"- {note}" for note in table.notes]
-    return "\n".join(lines) + "\n"
+  """A GitHub pipe table with title, caption and notes; headers read "<group> <label>"."""
+  headers = [table.row_header] + [c.header() for c in table.columns]
+  lines = [f"## {table.title}", "", table.caption, ""]
+  lines.append("| " + " | ".join(_md_cell(h) for h in headers) + " |")
+  lines.append("|---|" + "---:|" * len(table.columns))
+  for row in table.rows:
+    lines.append("| " + " | ".join(_md_cell(c) for c in [row.label, *row.cells]) + " |")
+  if table.notes:
+    lines.append("")
+    lines += [f"- {note}" for note in table.notes]
+  return "\n".join(lines) + "\n"
 
 
 LATEX_CHARS = {
-    "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-    "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-    "±": r"$\pm$", "Δ": r"$\Delta$", "τ": r"$\tau$", "α": r"$\alpha$", "ρ": r"$\rho$",
-    "γ": r"$\gamma$", "×": r"$\times$",
+  "\\": r"\textbackslash{}",
+  "&": r"\&",
+  "%": r"\%",
+  "$": r"\$",
+  "#": r"\#",
+  "_": r"\_",
+  "{": r"\{",
+  "}": r"\}",
+  "~": r"\textasciitilde{}",
+  "^": r"\textasciicircum{}",
+  "±": r"$\pm$",
+  "Δ": r"$\Delta$",
+  "τ": r"$\tau$",
+  "α": r"$\alpha$",
+  "ρ": r"$\rho$",
+  "γ": r"$\gamma$",
+  "×": r"$\times$",
 }
 
 
 def latex_escape(text: str) -> str:
-    """Escape LaTeX specials and turn the few Greek/math characters we use into math."""
-    return "".join(LATEX_CHARS.get(ch, ch) for ch in text)
+  """Escape LaTeX specials and turn the few Greek/math characters we use into math."""
+  return "".join(LATEX_CHARS.get(ch, ch) for ch in text)
 
 
 def _spans(columns: Sequence[Column], key: Callable[[Column], Any]) -> list[tuple[Any, int, int]]:
-    """(key, first, last) LaTeX column numbers (1-based, after the label column) of each run of
-    consecutive columns with the same key."""
-    spans: list[tuple[Any, int, int]] = []
-    for i, col in enumerate(columns, start=2):
-        if spans and spans[-1][0] == key(col):
-            spans[-1] = (spans[-1][0], spans[-1][1], i)
-        else:
-            spans.append((key(col), i, i))
-    return spans
+  """(key, first, last) LaTeX column numbers (1-based, after the label column) of each run of
+  consecutive columns with the same key."""
+  spans: list[tuple[Any, int, int]] = []
+  for i, col in enumerate(columns, start=2):
+    if spans and spans[-1][0] == key(col):
+      spans[-1] = (spans[-1][0], spans[-1][1], i)
+    else:
+      spans.append((key(col), i, i))
+  return spans
 
 
 def _span_row(spans: list[tuple[Any, int, int]], text: Callable[[Any], str]) -> list[str]:
-    """A header row of multicolumns over `spans`, then the cmidrules under the named ones."""
-    cells = [""] + [rf"\multicolumn{{{b - a + 1}}}{{c}}{{{latex_escape(text(k))}}}"
-                    if text(k) else "" for k, a, b in spans]
-    rules = " ".join(rf"\cmidrule(lr){{{a}-{b}}}" for k, a, b in spans if text(k) and b > a)
-    return ["    " + " & ".join(cells) + r" \\"] + (["    " + rules] if rules else [])
+  """A header row of multicolumns over `spans`, then the cmidrules under the named ones."""
+  cells = [""] + [
+    rf"\multicolumn{{{b - a + 1}}}{{c}}{{{latex_escape(text(k))}}}" if text(k) else ""
+    for k, a, b in spans
+  ]
+  rules = " ".join(rf"\cmidrule(lr){{{a}-{b}}}" for k, a, b in spans if text(k) and b > a)
+  return ["    " + " & ".join(cells) + r" \\"] + (["    " + rules] if rules else [])
 
 
 def _latex_header(table: Table) -> list[str]:
-    """Up to three header rows: groups, metrics (over ours/paper/Δ), then the sub-labels."""
-    lines = []
-    cols = table.columns
-    if any(c.group for c in cols):
-        lines += _span_row(_spans(cols, lambda c: c.group), str)
-    has_subs = any(c.sub for c in cols)
-    if has_subs:
-        lines += _span_row(_spans(cols, lambda c: (c.group, c.label) if c.sub else id(c)),
-                           lambda k: k[1] if isinstance(k, tuple) else "")
-    labels = [table.row_header] + [c.sub or c.label for c in cols]  # n etc. on the last row
-    lines.append("    " + " & ".join(latex_escape(x) for x in labels) + r" \\")
-    return lines
+  """Up to three header rows: groups, metrics (over ours/paper/Δ), then the sub-labels."""
+  lines = []
+  cols = table.columns
+  if any(c.group for c in cols):
+    lines += _span_row(_spans(cols, lambda c: c.group), str)
+  has_subs = any(c.sub for c in cols)
+  if has_subs:
+    lines += _span_row(
+      _spans(cols, lambda c: (c.group, c.label) if c.sub else id(c)),
+      lambda k: k[1] if isinstance(k, tuple) else "",
+    )
+  labels = [table.row_header] + [c.sub or c.label for c in cols]  # n etc. on the last row
+  lines.append("    " + " & ".join(latex_escape(x) for x in labels) + r" \\")
+  return lines
 
 
 def _caption_title(table: Table) -> str:
-    """The title without its "Table N: " prefix (LaTeX numbers the caption itself)."""
-    return re.sub(r"^Table \d+:\s*", "", table.title)
+  """The title without its "Table N: " prefix (LaTeX numbers the caption itself)."""
+  return re.sub(r"^Table \d+:\s*", "", table.title)
 
 
 def to_latex(table: Table) -> str:
-    """A booktabs table* (needs booktabs and graphicx), laid out like the paper's table."""
-    lines = [
-        "% Generated by `python -m results.tables`; do not edit by hand.",
-        r"\begin{table*}[t]",
-        r"  \centering",
-        r"  \small",
-        f"  \\caption{{{latex_escape(_caption_title(table))}. {latex_escape(table.caption)}}}",
-        f"  \\label{{tab:repro-{table.name.replace('_', '-')}}}",
-        r"  \resizebox{\textwidth}{!}{%",
-        r"  \begin{tabular}{l" + "r" * len(table.columns) + "}",
-        r"    \toprule",
-        *_latex_header(table),
-        r"    \midrule",
-    ]
-    for row in table.rows:
-        if row.rule_before:
-            lines.append(r"    \midrule")
-        lines.append("    " + " & ".join(latex_escape(c) for c in [row.label, *row.cells])
-                     + r" \\")
-    lines += [r"    \bottomrule", r"  \end{tabular}}", r"\end{table*}"]
-    lines += [f"% {note}" for note in table.notes]
-    return "\n".join(lines) + "\n"
+  """A booktabs table* (needs booktabs and graphicx), laid out like the paper's table."""
+  lines = [
+    "% Generated by `python -m results.tables`; do not edit by hand.",
+    r"\begin{table*}[t]",
+    r"  \centering",
+    r"  \small",
+    f"  \\caption{{{latex_escape(_caption_title(table))}. {latex_escape(table.caption)}}}",
+    f"  \\label{{tab:repro-{table.name.replace('_', '-')}}}",
+    r"  \resizebox{\textwidth}{!}{%",
+    r"  \begin{tabular}{l" + "r" * len(table.columns) + "}",
+    r"    \toprule",
+    *_latex_header(table),
+    r"    \midrule",
+  ]
+  for row in table.rows:
+    if row.rule_before:
+      lines.append(r"    \midrule")
+    lines.append("    " + " & ".join(latex_escape(c) for c in [row.label, *row.cells]) + r" \\")
+  lines += [r"    \bottomrule", r"  \end{tabular}}", r"\end{table*}"]
+  lines += [f"% {note}" for note in table.notes]
+  return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- command line
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Command-line options."""
-    parser = argparse.ArgumentParser(prog="python -m results.tables", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
-    parser.add_argument("--out", default="results", help="where to write the tables")
-    parser.add_argument("--dataset", default="cifar100",
-                        help="dataset for Tables 1, 3, 4 (e.g. cifar10 stand-in runs; such "
-                             "tables are labelled not comparable and get a _<dataset> suffix)")
-    parser.add_argument("--models", nargs="+", default=["resnet18", "resnet50"],
-                        help="models of Table 1's column groups; Tables 3/4 use the first "
-                             "(e.g. --dataset digits --models resnet_tiny for smoke sweeps)")
-    parser.add_argument("--flops", choices=FLOPS_SOURCES, default="analytic",
-                        help="which FLOP count of summary.json to report")
-    return parser.parse_args(argv)
+  """Command-line options."""
+  parser = argparse.ArgumentParser(
+    prog="python -m results.tables",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
+  parser.add_argument("--out", default="results", help="where to write the tables")
+  parser.add_argument(
+    "--dataset",
+    default="cifar100",
+    help="dataset for Tables 1, 3, 4 (e.g. cifar10 stand-in runs; such "
+    "tables are labelled not comparable and get a _<dataset> suffix)",
+  )
+  parser.add_argument(
+    "--models",
+    nargs="+",
+    default=["resnet18", "resnet50"],
+    help="models of Table 1's column groups; Tables 3/4 use the first "
+    "(e.g. --dataset digits --models resnet_tiny for smoke sweeps)",
+  )
+  parser.add_argument(
+    "--flops",
+    choices=FLOPS_SOURCES,
+    default="analytic",
+    help="which FLOP count of summary.json to report",
+  )
+  return parser.parse_args(argv)
 
 
 def run_report(roots: Sequence[str], runs: Sequence[Run]) -> str:
-    """One line: how many run dirs were found, used and skipped (and why)."""
-    dirs = find_run_dirs(roots)
-    status: dict[str, int] = {}
-    for run in runs:
-        key = "completed" if is_done(run) else str(run.get("status"))
-        status[key] = status.get(key, 0) + 1
-    parts = [f"{n} {k}" for k, n in sorted(status.items())]
-    parts.append(f"{len(dirs) - len(runs)} without a usable summary.json (skipped)")
-    return f"{len(dirs)} run dirs under {', '.join(roots)}: " + ", ".join(parts)
+  """One line: how many run dirs were found, used and skipped (and why)."""
+  dirs = find_run_dirs(roots)
+  status: dict[str, int] = {}
+  for run in runs:
+    key = "completed" if is_done(run) else str(run.get("status"))
+    status[key] = status.get(key, 0) + 1
+  parts = [f"{n} {k}" for k, n in sorted(status.items())]
+  parts.append(f"{len(dirs) - len(runs)} without a usable summary.json (skipped)")
+  return f"{len(dirs)} run dirs under {', '.join(roots)}: " + ", ".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Scan the roots, build every table and write <out>/<name>.md and .tex."""
-    args = parse_args(argv)
-    roots = args.roots or list(DEFAULT_ROOTS)
-    runs = collect_runs(roots)
-    print(run_report(roots, runs), file=sys.stderr)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.dataset == "cifar100" else f"_{args.dataset}"
-    for table in build_all(runs, args.dataset, args.flops, args.models):
-        name = table.name + (suffix if table.name in ("table1", "table3", "table4") else "")
-        (out / f"{name}.md").write_text(to_markdown(table))
-        (out / f"{name}.tex").write_text(to_latex(table))
-        print(f"wrote {out / name}.md and .tex", file=sys.stderr)
-    return 0
+  """Scan the roots, build every table and write <out>/<name>.md and .tex."""
+  args = parse_args(argv)
+  roots = args.roots or list(DEFAULT_ROOTS)
+  runs = collect_runs(roots)
+  print(run_report(roots, runs), file=sys.stderr)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  suffix = "" if args.dataset == "cifar100" else f"_{args.dataset}"
+  for table in build_all(runs, args.dataset, args.flops, args.models):
+    name = table.name + (suffix if table.name in ("table1", "table3", "table4") else "")
+    (out / f"{name}.md").write_text(to_markdown(table))
+    (out / f"{name}.tex").write_text(to_latex(table))
+    print(f"wrote {out / name}.md and .tex", file=sys.stderr)
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

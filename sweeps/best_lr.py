@@ -55,218 +55,266 @@ HEADER = """\
 
 @dataclass
 class Candidate:
-    """One learning rate of one (experiment, optimizer): its finished and diverged runs."""
+  """One learning rate of one (experiment, optimizer): its finished and diverged runs."""
 
-    lr: float
-    scores: list[float] = field(default_factory=list)
-    failed: int = 0
+  lr: float
+  scores: list[float] = field(default_factory=list)
+  failed: int = 0
 
-    def mean(self) -> float | None:
-        """The mean score, or None if a run diverged or none finished with a score."""
-        if self.failed or not self.scores:
-            return None
-        return statistics.fmean(self.scores)
+  def mean(self) -> float | None:
+    """The mean score, or None if a run diverged or none finished with a score."""
+    if self.failed or not self.scores:
+      return None
+    return statistics.fmean(self.scores)
 
 
 def run_family(run: Run) -> str | None:
-    """"resnet" or "t5" (from the run's config), None when unknown."""
-    model = (run.get("config") or {}).get("model") or {}
-    return model.get("family")
+  """ "resnet" or "t5" (from the run's config), None when unknown."""
+  model = (run.get("config") or {}).get("model") or {}
+  return model.get("family")
 
 
 def holdout(run: Run) -> int:
-    data = (run.get("config") or {}).get("data") or {}
-    return int(data.get("holdout") or 0)
+  data = (run.get("config") or {}).get("data") or {}
+  return int(data.get("holdout") or 0)
 
 
 def tuning_runs(runs: Iterable[Run], notes: list[str]) -> list[Run]:
-    """The lr_tune runs that may be used: finished or diverged, validated off the test split."""
-    out = []
-    for run in runs:
-        if rfield(run, "sweep") != SWEEP:
-            continue
-        if not is_done(run) and run.get("status") != "failed":
-            continue  # still running (or an unknown status): not a result yet
-        if run_family(run) == "resnet" and holdout(run) <= 0:
-            notes.append(f"skipped {run['path']}: an lr_tune run that validated on the test "
-                         f"split (data.holdout=0); use `+sweep=lr_tune`, which holds out images")
-            continue
-        out.append(run)
-    return out
+  """The lr_tune runs that may be used: finished or diverged, validated off the test split."""
+  out = []
+  for run in runs:
+    if rfield(run, "sweep") != SWEEP:
+      continue
+    if not is_done(run) and run.get("status") != "failed":
+      continue  # still running (or an unknown status): not a result yet
+    if run_family(run) == "resnet" and holdout(run) <= 0:
+      notes.append(
+        f"skipped {run['path']}: an lr_tune run that validated on the test "
+        f"split (data.holdout=0); use `+sweep=lr_tune`, which holds out images"
+      )
+      continue
+    out.append(run)
+  return out
 
 
 def newest_per_setting(runs: Iterable[Run]) -> list[Run]:
-    """One run per (seed and every hyper-parameter): a rerun replaces the earlier summary."""
-    keys = ("experiment", "optimizer", "seed", "tau", "alpha", "gamma", "rho", "block", "lr",
-            "model", "dataset", "setting")
-    best: dict[tuple, Run] = {}
-    for run in runs:
-        key = tuple(repr(rfield(run, k)) for k in keys)
-        if key not in best or run.get("mtime", 0) > best[key].get("mtime", 0):
-            best[key] = run
-    return list(best.values())
+  """One run per (seed and every hyper-parameter): a rerun replaces the earlier summary."""
+  keys = (
+    "experiment",
+    "optimizer",
+    "seed",
+    "tau",
+    "alpha",
+    "gamma",
+    "rho",
+    "block",
+    "lr",
+    "model",
+    "dataset",
+    "setting",
+  )
+  best: dict[tuple, Run] = {}
+  for run in runs:
+    key = tuple(repr(rfield(run, k)) for k in keys)
+    if key not in best or run.get("mtime", 0) > best[key].get("mtime", 0):
+      best[key] = run
+  return list(best.values())
 
 
 def choose_metric(runs: Sequence[Run], seq2seq_metric: str | None) -> str:
-    """The score of an (experiment, optimizer) group's runs."""
-    if all(run_family(r) == "resnet" for r in runs):
-        return "best_val_accuracy"
-    if seq2seq_metric:
-        return seq2seq_metric
-    finished = [r for r in runs if is_done(r)]
-    if finished and all(is_number(r.get("rougeL")) for r in finished):
-        return "rougeL"
-    return "val_loss"
+  """The score of an (experiment, optimizer) group's runs."""
+  if all(run_family(r) == "resnet" for r in runs):
+    return "best_val_accuracy"
+  if seq2seq_metric:
+    return seq2seq_metric
+  finished = [r for r in runs if is_done(r)]
+  if finished and all(is_number(r.get("rougeL")) for r in finished):
+    return "rougeL"
+  return "val_loss"
 
 
 def candidates(runs: Iterable[Run], metric: str) -> list[Candidate]:
-    """One Candidate per lr, sorted by lr (descending, like LR_GRID)."""
-    by_lr: dict[float, Candidate] = {}
-    for run in runs:
-        lr = float(rfield(run, "lr"))
-        cand = by_lr.setdefault(lr, Candidate(lr))
-        value = run.get(metric)
-        if run.get("status") == "failed":
-            cand.failed += 1
-        elif is_number(value) and math.isfinite(value):
-            cand.scores.append(float(value))
-    return sorted(by_lr.values(), key=lambda c: -c.lr)
+  """One Candidate per lr, sorted by lr (descending, like LR_GRID)."""
+  by_lr: dict[float, Candidate] = {}
+  for run in runs:
+    lr = float(rfield(run, "lr"))
+    cand = by_lr.setdefault(lr, Candidate(lr))
+    value = run.get(metric)
+    if run.get("status") == "failed":
+      cand.failed += 1
+    elif is_number(value) and math.isfinite(value):
+      cand.scores.append(float(value))
+  return sorted(by_lr.values(), key=lambda c: -c.lr)
 
 
 def pick(cands: Sequence[Candidate], metric: str) -> Candidate | None:
-    """The eligible candidate with the best mean score (ties: the smaller lr)."""
-    eligible = [c for c in cands if c.mean() is not None]
-    if not eligible:
-        return None
-    sign = -1.0 if METRICS[metric] else 1.0
-    return min(eligible, key=lambda c: (sign * c.mean(), c.lr))
+  """The eligible candidate with the best mean score (ties: the smaller lr)."""
+  eligible = [c for c in cands if c.mean() is not None]
+  if not eligible:
+    return None
+  sign = -1.0 if METRICS[metric] else 1.0
+  return min(eligible, key=lambda c: (sign * c.mean(), c.lr))
 
 
 def entry(cands: Sequence[Candidate], best: Candidate, metric: str) -> dict[str, Any]:
-    """What configs/best_lr/<experiment>.yaml holds for one optimizer."""
-    seeds = max(len(c.scores) for c in cands)
-    tried = f"{len(cands)} of the {len(LR_GRID)} protocol lrs" if len(cands) < len(LR_GRID) \
-        else f"{len(cands)} lrs"
-    return {
-        "lr": best.lr,
-        "source": f"lr_tune: best mean {metric} {best.mean():.4g} over {tried}, "
-                  f"up to {seeds} seed(s)",
-        "metric": metric,
-        "score": best.mean(),
-        "candidates": [{"lr": c.lr, "score": c.mean(), "runs": len(c.scores) + c.failed,
-                        "diverged": c.failed} for c in cands],
-    }
+  """What configs/best_lr/<experiment>.yaml holds for one optimizer."""
+  seeds = max(len(c.scores) for c in cands)
+  tried = (
+    f"{len(cands)} of the {len(LR_GRID)} protocol lrs"
+    if len(cands) < len(LR_GRID)
+    else f"{len(cands)} lrs"
+  )
+  return {
+    "lr": best.lr,
+    "source": f"lr_tune: best mean {metric} {best.mean():.4g} over {tried}, up to {seeds} seed(s)",
+    "metric": metric,
+    "score": best.mean(),
+    "candidates": [
+      {"lr": c.lr, "score": c.mean(), "runs": len(c.scores) + c.failed, "diverged": c.failed}
+      for c in cands
+    ],
+  }
 
 
 def default_lr(optimizer: str, config_dir: Path) -> Any:
-    path = config_dir / "optimizer" / f"{optimizer}.yaml"
-    return OmegaConf.load(path).get("lr") if path.exists() else None
+  path = config_dir / "optimizer" / f"{optimizer}.yaml"
+  return OmegaConf.load(path).get("lr") if path.exists() else None
 
 
 def optimizers(config_dir: Path) -> list[str]:
-    return sorted(p.stem for p in (config_dir / "optimizer").glob("*.yaml"))
+  return sorted(p.stem for p in (config_dir / "optimizer").glob("*.yaml"))
 
 
 def referenced(experiment: str, config_dir: Path) -> bool:
-    """Whether some configs/sweep/exp file loads configs/best_lr/<experiment>.yaml."""
-    pattern = re.compile(rf"best_lr@best_lr: {re.escape(experiment)}\s*$", re.MULTILINE)
-    return any(pattern.search(p.read_text())
-               for p in (config_dir / "sweep" / "exp").rglob("*.yaml"))
+  """Whether some configs/sweep/exp file loads configs/best_lr/<experiment>.yaml."""
+  pattern = re.compile(rf"best_lr@best_lr: {re.escape(experiment)}\s*$", re.MULTILINE)
+  return any(pattern.search(p.read_text()) for p in (config_dir / "sweep" / "exp").rglob("*.yaml"))
 
 
-def best_lrs(runs: Iterable[Run], seq2seq_metric: str | None = None, notes: list[str] | None = None
-             ) -> dict[str, dict[str, dict[str, Any]]]:
-    """{experiment: {optimizer: entry}} from the lr_tune runs among `runs`; notes get appended
-    for optimizers that have runs but no eligible lr."""
-    notes = [] if notes is None else notes
-    groups: dict[tuple[str, str], list[Run]] = {}
-    for run in newest_per_setting(tuning_runs(runs, notes)):
-        key = (str(rfield(run, "experiment")), str(rfield(run, "optimizer")))
-        groups.setdefault(key, []).append(run)
-    result: dict[str, dict[str, dict[str, Any]]] = {}
-    for (experiment, optimizer), group in sorted(groups.items()):
-        metric = choose_metric(group, seq2seq_metric)
-        cands = candidates(group, metric)
-        best = pick(cands, metric)
-        result.setdefault(experiment, {})
-        if best is None:
-            diverged = sum(c.failed for c in cands)
-            notes.append(f"{experiment} {optimizer}: {len(group)} lr_tune run(s) but no eligible "
-                         f"lr ({diverged} diverged, none scored {metric})")
-            continue
-        result[experiment][optimizer] = entry(cands, best, metric)
-    return result
+def best_lrs(
+  runs: Iterable[Run], seq2seq_metric: str | None = None, notes: list[str] | None = None
+) -> dict[str, dict[str, dict[str, Any]]]:
+  """{experiment: {optimizer: entry}} from the lr_tune runs among `runs`; notes get appended
+  for optimizers that have runs but no eligible lr."""
+  notes = [] if notes is None else notes
+  groups: dict[tuple[str, str], list[Run]] = {}
+  for run in newest_per_setting(tuning_runs(runs, notes)):
+    key = (str(rfield(run, "experiment")), str(rfield(run, "optimizer")))
+    groups.setdefault(key, []).append(run)
+  result: dict[str, dict[str, dict[str, Any]]] = {}
+  for (experiment, optimizer), group in sorted(groups.items()):
+    metric = choose_metric(group, seq2seq_metric)
+    cands = candidates(group, metric)
+    best = pick(cands, metric)
+    result.setdefault(experiment, {})
+    if best is None:
+      diverged = sum(c.failed for c in cands)
+      notes.append(
+        f"{experiment} {optimizer}: {len(group)} lr_tune run(s) but no eligible "
+        f"lr ({diverged} diverged, none scored {metric})"
+      )
+      continue
+    result[experiment][optimizer] = entry(cands, best, metric)
+  return result
 
 
 def render(experiment: str, entries: dict[str, dict[str, Any]]) -> str:
-    metrics = sorted({e.get("metric", "?") for e in entries.values()})
-    what = " / ".join(metrics) or "score"
-    body = yaml.safe_dump(entries, sort_keys=True, default_flow_style=None, width=100)
-    return HEADER.format(what=what, name=experiment) + body
+  metrics = sorted({e.get("metric", "?") for e in entries.values()})
+  what = " / ".join(metrics) or "score"
+  body = yaml.safe_dump(entries, sort_keys=True, default_flow_style=None, width=100)
+  return HEADER.format(what=what, name=experiment) + body
 
 
-def write(results: dict[str, dict[str, dict[str, Any]]], out: Path, config_dir: Path,
-          experiments: Sequence[str] = (), dry_run: bool = False) -> list[str]:
-    """Write one file per experiment with results; return the report lines."""
-    lines: list[str] = []
-    for experiment in sorted(set(results) | set(experiments)):
-        tuned = dict(results.get(experiment, {}))
-        path = out / f"{experiment}.yaml"
-        kept: dict[str, Any] = {}
-        if path.exists():
-            old = yaml.safe_load(path.read_text()) or {}
-            kept = {k: v for k, v in old.items() if k not in tuned}
-        for optimizer in optimizers(config_dir):
-            if optimizer in tuned:
-                e = tuned[optimizer]
-                lines.append(f"{experiment} {optimizer}: lr {e['lr']} ({e['source']})")
-            elif optimizer in kept:
-                lines.append(f"{experiment} {optimizer}: lr {kept[optimizer].get('lr')} kept from "
-                             f"{path} (no lr_tune runs found for it now)")
-            else:
-                lines.append(f"{experiment} {optimizer}: no finished lr_tune run -> the default "
-                             f"lr {default_lr(optimizer, config_dir)} of "
-                             f"configs/optimizer/{optimizer}.yaml is used")
-        if not tuned:
-            continue
-        if not referenced(experiment, config_dir):
-            lines.append(f"note: no configs/sweep/exp file loads best_lr {experiment!r}; the "
-                         f"table sweeps will not use {path}")
-        if not dry_run:
-            out.mkdir(parents=True, exist_ok=True)
-            path.write_text(render(experiment, kept | tuned))
-            lines.append(f"wrote {path}")
-    return lines
+def write(
+  results: dict[str, dict[str, dict[str, Any]]],
+  out: Path,
+  config_dir: Path,
+  experiments: Sequence[str] = (),
+  dry_run: bool = False,
+) -> list[str]:
+  """Write one file per experiment with results; return the report lines."""
+  lines: list[str] = []
+  for experiment in sorted(set(results) | set(experiments)):
+    tuned = dict(results.get(experiment, {}))
+    path = out / f"{experiment}.yaml"
+    kept: dict[str, Any] = {}
+    if path.exists():
+      old = yaml.safe_load(path.read_text()) or {}
+      kept = {k: v for k, v in old.items() if k not in tuned}
+    for optimizer in optimizers(config_dir):
+      if optimizer in tuned:
+        e = tuned[optimizer]
+        lines.append(f"{experiment} {optimizer}: lr {e['lr']} ({e['source']})")
+      elif optimizer in kept:
+        lines.append(
+          f"{experiment} {optimizer}: lr {kept[optimizer].get('lr')} kept from "
+          f"{path} (no lr_tune runs found for it now)"
+        )
+      else:
+        lines.append(
+          f"{experiment} {optimizer}: no finished lr_tune run -> the default "
+          f"lr {default_lr(optimizer, config_dir)} of "
+          f"configs/optimizer/{optimizer}.yaml is used"
+        )
+    if not tuned:
+      continue
+    if not referenced(experiment, config_dir):
+      lines.append(
+        f"note: no configs/sweep/exp file loads best_lr {experiment!r}; the "
+        f"table sweeps will not use {path}"
+      )
+    if not dry_run:
+      out.mkdir(parents=True, exist_ok=True)
+      path.write_text(render(experiment, kept | tuned))
+      lines.append(f"wrote {path}")
+  return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sweeps.best_lr", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="where to write <experiment>.yaml (default: configs/best_lr)")
-    parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR, help=argparse.SUPPRESS)
-    parser.add_argument("--experiments", nargs="*", default=(),
-                        help="also report these experiment names (e.g. cifar100_resnet18) when "
-                             "they have no lr_tune runs")
-    parser.add_argument("--seq2seq-metric", choices=("rougeL", "val_loss"), default=None,
-                        help="score seq2seq runs by this (default: rougeL where all have it)")
-    parser.add_argument("--dry-run", action="store_true", help="report, write nothing")
-    args = parser.parse_args(argv)
-    roots = args.roots or list(DEFAULT_ROOTS)
-    notes: list[str] = []
-    runs = collect_runs(roots)
-    results = best_lrs(runs, args.seq2seq_metric, notes)
-    n = sum(1 for r in runs if rfield(r, "sweep") == SWEEP)
-    print(f"{n} lr_tune run dirs with a summary.json under {', '.join(map(str, roots))}")
-    if not results and not args.experiments:
-        print("no finished lr_tune runs: every sweep uses the optimizer configs' default lrs "
-              "(configs/optimizer/*.yaml); run `make lr_tune` to tune them")
-    out = args.out or args.config_dir / "best_lr"
-    for line in notes + write(results, out, args.config_dir, args.experiments, args.dry_run):
-        print(line)
-    return 0
+  parser = argparse.ArgumentParser(
+    prog="python -m sweeps.best_lr",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
+  parser.add_argument(
+    "--out",
+    type=Path,
+    default=None,
+    help="where to write <experiment>.yaml (default: configs/best_lr)",
+  )
+  parser.add_argument("--config-dir", type=Path, default=CONFIG_DIR, help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--experiments",
+    nargs="*",
+    default=(),
+    help="also report these experiment names (e.g. cifar100_resnet18) when "
+    "they have no lr_tune runs",
+  )
+  parser.add_argument(
+    "--seq2seq-metric",
+    choices=("rougeL", "val_loss"),
+    default=None,
+    help="score seq2seq runs by this (default: rougeL where all have it)",
+  )
+  parser.add_argument("--dry-run", action="store_true", help="report, write nothing")
+  args = parser.parse_args(argv)
+  roots = args.roots or list(DEFAULT_ROOTS)
+  notes: list[str] = []
+  runs = collect_runs(roots)
+  results = best_lrs(runs, args.seq2seq_metric, notes)
+  n = sum(1 for r in runs if rfield(r, "sweep") == SWEEP)
+  print(f"{n} lr_tune run dirs with a summary.json under {', '.join(map(str, roots))}")
+  if not results and not args.experiments:
+    print(
+      "no finished lr_tune runs: every sweep uses the optimizer configs' default lrs "
+      "(configs/optimizer/*.yaml); run `make lr_tune` to tune them"
+    )
+  out = args.out or args.config_dir / "best_lr"
+  for line in notes + write(results, out, args.config_dir, args.experiments, args.dry_run):
+    print(line)
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

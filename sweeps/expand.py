@@ -35,25 +35,34 @@ BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 # train.py registers this resolver (used by the run-dir templates) when it is imported; the same
 # definition here lets the dirs be computed without importing train.py (and JAX).
 if not OmegaConf.has_resolver("run_name"):
-    OmegaConf.register_new_resolver("run_name", lambda overrides: overrides or "default")
+  OmegaConf.register_new_resolver("run_name", lambda overrides: overrides or "default")
 
 
 @dataclass(frozen=True)
 class Job:
-    """One run of a sweep: the overrides train.py gets, its resolved config and its run dir."""
+  """One run of a sweep: the overrides train.py gets, its resolved config and its run dir."""
 
-    overrides: tuple[str, ...]
-    config: dict[str, Any]     # the resolved job config (what summary.json's "config" holds)
-    run_dir: Path              # hydra.sweep.dir / hydra.sweep.subdir, relative to the repo root
+  overrides: tuple[str, ...]
+  config: dict[str, Any]  # the resolved job config (what summary.json's "config" holds)
+  run_dir: Path  # hydra.sweep.dir / hydra.sweep.subdir, relative to the repo root
 
-    @property
-    def run(self) -> dict[str, Any]:
-        """The fields of summary.json's "run" block that a sweep varies."""
-        c = self.config
-        return {"experiment": c["name"], "optimizer": c["optimizer"]["name"], "tau": c["tau"],
-                "alpha": c["alpha"], "rho": c["rho"], "block": c["block"], "lr": c["lr"],
-                "seed": c["seed"], "model": c["model"]["name"], "dataset": c["data"]["name"],
-                "sweep": c["sweep"]}
+  @property
+  def run(self) -> dict[str, Any]:
+    """The fields of summary.json's "run" block that a sweep varies."""
+    c = self.config
+    return {
+      "experiment": c["name"],
+      "optimizer": c["optimizer"]["name"],
+      "tau": c["tau"],
+      "alpha": c["alpha"],
+      "rho": c["rho"],
+      "block": c["block"],
+      "lr": c["lr"],
+      "seed": c["seed"],
+      "model": c["model"]["name"],
+      "dataset": c["data"]["name"],
+      "sweep": c["sweep"],
+    }
 
 
 _active: list[Path] = []  # config dirs of the hydra_context()s in progress (innermost last)
@@ -61,102 +70,110 @@ _active: list[Path] = []  # config dirs of the hydra_context()s in progress (inn
 
 @contextmanager
 def hydra_context(config_dir: str | Path = CONFIG_DIR) -> Iterator[Any]:
-    """Hydra initialised on ``config_dir``; re-entrant for the same dir."""
-    config_dir = Path(config_dir).resolve()
-    if _active and _active[-1] == config_dir:
-        yield GlobalHydra.instance().hydra
-        return
-    if GlobalHydra.instance().is_initialized():
-        raise RuntimeError("Hydra is already initialised (by another caller or config dir).")
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        _active.append(config_dir)
-        try:
-            yield GlobalHydra.instance().hydra
-        finally:
-            _active.pop()
+  """Hydra initialised on ``config_dir``; re-entrant for the same dir."""
+  config_dir = Path(config_dir).resolve()
+  if _active and _active[-1] == config_dir:
+    yield GlobalHydra.instance().hydra
+    return
+  if GlobalHydra.instance().is_initialized():
+    raise RuntimeError("Hydra is already initialised (by another caller or config dir).")
+  with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+    _active.append(config_dir)
+    try:
+      yield GlobalHydra.instance().hydra
+    finally:
+      _active.pop()
 
 
 def split_hydra(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(task overrides, hydra.* overrides), as Hydra separates them before sweeping."""
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    task = [o.input_line for o in parsed if not o.is_hydra_override()]
-    hydra = [o.input_line for o in parsed if o.is_hydra_override()]
-    return task, hydra
+  """(task overrides, hydra.* overrides), as Hydra separates them before sweeping."""
+  parsed = OverridesParser.create().parse_overrides(list(overrides))
+  task = [o.input_line for o in parsed if not o.is_hydra_override()]
+  hydra = [o.input_line for o in parsed if o.is_hydra_override()]
+  return task, hydra
 
 
-def job_overrides(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR
-                  ) -> list[list[str]]:
-    """The override list of every job that ``train.py -m <overrides>`` launches, in its order.
+def job_overrides(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR) -> list[list[str]]:
+  """The override list of every job that ``train.py -m <overrides>`` launches, in its order.
 
-    Mirrors BasicSweeper.sweep: ``hydra.sweeper.params`` of the config composed for the sweep
-    (e.g. +sweep=table1's), then the command line's task overrides, Cartesian product. The
-    hydra.* overrides of the command line are appended to every job (Hydra re-applies them).
-    """
-    task, hydra_overrides = split_hydra(overrides)
-    with hydra_context(config_dir) as hydra:
-        cfg = hydra.compose_config(CONFIG_NAME, list(overrides), run_mode=RunMode.MULTIRUN,
-                                   from_shell=False)
-        sweeper = cfg.hydra.sweeper
-        if sweeper.get("_target_") != BASIC_SWEEPER:
-            raise ValueError(f"only Hydra's basic sweeper is supported, got {sweeper._target_}.")
-        params = OmegaConf.to_container(sweeper.get("params") or {}, resolve=True)
-        lines = [f"{k}={v}" for k, v in params.items()] + task
-        parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(lines)
-        jobs = BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
-    return [list(job) + hydra_overrides for job in jobs]
+  Mirrors BasicSweeper.sweep: ``hydra.sweeper.params`` of the config composed for the sweep
+  (e.g. +sweep=table1's), then the command line's task overrides, Cartesian product. The
+  hydra.* overrides of the command line are appended to every job (Hydra re-applies them).
+  """
+  task, hydra_overrides = split_hydra(overrides)
+  with hydra_context(config_dir) as hydra:
+    cfg = hydra.compose_config(
+      CONFIG_NAME, list(overrides), run_mode=RunMode.MULTIRUN, from_shell=False
+    )
+    sweeper = cfg.hydra.sweeper
+    if sweeper.get("_target_") != BASIC_SWEEPER:
+      raise ValueError(f"only Hydra's basic sweeper is supported, got {sweeper._target_}.")
+    params = OmegaConf.to_container(sweeper.get("params") or {}, resolve=True)
+    lines = [f"{k}={v}" for k, v in params.items()] + task
+    parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(lines)
+    jobs = BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
+  return [list(job) + hydra_overrides for job in jobs]
 
 
 def compose_job(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR) -> Job:
-    """One job's config and run dir, composed as train.py -m composes it (RUN mode)."""
-    with hydra_context(config_dir) as hydra:
-        cfg = hydra.compose_config(CONFIG_NAME, list(overrides), run_mode=RunMode.RUN,
-                                   from_shell=False)
-        return _job(overrides, cfg)
+  """One job's config and run dir, composed as train.py -m composes it (RUN mode)."""
+  with hydra_context(config_dir) as hydra:
+    cfg = hydra.compose_config(CONFIG_NAME, list(overrides), run_mode=RunMode.RUN, from_shell=False)
+    return _job(overrides, cfg)
 
 
 def _job(overrides: Sequence[str], cfg: DictConfig) -> Job:
-    run_dir = Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir)
-    task = OmegaConf.to_container(cfg, resolve=True)
-    del task["hydra"]
-    return Job(tuple(overrides), task, run_dir)
+  run_dir = Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir)
+  task = OmegaConf.to_container(cfg, resolve=True)
+  del task["hydra"]
+  return Job(tuple(overrides), task, run_dir)
 
 
 def expand(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR) -> list[Job]:
-    """Every job of ``train.py -m <overrides>``, composed."""
-    with hydra_context(config_dir):
-        return [compose_job(job, config_dir) for job in job_overrides(overrides, config_dir)]
+  """Every job of ``train.py -m <overrides>``, composed."""
+  with hydra_context(config_dir):
+    return [compose_job(job, config_dir) for job in job_overrides(overrides, config_dir)]
 
 
 def job_config(job: Job) -> DictConfig:
-    """The job's config as train.train takes it."""
-    return OmegaConf.create(job.config)
+  """The job's config as train.train takes it."""
+  return OmegaConf.create(job.config)
 
 
 def describe(jobs: Sequence[Job]) -> str:
-    """One line per job: run dir, lr and its source; then the count."""
-    lines = []
-    for job in jobs:
-        given = any(o.split("=", 1)[0].lstrip("+~") == "lr" for o in job.overrides)
-        source = "command line" if given else job.config.get("lr_from")
-        lines.append(f"{job.run_dir}  lr={job.config['lr']} ({source})")
-    return "\n".join(lines + [f"{len(jobs)} runs"])
+  """One line per job: run dir, lr and its source; then the count."""
+  lines = []
+  for job in jobs:
+    given = any(o.split("=", 1)[0].lstrip("+~") == "lr" for o in job.overrides)
+    source = "command line" if given else job.config.get("lr_from")
+    lines.append(f"{job.run_dir}  lr={job.config['lr']} ({source})")
+  return "\n".join(lines + [f"{len(jobs)} runs"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sweeps.expand", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs=argparse.REMAINDER,
-                        help="train.py -m overrides, e.g. +sweep=table1 scale=smoke seed=0,1")
-    parser.add_argument("--overrides-only", action="store_true",
-                        help="print each job's overrides instead (one job per line)")
-    args = parser.parse_args(argv)
-    if args.overrides_only:
-        for job in job_overrides(args.overrides):
-            print(" ".join(job))
-        return 0
-    print(describe(expand(args.overrides)))
+  parser = argparse.ArgumentParser(
+    prog="python -m sweeps.expand",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument(
+    "overrides",
+    nargs=argparse.REMAINDER,
+    help="train.py -m overrides, e.g. +sweep=table1 scale=smoke seed=0,1",
+  )
+  parser.add_argument(
+    "--overrides-only",
+    action="store_true",
+    help="print each job's overrides instead (one job per line)",
+  )
+  args = parser.parse_args(argv)
+  if args.overrides_only:
+    for job in job_overrides(args.overrides):
+      print(" ".join(job))
     return 0
+  print(describe(expand(args.overrides)))
+  return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

@@ -47,130 +47,178 @@ DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 def detect_devices() -> list[str]:
-    """$CUDA_VISIBLE_DEVICES if set, else the GPUs nvidia-smi lists (empty if none)."""
-    visible = os.environ.get(DEVICE_ENV)
-    if visible is not None and visible.strip():
-        return [d.strip() for d in visible.split(",") if d.strip()]
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
+  """$CUDA_VISIBLE_DEVICES if set, else the GPUs nvidia-smi lists (empty if none)."""
+  visible = os.environ.get(DEVICE_ENV)
+  if visible is not None and visible.strip():
+    return [d.strip() for d in visible.split(",") if d.strip()]
+  try:
+    out = subprocess.run(
+      ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+      capture_output=True,
+      text=True,
+      check=True,
+      timeout=60,
+    ).stdout
+  except (OSError, subprocess.SubprocessError):
+    return []
+  return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def is_completed(job: Job) -> bool:
-    """Whether the job's run dir holds a completed summary.json of exactly this config."""
-    try:
-        summary = json.loads((ROOT / job.run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return summary.get("status") == "completed" and summary.get("config") == job.config
+  """Whether the job's run dir holds a completed summary.json of exactly this config."""
+  try:
+    summary = json.loads((ROOT / job.run_dir / "summary.json").read_text())
+  except (OSError, ValueError):
+    return False
+  return summary.get("status") == "completed" and summary.get("config") == job.config
 
 
 def diverged_run(job: Job) -> bool:
-    """Whether the job stopped because its loss became NaN/Inf (train.py then writes a
-    summary.json with status "failed"): a result of the sweep, not a broken job."""
+  """Whether the job stopped because its loss became NaN/Inf (train.py then writes a
+  summary.json with status "failed"): a result of the sweep, not a broken job."""
+  try:
+    summary = json.loads((ROOT / job.run_dir / "summary.json").read_text())
+  except (OSError, ValueError):
+    return False
+  return summary.get("status") == "failed" and summary.get("config") == job.config
+
+
+def run_pool(
+  commands: Sequence[Sequence[str]],
+  devices: Sequence[str | None],
+  logs: Sequence[Path | None] | None = None,
+  cwd: Path = ROOT,
+  labels: Sequence[str] | None = None,
+) -> list[int]:
+  """Run `commands`, at most one per device at a time, each with CUDA_VISIBLE_DEVICES set to
+  the device it holds (a None device leaves the environment as it is). Returns the exit codes
+  in the order of `commands`."""
+  if not devices:
+    raise ValueError("no devices: pass --devices (e.g. --devices 0,1,2,3)")
+  if len(set(devices)) != len(devices):
+    raise ValueError(f"devices must be distinct, got {list(devices)}")
+  free: queue.Queue[str | None] = queue.Queue()
+  for device in devices:
+    free.put(device)
+  logs = list(logs) if logs is not None else [None] * len(commands)
+  labels = list(labels) if labels is not None else [shlex.join(c) for c in commands]
+  total, lock = len(commands), threading.Lock()
+
+  def say(text: str) -> None:
+    with lock:
+      print(text, flush=True)
+
+  def work(i: int) -> int:
+    device = free.get()  # blocks until a device is free; the pool has len(devices) workers
     try:
-        summary = json.loads((ROOT / job.run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return summary.get("status") == "failed" and summary.get("config") == job.config
+      env = dict(os.environ)
+      if device is not None:
+        env[DEVICE_ENV] = device
+      where = "the default device" if device is None else f"device {device}"
+      say(f"[{i + 1}/{total}] start on {where}: {labels[i]}")
+      start = time.perf_counter()
+      log = logs[i]
+      if log is not None:
+        (cwd / log).parent.mkdir(parents=True, exist_ok=True)
+        with open(cwd / log, "a") as f:
+          rc = subprocess.run(
+            list(commands[i]), cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT
+          ).returncode
+      else:
+        rc = subprocess.run(list(commands[i]), cwd=cwd, env=env).returncode
+      say(
+        f"[{i + 1}/{total}] {'done' if rc == 0 else f'FAILED (exit {rc})'} on {where} "
+        f"after {time.perf_counter() - start:.0f}s: {labels[i]}"
+        + (f" (log: {log})" if log is not None and rc else "")
+      )
+      return rc
+    finally:
+      free.put(device)
 
-
-def run_pool(commands: Sequence[Sequence[str]], devices: Sequence[str | None],
-             logs: Sequence[Path | None] | None = None, cwd: Path = ROOT,
-             labels: Sequence[str] | None = None) -> list[int]:
-    """Run `commands`, at most one per device at a time, each with CUDA_VISIBLE_DEVICES set to
-    the device it holds (a None device leaves the environment as it is). Returns the exit codes
-    in the order of `commands`."""
-    if not devices:
-        raise ValueError("no devices: pass --devices (e.g. --devices 0,1,2,3)")
-    if len(set(devices)) != len(devices):
-        raise ValueError(f"devices must be distinct, got {list(devices)}")
-    free: queue.Queue[str | None] = queue.Queue()
-    for device in devices:
-        free.put(device)
-    logs = list(logs) if logs is not None else [None] * len(commands)
-    labels = list(labels) if labels is not None else [shlex.join(c) for c in commands]
-    total, lock = len(commands), threading.Lock()
-
-    def say(text: str) -> None:
-        with lock:
-            print(text, flush=True)
-
-    def work(i: int) -> int:
-        device = free.get()  # blocks until a device is free; the pool has len(devices) workers
-        try:
-            env = dict(os.environ)
-            if device is not None:
-                env[DEVICE_ENV] = device
-            where = "the default device" if device is None else f"device {device}"
-            say(f"[{i + 1}/{total}] start on {where}: {labels[i]}")
-            start = time.perf_counter()
-            log = logs[i]
-            if log is not None:
-                (cwd / log).parent.mkdir(parents=True, exist_ok=True)
-                with open(cwd / log, "a") as f:
-                    rc = subprocess.run(list(commands[i]), cwd=cwd, env=env, stdout=f,
-                                        stderr=subprocess.STDOUT).returncode
-            else:
-                rc = subprocess.run(list(commands[i]), cwd=cwd, env=env).returncode
-            say(f"[{i + 1}/{total}] {'done' if rc == 0 else f'FAILED (exit {rc})'} on {where} "
-                f"after {time.perf_counter() - start:.0f}s: {labels[i]}"
-                + (f" (log: {log})" if log is not None and rc else ""))
-            return rc
-        finally:
-            free.put(device)
-
-    with ThreadPoolExecutor(max_workers=len(devices)) as pool:
-        return list(pool.map(work, range(total)))
+  with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+    return list(pool.map(work, range(total)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sweeps.gpu_pool", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", default=None,
-                        help="comma-separated device ids (default: $CUDA_VISIBLE_DEVICES, else "
-                             "all GPUs nvidia-smi lists)")
-    parser.add_argument("--command", default=f"{shlex.quote(sys.executable)} train.py -m",
-                        help="what runs one job, before its overrides (default: %(default)s)")
-    parser.add_argument("--rerun", action="store_true",
-                        help="also run jobs whose run dir holds a completed summary.json")
-    parser.add_argument("--dry-run", action="store_true", help="print the jobs, run nothing")
-    parser.add_argument("overrides", nargs=argparse.REMAINDER,
-                        help="train.py -m overrides (after --), e.g. +sweep=table1 seed=0,1,2")
-    args = parser.parse_args(argv)
-    overrides = [o for o in args.overrides if o != "--"]
-    jobs = expand(overrides)
-    todo = [j for j in jobs if args.rerun or not is_completed(j)]
-    devices = ([d.strip() for d in args.devices.split(",") if d.strip()]
-               if args.devices is not None else detect_devices())
-    print(f"{len(jobs)} jobs, {len(jobs) - len(todo)} already completed (skipped), "
-          f"{len(todo)} to run on devices {devices or '(none found)'}", flush=True)
-    prefix = shlex.split(args.command)
-    commands = [prefix + list(j.overrides) for j in todo]
-    if args.dry_run or not todo:
-        for job, command in zip(todo, commands, strict=True):
-            print(f"{job.run_dir}  lr={job.config['lr']}\n    {shlex.join(command)}")
-        return 0
-    if not devices:
-        print("no GPUs found: running the jobs one at a time, CUDA_VISIBLE_DEVICES untouched",
-              flush=True)
-    if os.environ.get("JAX_PLATFORMS") == "cpu" and args.devices is None and devices:
-        print("warning: JAX_PLATFORMS=cpu, so the jobs will not use the GPUs (unset it, or "
-              "`make ... JAX_PLATFORMS=`)", file=sys.stderr)
-    codes = run_pool(commands, devices or [None], logs=[j.run_dir / "train.log" for j in todo],
-                     labels=[str(j.run_dir) for j in todo])
-    bad = [j for j, rc in zip(todo, codes, strict=True) if rc]
-    diverged = [str(j.run_dir) for j in bad if diverged_run(j)]
-    failed = [str(j.run_dir) for j in bad if not diverged_run(j)]
-    print(f"{len(todo) - len(bad)} of {len(todo)} jobs completed"
-          + (f"; {len(diverged)} diverged (summary.json status failed, a result that the tables "
-             f"skip): " + ", ".join(diverged) if diverged else "")
-          + ("; FAILED: " + ", ".join(failed) if failed else ""), flush=True)
-    return 1 if failed else 0
+  parser = argparse.ArgumentParser(
+    prog="python -m sweeps.gpu_pool",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument(
+    "--devices",
+    default=None,
+    help="comma-separated device ids (default: $CUDA_VISIBLE_DEVICES, else "
+    "all GPUs nvidia-smi lists)",
+  )
+  parser.add_argument(
+    "--command",
+    default=f"{shlex.quote(sys.executable)} train.py -m",
+    help="what runs one job, before its overrides (default: %(default)s)",
+  )
+  parser.add_argument(
+    "--rerun",
+    action="store_true",
+    help="also run jobs whose run dir holds a completed summary.json",
+  )
+  parser.add_argument("--dry-run", action="store_true", help="print the jobs, run nothing")
+  parser.add_argument(
+    "overrides",
+    nargs=argparse.REMAINDER,
+    help="train.py -m overrides (after --), e.g. +sweep=table1 seed=0,1,2",
+  )
+  args = parser.parse_args(argv)
+  overrides = [o for o in args.overrides if o != "--"]
+  jobs = expand(overrides)
+  todo = [j for j in jobs if args.rerun or not is_completed(j)]
+  devices = (
+    [d.strip() for d in args.devices.split(",") if d.strip()]
+    if args.devices is not None
+    else detect_devices()
+  )
+  print(
+    f"{len(jobs)} jobs, {len(jobs) - len(todo)} already completed (skipped), "
+    f"{len(todo)} to run on devices {devices or '(none found)'}",
+    flush=True,
+  )
+  prefix = shlex.split(args.command)
+  commands = [prefix + list(j.overrides) for j in todo]
+  if args.dry_run or not todo:
+    for job, command in zip(todo, commands, strict=True):
+      print(f"{job.run_dir}  lr={job.config['lr']}\n    {shlex.join(command)}")
+    return 0
+  if not devices:
+    print(
+      "no GPUs found: running the jobs one at a time, CUDA_VISIBLE_DEVICES untouched", flush=True
+    )
+  if os.environ.get("JAX_PLATFORMS") == "cpu" and args.devices is None and devices:
+    print(
+      "warning: JAX_PLATFORMS=cpu, so the jobs will not use the GPUs (unset it, or "
+      "`make ... JAX_PLATFORMS=`)",
+      file=sys.stderr,
+    )
+  codes = run_pool(
+    commands,
+    devices or [None],
+    logs=[j.run_dir / "train.log" for j in todo],
+    labels=[str(j.run_dir) for j in todo],
+  )
+  bad = [j for j, rc in zip(todo, codes, strict=True) if rc]
+  diverged = [str(j.run_dir) for j in bad if diverged_run(j)]
+  failed = [str(j.run_dir) for j in bad if not diverged_run(j)]
+  print(
+    f"{len(todo) - len(bad)} of {len(todo)} jobs completed"
+    + (
+      f"; {len(diverged)} diverged (summary.json status failed, a result that the tables "
+      f"skip): " + ", ".join(diverged)
+      if diverged
+      else ""
+    )
+    + ("; FAILED: " + ", ".join(failed) if failed else ""),
+    flush=True,
+  )
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+  sys.exit(main())

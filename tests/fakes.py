@@ -17,8 +17,11 @@ def cifar_pickle_folder(root: Path, name: str, n_train: int = 48, n_test: int = 
   key, classes = (b"fine_labels", 100) if name == "cifar100" else (b"labels", 10)
 
   def split(n):
-    return {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-            key: rng.integers(0, classes, n).tolist(), b"filenames": [b"x.png"] * n}
+    return {
+      b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+      key: rng.integers(0, classes, n).tolist(),
+      b"filenames": [b"x.png"] * n,
+    }
 
   def write(path, obj):
     path.write_bytes(pickle.dumps(obj, protocol=2))
@@ -38,11 +41,20 @@ def tiny_hf_t5_dir(root: Path, vocab_size: int) -> Path:
   """A random tiny T5 saved by transformers (config.json + model.safetensors)."""
   import torch
   import transformers
+
   torch.manual_seed(0)
-  config = transformers.T5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64,
-                                 num_layers=1, num_decoder_layers=1, num_heads=2,
-                                 feed_forward_proj="relu", tie_word_embeddings=True,
-                                 decoder_start_token_id=0)
+  config = transformers.T5Config(
+    vocab_size=vocab_size,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=1,
+    num_decoder_layers=1,
+    num_heads=2,
+    feed_forward_proj="relu",
+    tie_word_embeddings=True,
+    decoder_start_token_id=0,
+  )
   transformers.T5ForConditionalGeneration(config).save_pretrained(root, safe_serialization=True)
   return root
 
@@ -53,8 +65,12 @@ def xsum_jsonl(path: Path, n: int = 40) -> Path:
   with path.open("w") as f:
     for i in range(n):
       town = towns[i % len(towns)]
-      doc = (f"The council of {town} met on day {i}. Members discussed the new bridge and "
-             f"agreed to fund it. Residents of {town} welcomed the decision.")
-      f.write(json.dumps({"document": doc, "summary": f"{town} will fund a new bridge.",
-                          "id": str(i)}) + "\n")
+      doc = (
+        f"The council of {town} met on day {i}. Members discussed the new bridge and "
+        f"agreed to fund it. Residents of {town} welcomed the decision."
+      )
+      f.write(
+        json.dumps({"document": doc, "summary": f"{town} will fund a new bridge.", "id": str(i)})
+        + "\n"
+      )
   return path

@@ -58,8 +58,10 @@ def test_ginger_beats_tuned_adam_and_momentum():
 def test_direction_approaches_exact_damped_ggn(x64):
   x, y = X.astype(jnp.float64), Y
   rng = np.random.default_rng(1)
-  params = {"w": jnp.asarray(0.1 * rng.normal(size=(x.shape[1], CLASSES))),
-            "b": jnp.zeros(CLASSES, jnp.float64)}
+  params = {
+    "w": jnp.asarray(0.1 * rng.normal(size=(x.shape[1], CLASSES))),
+    "b": jnp.zeros(CLASSES, jnp.float64),
+  }
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   logits_fn = lambda p: x @ p["w"] + p["b"]
   gamma = 1e-3
@@ -73,8 +75,9 @@ def test_direction_approaches_exact_damped_ggn(x64):
   exact = jnp.linalg.solve(gamma * jnp.eye(flat.size) + ggn, grad)
 
   def cosine(tau, steps=3000):
-    tx = ginger.scale_by_ginger(tau, alpha=0.999, gamma=gamma, block="global",
-                                state_dtype="float64")
+    tx = ginger.scale_by_ginger(
+      tau, alpha=0.999, gamma=gamma, block="global", state_dtype="float64"
+    )
     g_tree = unravel(grad)
 
     def step(state, key):

@@ -24,8 +24,10 @@ def test_loss_and_gradient_match_autodiff(x64):
   np.testing.assert_allclose(grads, ref_grad, rtol=1e-12)
   assert aux is None
   import optax
+
   np.testing.assert_allclose(
-      loss, optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean(), rtol=1e-12)
+    loss, optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean(), rtol=1e-12
+  )
 
 
 def test_forward_runs_once():
@@ -35,8 +37,7 @@ def test_forward_runs_once():
     calls.append(1)
     return jnp.ones((2, 3)) @ w
 
-  fisher.value_grad_and_fisher(logits_fn, jnp.ones((3, 4)), jnp.array([0, 1]),
-                               jax.random.key(0))
+  fisher.value_grad_and_fisher(logits_fn, jnp.ones((3, 4)), jnp.array([0, 1]), jax.random.key(0))
   assert len(calls) == 1
 
 
@@ -52,8 +53,13 @@ def test_expected_outer_product_is_the_fisher(x64):
   ds = jax.vmap(d_of)(jax.random.split(jax.random.key(3), 40_000))
   mc = ds.T @ ds / ds.shape[0]
   probs = jax.nn.softmax(x @ w)
-  exact = sum(np.kron(np.outer(x[i], x[i]), np.diag(probs[i]) - np.outer(probs[i], probs[i]))
-              for i in range(n)) / n
+  exact = (
+    sum(
+      np.kron(np.outer(x[i], x[i]), np.diag(probs[i]) - np.outer(probs[i], probs[i]))
+      for i in range(n)
+    )
+    / n
+  )
   np.testing.assert_allclose(mc, exact, atol=0.03 * np.max(np.abs(exact)))
 
 
@@ -73,19 +79,25 @@ def test_sequence_mask_excludes_padding_and_scales_by_token_count(x64):
 
 def test_empirical_option_uses_true_labels(x64):
   x, w, y = _linear_model(jax.random.key(6))
-  _, grads, d = fisher.value_grad_and_fisher(lambda w: x @ w, w, y, jax.random.key(7),
-                                             fisher="empirical")
+  _, grads, d = fisher.value_grad_and_fisher(
+    lambda w: x @ w, w, y, jax.random.key(7), fisher="empirical"
+  )
   np.testing.assert_allclose(d, -grads * np.sqrt(x.shape[0]), rtol=1e-12)
 
 
 def test_has_aux_and_errors():
   w = jnp.ones((3, 2))
   (loss, aux), _, _ = fisher.value_grad_and_fisher(
-      lambda w: (jnp.ones((4, 3)) @ w, {"stat": 1}), w, jnp.zeros(4, jnp.int32),
-      jax.random.key(0), has_aux=True)
+    lambda w: (jnp.ones((4, 3)) @ w, {"stat": 1}),
+    w,
+    jnp.zeros(4, jnp.int32),
+    jax.random.key(0),
+    has_aux=True,
+  )
   assert aux == {"stat": 1} and np.isfinite(loss)
   with pytest.raises(ValueError, match="fisher must be"):
-    fisher.value_grad_and_fisher(lambda w: w, w, jnp.zeros(3, jnp.int32), jax.random.key(0),
-                                 fisher="true")
+    fisher.value_grad_and_fisher(
+      lambda w: w, w, jnp.zeros(3, jnp.int32), jax.random.key(0), fisher="true"
+    )
   with pytest.raises(ValueError, match="does not match labels shape"):
     fisher.value_grad_and_fisher(lambda w: w, w, jnp.zeros(5, jnp.int32), jax.random.key(0))

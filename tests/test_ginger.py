@@ -12,9 +12,9 @@ from reference import block_vectors, ginger_direction, ginger_step
 import ginger
 
 PYTREES = {
-    "matrix+vectors": {"w": (5, 3), "b": (4,), "tiny": (2,)},
-    "nested": {"enc": {"k": (3, 2, 2)}, "dec": [(6,), (1,)]},
-    "single": {"x": (9,)},
+  "matrix+vectors": {"w": (5, 3), "b": (4,), "tiny": (2,)},
+  "nested": {"enc": {"k": (3, 2, 2)}, "dec": [(6,), (1,)]},
+  "single": {"x": (9,)},
 }
 
 
@@ -35,7 +35,8 @@ def _jitted_ginger(block, tau):
   """One compiled update per (block, tau): alpha and gamma are injected as state, so a
   sweep over them reuses the compilation (and exercises optax.inject_hyperparams)."""
   tx = optax.inject_hyperparams(ginger.scale_by_ginger, static_args=("tau", "block"))(
-      tau=tau, alpha=0.5, gamma=1.0, block=block, state_dtype="float64")
+    tau=tau, alpha=0.5, gamma=1.0, block=block, state_dtype="float64"
+  )
   return tx, jax.jit(tx.update)
 
 
@@ -156,8 +157,7 @@ def test_ginger_composition_matches_manual_chain(x64):
   rng = np.random.default_rng(4)
   params = {"w": jnp.zeros((3, 3), jnp.float64), "b": jnp.zeros(3, jnp.float64)}
   lr, b1, rho = 0.1, 0.9, 0.05
-  tx = ginger.ginger(lr, tau=2, alpha=0.9, gamma=1e-2, b1=b1, rho=rho,
-                     state_dtype="float64")
+  tx = ginger.ginger(lr, tau=2, alpha=0.9, gamma=1e-2, b1=b1, rho=rho, state_dtype="float64")
   pre = ginger.scale_by_ginger(2, 0.9, 1e-2, state_dtype="float64")
   state, pre_state = tx.init(params), pre.init(params)
   m = jax.tree.map(jnp.zeros_like, params)
@@ -188,7 +188,8 @@ def test_works_with_optax_wrappers():
   grads = jax.tree.map(lambda x: 0.1 * x, params)
 
   injected = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(
-      learning_rate=0.1, tau=2, alpha=0.9)
+    learning_rate=0.1, tau=2, alpha=0.9
+  )
   state = injected.init(params)
   out, state = jax.jit(injected.update)(grads, state, params, fisher_grads=grads)
   assert state.hyperparams["alpha"] == pytest.approx(0.9)
@@ -208,8 +209,9 @@ def test_works_with_optax_wrappers():
   np.testing.assert_array_equal(out["b"], grads["b"])  # passed through untouched
   assert not np.allclose(out["w"], grads["w"])
 
-  chained = optax.chain(optax.clip_by_global_norm(1.0), ginger.scale_by_ginger(2),
-                        optax.scale(-0.1))
+  chained = optax.chain(
+    optax.clip_by_global_norm(1.0), ginger.scale_by_ginger(2), optax.scale(-0.1)
+  )
   state = chained.init(params)
   out, _ = jax.jit(chained.update)(grads, state, params, fisher_grads=grads)
   assert out["w"].shape == (3, 2)
@@ -225,7 +227,9 @@ def test_learning_rate_schedule():
 # ---- clear errors ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(tau=0), "tau must be >= 1"),
     (dict(tau=2.5), "tau must be a Python int"),
     (dict(tau=True), "tau must be a Python int"),
@@ -236,7 +240,8 @@ def test_learning_rate_schedule():
     (dict(tau=2, gamma=-1e-3), "gamma must be a finite number > 0"),
     (dict(tau=2, gamma=float("nan")), "gamma must be a finite number > 0"),
     (dict(tau=2, block="diagonal"), "block must be one of"),
-])
+  ],
+)
 def test_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ginger.scale_by_ginger(**kwargs)

@@ -99,8 +99,9 @@ def test_reorthonormalising_steps_match_dense(x64, block, every):
   definition."""
   rng = np.random.default_rng(1)
   params = {"w": jnp.zeros((4, 3), jnp.float64), "b": jnp.zeros(5, jnp.float64)}
-  tx = ginger.scale_by_ginger(3, 0.9, 1e-2, block, state_dtype="float64",
-                              reorthonormalise_every=every)
+  tx = ginger.scale_by_ginger(
+    3, 0.9, 1e-2, block, state_dtype="float64", reorthonormalise_every=every
+  )
   state = tx.init(params)
   update = jax.jit(tx.update)
   keys = sorted(params)

@@ -13,8 +13,11 @@ from ginger import lowrank
 SHAPES = {"w": (6, 4), "b": (3,), "s": (1,)}
 
 
-_TX = {(tau, block): ginger.scale_by_ginger(tau, 0.9, 1e-5, block)
-       for tau in (1, 3, 8) for block in ("per_tensor", "global")}
+_TX = {
+  (tau, block): ginger.scale_by_ginger(tau, 0.9, 1e-5, block)
+  for tau in (1, 3, 8)
+  for block in ("per_tensor", "global")
+}
 _UPDATE = {key: jax.jit(tx.update) for key, tx in _TX.items()}  # compiled once per key
 
 
@@ -31,12 +34,12 @@ def _check_state(state, block):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    tau=st.sampled_from([1, 3, 8]),
-    block=st.sampled_from(["per_tensor", "global"]),
-    log_scales=st.lists(st.floats(-20, 20), min_size=1, max_size=6),
-    repeat=st.booleans(),
-    zero_grad=st.booleans(),
-    seed=st.integers(0, 2**16),
+  tau=st.sampled_from([1, 3, 8]),
+  block=st.sampled_from(["per_tensor", "global"]),
+  log_scales=st.lists(st.floats(-20, 20), min_size=1, max_size=6),
+  repeat=st.booleans(),
+  zero_grad=st.booleans(),
+  seed=st.integers(0, 2**16),
 )
 def test_state_invariants_and_finite_outputs(tau, block, log_scales, repeat, zero_grad, seed):
   rng = np.random.default_rng(seed)
@@ -45,9 +48,12 @@ def test_state_invariants_and_finite_outputs(tau, block, log_scales, repeat, zer
   state = tx.init(params)
   fixed = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
   for log_scale in log_scales:
-    scale = 10.0 ** log_scale
-    base = fixed if repeat else {k: jnp.asarray(rng.normal(size=s), jnp.float32)
-                                 for k, s in SHAPES.items()}
+    scale = 10.0**log_scale
+    base = (
+      fixed
+      if repeat
+      else {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in SHAPES.items()}
+    )
     d = jax.tree.map(lambda x, scale=scale: x * scale, base)
     g = jax.tree.map(jnp.zeros_like, d) if zero_grad else d
     out, state = _UPDATE[(tau, block)](g, state, fisher_grads=d)

@@ -23,8 +23,9 @@ def _run(block, tau, alpha, steps, shapes=((4, 3), (5,)), scale=1.0, seed=0):
     g = [jnp.asarray(rng.normal(size=s)) for s in shapes]
     d = [jnp.asarray(scale * rng.normal(size=s)) for s in shapes]
     out, state = update(g, state, fisher_grads=d)
-    for b, (gv, dv, ov) in enumerate(zip(block_vectors(g, blocks), block_vectors(d, blocks),
-                                         block_vectors(out, blocks))):
+    for b, (gv, dv, ov) in enumerate(
+      zip(block_vectors(g, blocks), block_vectors(d, blocks), block_vectors(out, blocks))
+    ):
       dense[b] = qng_step(dense[b], dv, alpha)
       # Backward error ||G x - g|| / (||G|| ||x||): meaningful however ill-conditioned G is.
       residual = np.linalg.norm(dense[b] @ ov - gv)

@@ -11,93 +11,130 @@ from results import plots
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def write_run(root: Path, name: str, run: dict[str, Any] | None, events: list[dict],
-              **summary: Any) -> Path:
-    """A run dir with metrics.jsonl and (if `run` is given) summary.json."""
-    run_dir = root / name
-    run_dir.mkdir(parents=True)
-    lines = [json.dumps(e) for e in events] + ['{"event": "train", "step": 9']  # torn last line
-    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    if run is not None:
-        fields = {"experiment": "cifar10_resnet18", "dataset": "cifar10", "model": "resnet18",
-                  "seed": 0, "alpha": 0.99, "lr": 1e-3, **run}
-        (run_dir / "summary.json").write_text(json.dumps({"run": fields, "status": "completed",
-                                                          **summary}))
-    return run_dir
+def write_run(
+  root: Path, name: str, run: dict[str, Any] | None, events: list[dict], **summary: Any
+) -> Path:
+  """A run dir with metrics.jsonl and (if `run` is given) summary.json."""
+  run_dir = root / name
+  run_dir.mkdir(parents=True)
+  lines = [json.dumps(e) for e in events] + ['{"event": "train", "step": 9']  # torn last line
+  (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  if run is not None:
+    fields = {
+      "experiment": "cifar10_resnet18",
+      "dataset": "cifar10",
+      "model": "resnet18",
+      "seed": 0,
+      "alpha": 0.99,
+      "lr": 1e-3,
+      **run,
+    }
+    (run_dir / "summary.json").write_text(
+      json.dumps({"run": fields, "status": "completed", **summary})
+    )
+  return run_dir
 
 
 def events(loss0: float, spectrum: bool = False) -> list[dict]:
-    """Train/eval (and spectrum) events for 5 steps; one eval lacks its accuracy."""
-    out: list[dict] = []
-    for step in range(1, 6):
-        out.append({"event": "train", "step": step, "train_loss": loss0 / step, "lr": 1e-3,
-                    "wall_time_s": 0.1 * step})
-        acc = {} if step == 3 else {"val_accuracy": 10.0 * step}
-        out.append({"event": "eval", "step": step, "val_loss": 1.0 / step,
-                    "wall_time_s": 0.1 * step + 0.05, **acc})
-        if spectrum:
-            sigma = {"conv/kernel": [3.0 * step, 2.0, 1.0, 0.0], "dense/kernel": [0.5, 0.1],
-                     "bias": []}
-            out.append({"event": "spectrum", "step": step, "sigma": sigma})
-    return out
+  """Train/eval (and spectrum) events for 5 steps; one eval lacks its accuracy."""
+  out: list[dict] = []
+  for step in range(1, 6):
+    out.append(
+      {
+        "event": "train",
+        "step": step,
+        "train_loss": loss0 / step,
+        "lr": 1e-3,
+        "wall_time_s": 0.1 * step,
+      }
+    )
+    acc = {} if step == 3 else {"val_accuracy": 10.0 * step}
+    out.append(
+      {
+        "event": "eval",
+        "step": step,
+        "val_loss": 1.0 / step,
+        "wall_time_s": 0.1 * step + 0.05,
+        **acc,
+      }
+    )
+    if spectrum:
+      sigma = {"conv/kernel": [3.0 * step, 2.0, 1.0, 0.0], "dense/kernel": [0.5, 0.1], "bias": []}
+      out.append({"event": "spectrum", "step": step, "sigma": sigma})
+  return out
 
 
 def is_png(path: Path) -> bool:
-    """A non-empty PNG file."""
-    return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
+  """A non-empty PNG file."""
+  return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
 
 
 def make_root(tmp_path: Path) -> Path:
-    """Ginger tau 2/4 (with spectra), QNG tau 2, Adam, a summary-less run, an empty run."""
-    root = tmp_path / "outputs"
-    write_run(root, "g2", {"optimizer": "ginger", "tau": 2}, events(2.0, True),
-              best_val_accuracy=50.0)
-    write_run(root, "g4", {"optimizer": "ginger", "tau": 4}, events(2.5, True),
-              best_val_accuracy=52.0)
-    write_run(root, "q2", {"optimizer": "qng", "tau": 2}, events(3.0), best_val_accuracy=48.0)
-    write_run(root, "adam", {"optimizer": "adam", "tau": None, "alpha": None}, events(3.5),
-              best_val_accuracy=45.0)
-    write_run(root, "killed", None, events(4.0))
-    (root / "empty").mkdir()
-    (root / "empty" / "metrics.jsonl").write_text("")
-    return root
+  """Ginger tau 2/4 (with spectra), QNG tau 2, Adam, a summary-less run, an empty run."""
+  root = tmp_path / "outputs"
+  write_run(
+    root, "g2", {"optimizer": "ginger", "tau": 2}, events(2.0, True), best_val_accuracy=50.0
+  )
+  write_run(
+    root, "g4", {"optimizer": "ginger", "tau": 4}, events(2.5, True), best_val_accuracy=52.0
+  )
+  write_run(root, "q2", {"optimizer": "qng", "tau": 2}, events(3.0), best_val_accuracy=48.0)
+  write_run(
+    root,
+    "adam",
+    {"optimizer": "adam", "tau": None, "alpha": None},
+    events(3.5),
+    best_val_accuracy=45.0,
+  )
+  write_run(root, "killed", None, events(4.0))
+  (root / "empty").mkdir()
+  (root / "empty" / "metrics.jsonl").write_text("")
+  return root
 
 
 def test_cli_writes_pngs(tmp_path: Path) -> None:
-    root, out = make_root(tmp_path), tmp_path / "plots"
-    assert plots.main([str(root), "--out", str(out), "--max-spectrum", "1"]) == 0
-    names = sorted(p.name for p in out.iterdir())
-    assert "curves_cifar10_resnet18-cifar10-resnet18.png" in names
-    assert "curves_no-summary-outputs.png" in names
-    assert "tau_cifar10.png" in names
-    assert [n for n in names if n.startswith("spectrum_")] == ["spectrum_" + plots.slug(
-        "-".join((root / "g2").resolve().parts[-3:])) + ".png"]
-    assert all(is_png(out / n) for n in names)
+  root, out = make_root(tmp_path), tmp_path / "plots"
+  assert plots.main([str(root), "--out", str(out), "--max-spectrum", "1"]) == 0
+  names = sorted(p.name for p in out.iterdir())
+  assert "curves_cifar10_resnet18-cifar10-resnet18.png" in names
+  assert "curves_no-summary-outputs.png" in names
+  assert "tau_cifar10.png" in names
+  assert [n for n in names if n.startswith("spectrum_")] == [
+    "spectrum_" + plots.slug("-".join((root / "g2").resolve().parts[-3:])) + ".png"
+  ]
+  assert all(is_png(out / n) for n in names)
 
 
 def test_read_series_and_spectrum_choice(tmp_path: Path) -> None:
-    root = make_root(tmp_path)
-    series = plots.read_series(root / "g4")
-    assert series.train["loss"].shape == (5,) and series.eval_metric == "val_accuracy"
-    assert series.spectrum_steps == [1, 2, 3, 4, 5]
-    assert plots.pick_params(series, None, limit=1) == ["conv/kernel"]
-    assert plots.pick_params(series, ["dense/kernel", "missing"]) == ["dense/kernel"]
-    assert plots.spectrum_matrix(series, "dense/kernel").shape == (5, 2)
-    path = plots.plot_spectrum(root / "g4", tmp_path, ["dense/kernel", "bias"])
-    assert path is not None and is_png(path)
-    assert plots.plot_spectrum(root / "q2", tmp_path) is None  # no spectrum events
-    assert plots.read_series(tmp_path / "nowhere").train["step"].size == 0
+  root = make_root(tmp_path)
+  series = plots.read_series(root / "g4")
+  assert series.train["loss"].shape == (5,) and series.eval_metric == "val_accuracy"
+  assert series.spectrum_steps == [1, 2, 3, 4, 5]
+  assert plots.pick_params(series, None, limit=1) == ["conv/kernel"]
+  assert plots.pick_params(series, ["dense/kernel", "missing"]) == ["dense/kernel"]
+  assert plots.spectrum_matrix(series, "dense/kernel").shape == (5, 2)
+  path = plots.plot_spectrum(root / "g4", tmp_path, ["dense/kernel", "bias"])
+  assert path is not None and is_png(path)
+  assert plots.plot_spectrum(root / "q2", tmp_path) is None  # no spectrum events
+  assert plots.read_series(tmp_path / "nowhere").train["step"].size == 0
 
 
 def test_config_labels_show_only_varying_keys() -> None:
-    metas = [{"optimizer": "ginger", "tau": 4, "rho": 1.0, "lr": 1e-3, "alpha": 0.99},
-             {"optimizer": "ginger", "tau": 4, "rho": None, "lr": 1e-3, "alpha": 0.99},
-             {"optimizer": "adam", "lr": 1e-3}, {"optimizer": "adam", "lr": 1e-4}]
-    assert plots.config_labels(metas) == ["ginger τ=4 rho=1.0", "ginger τ=4 rho=None",
-                                          "adam lr=0.001", "adam lr=0.0001"]
+  metas = [
+    {"optimizer": "ginger", "tau": 4, "rho": 1.0, "lr": 1e-3, "alpha": 0.99},
+    {"optimizer": "ginger", "tau": 4, "rho": None, "lr": 1e-3, "alpha": 0.99},
+    {"optimizer": "adam", "lr": 1e-3},
+    {"optimizer": "adam", "lr": 1e-4},
+  ]
+  assert plots.config_labels(metas) == [
+    "ginger τ=4 rho=1.0",
+    "ginger τ=4 rho=None",
+    "adam lr=0.001",
+    "adam lr=0.0001",
+  ]
 
 
 def test_nothing_to_plot(tmp_path: Path) -> None:
-    out = tmp_path / "plots"
-    assert plots.main([str(tmp_path / "missing"), "--out", str(out)]) == 0
-    assert list(out.iterdir()) == []
+  out = tmp_path / "plots"
+  assert plots.main([str(tmp_path / "missing"), "--out", str(out)]) == 0
+  assert list(out.iterdir()) == []

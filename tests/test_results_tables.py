@@ -12,197 +12,292 @@ import pytest
 from results import tables
 
 BASE_RUN = {
-    "experiment": "cifar100_resnet18", "optimizer": "adam", "tau": None, "alpha": None,
-    "gamma": None, "rho": None, "block": None, "lr": 1e-3, "seed": 0, "model": "resnet18",
-    "dataset": "cifar100", "setting": None, "sweep": "table1",
+  "experiment": "cifar100_resnet18",
+  "optimizer": "adam",
+  "tau": None,
+  "alpha": None,
+  "gamma": None,
+  "rho": None,
+  "block": None,
+  "lr": 1e-3,
+  "seed": 0,
+  "model": "resnet18",
+  "dataset": "cifar100",
+  "setting": None,
+  "sweep": "table1",
 }
 
 
-def make_run(root: Path, name: str, run: dict[str, Any] | None = None,
-             status: str = "completed", events: list[dict] | None = None, **summary: Any) -> Path:
-    """A run dir with summary.json (unless `run` is None) and optionally metrics.jsonl."""
-    run_dir = root / name
-    run_dir.mkdir(parents=True)
-    if run is not None:
-        body = {"run": {**BASE_RUN, **run}, "status": status, "device": "NVIDIA H100",
-                "versions": {"jax": "0.7.0"}, "git_commit": "abc1234def5678", **summary}
-        (run_dir / "summary.json").write_text(json.dumps(body))
-    if events is not None:
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    return run_dir
+def make_run(
+  root: Path,
+  name: str,
+  run: dict[str, Any] | None = None,
+  status: str = "completed",
+  events: list[dict] | None = None,
+  **summary: Any,
+) -> Path:
+  """A run dir with summary.json (unless `run` is None) and optionally metrics.jsonl."""
+  run_dir = root / name
+  run_dir.mkdir(parents=True)
+  if run is not None:
+    body = {
+      "run": {**BASE_RUN, **run},
+      "status": status,
+      "device": "NVIDIA H100",
+      "versions": {"jax": "0.7.0"},
+      "git_commit": "abc1234def5678",
+      **summary,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(body))
+  if events is not None:
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+  return run_dir
 
 
 def image(acc: float, val: float, loss: float, flops: float, mem: int) -> dict[str, Any]:
-    """Summary metrics of an image run."""
-    return {"best_val_accuracy": acc, "val_loss_at_best": val, "min_train_loss": loss,
-            "flops_per_iter": {"analytic": flops, "xla": flops / 2}, "peak_memory_bytes": mem}
+  """Summary metrics of an image run."""
+  return {
+    "best_val_accuracy": acc,
+    "val_loss_at_best": val,
+    "min_train_loss": loss,
+    "flops_per_iter": {"analytic": flops, "xla": flops / 2},
+    "peak_memory_bytes": mem,
+  }
 
 
 @pytest.fixture
 def runs_root(tmp_path: Path) -> Path:
-    """Adam (2 seeds), Ginger tau=4 (1 seed), a killed QNG run, a failed Ginger tau=8 run."""
-    root = tmp_path / "multirun" / "2025-01-01" / "table1"
-    make_run(root, "0", {"seed": 0}, **image(72.0, 1.2, 1e-5, 2.4e9, 3_200_000_000))
-    make_run(root, "1", {"seed": 1}, **image(73.0, 1.3, 2e-5, 2.4e9, 3_300_000_000))
-    ginger = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "gamma": 1e-5, "rho": 1.0,
-              "block": "per_tensor", "lr": 2e-4}
-    make_run(root, "2", ginger, **image(73.5, 1.25, 5e-6, 4.1e9, 3_400_000_000))
-    make_run(root, "3", None, events=[{"event": "train", "step": 1, "train_loss": 4.6}])
-    make_run(root, "4", {**ginger, "tau": 8}, status="failed", **image(1.0, 9.0, 1.0, 1e9, 1))
-    return tmp_path
+  """Adam (2 seeds), Ginger tau=4 (1 seed), a killed QNG run, a failed Ginger tau=8 run."""
+  root = tmp_path / "multirun" / "2025-01-01" / "table1"
+  make_run(root, "0", {"seed": 0}, **image(72.0, 1.2, 1e-5, 2.4e9, 3_200_000_000))
+  make_run(root, "1", {"seed": 1}, **image(73.0, 1.3, 2e-5, 2.4e9, 3_300_000_000))
+  ginger = {
+    "optimizer": "ginger",
+    "tau": 4,
+    "alpha": 0.99,
+    "gamma": 1e-5,
+    "rho": 1.0,
+    "block": "per_tensor",
+    "lr": 2e-4,
+  }
+  make_run(root, "2", ginger, **image(73.5, 1.25, 5e-6, 4.1e9, 3_400_000_000))
+  make_run(root, "3", None, events=[{"event": "train", "step": 1, "train_loss": 4.6}])
+  make_run(root, "4", {**ginger, "tau": 8}, status="failed", **image(1.0, 9.0, 1.0, 1e9, 1))
+  return tmp_path
 
 
 R50_ADAM_BLANK = "|  |  | 71.59 |  |  | 1.241 |  |  | 60.65 |  |  | 1.16e10 |  |  | 6.50 |  |"
 
 
 def test_collect_runs_skips_dir_without_summary(runs_root: Path) -> None:
-    (runs_root / "multirun" / "bad").mkdir()
-    (runs_root / "multirun" / "bad" / "summary.json").write_text("{not json")
-    runs = tables.collect_runs([runs_root / "multirun", runs_root / "missing-root"])
-    assert sorted(Path(r["path"]).name for r in runs) == ["0", "1", "2", "4"]
-    assert len(tables.find_run_dirs([runs_root])) == 6  # 5 runs + the bad one
-    report = tables.run_report([str(runs_root)], runs)
-    assert "3 completed" in report and "1 failed" in report and "2 without" in report
+  (runs_root / "multirun" / "bad").mkdir()
+  (runs_root / "multirun" / "bad" / "summary.json").write_text("{not json")
+  runs = tables.collect_runs([runs_root / "multirun", runs_root / "missing-root"])
+  assert sorted(Path(r["path"]).name for r in runs) == ["0", "1", "2", "4"]
+  assert len(tables.find_run_dirs([runs_root])) == 6  # 5 runs + the bad one
+  report = tables.run_report([str(runs_root)], runs)
+  assert "3 completed" in report and "1 failed" in report and "2 without" in report
 
 
 def test_table1_markdown_rows(runs_root: Path) -> None:
-    md = tables.to_markdown(tables.build_table1(tables.collect_runs([runs_root])))
-    adam = ("| Adam | 2 | 72.50 ± 0.71 | 71.61 | +0.89 | 1.250 ± 0.071 | 1.249 | +0.001 "
-            "| 15.00 ± 7.07 | 9.57 | +5.43 | 2.40e9 ± 0.00e0 | 2.36e9 | +4.00e7 "
-            "| 3.25 ± 0.07 | 3.16 | +0.09 " + R50_ADAM_BLANK)
-    ginger4 = ("| Ginger (τ=4) | 1 | 73.50 | 72.90 | +0.60 | 1.250 | 1.263 | -0.013 "
-               "| 5.00 | 13.37 | -8.37 | 4.10e9 | 4.08e9 | +2.00e7 | 3.40 | 3.33 | +0.07 "
-               "|  |  | 75.83 |  |  | 1.249 |  |  | 3.90 |  |  | 1.91e10 |  |  | 6.91 |  |")
-    qng2 = ("| QNG (τ=2) |  |  | 72.30 |  |  | 1.347 |  |  | 23.97 |  |  | 3.70e9 |  |  | 3.25 |  "
-            "|  |  | 73.92 |  |  | 1.255 |  |  | 42.12 |  |  | 1.83e10 |  |  | 6.78 |  |")
-    lines = md.splitlines()
-    assert adam in lines
-    assert ginger4 in lines
-    assert qng2 in lines  # the killed run (no summary.json) leaves its row blank
-    assert any(line.startswith("| Ginger (τ=8) |  |  | 72.89 |") for line in lines)  # failed
-    assert lines[0] == "## Table 1: CIFAR-100 (paper Table 1)"
-    assert len([ln for ln in lines if ln.startswith("| ")]) == 1 + 14  # header + paper rows
-    assert "NVIDIA H100 (3)" in md and "jax: 0.7.0 (3)" in md
+  md = tables.to_markdown(tables.build_table1(tables.collect_runs([runs_root])))
+  adam = (
+    "| Adam | 2 | 72.50 ± 0.71 | 71.61 | +0.89 | 1.250 ± 0.071 | 1.249 | +0.001 "
+    "| 15.00 ± 7.07 | 9.57 | +5.43 | 2.40e9 ± 0.00e0 | 2.36e9 | +4.00e7 "
+    "| 3.25 ± 0.07 | 3.16 | +0.09 " + R50_ADAM_BLANK
+  )
+  ginger4 = (
+    "| Ginger (τ=4) | 1 | 73.50 | 72.90 | +0.60 | 1.250 | 1.263 | -0.013 "
+    "| 5.00 | 13.37 | -8.37 | 4.10e9 | 4.08e9 | +2.00e7 | 3.40 | 3.33 | +0.07 "
+    "|  |  | 75.83 |  |  | 1.249 |  |  | 3.90 |  |  | 1.91e10 |  |  | 6.91 |  |"
+  )
+  qng2 = (
+    "| QNG (τ=2) |  |  | 72.30 |  |  | 1.347 |  |  | 23.97 |  |  | 3.70e9 |  |  | 3.25 |  "
+    "|  |  | 73.92 |  |  | 1.255 |  |  | 42.12 |  |  | 1.83e10 |  |  | 6.78 |  |"
+  )
+  lines = md.splitlines()
+  assert adam in lines
+  assert ginger4 in lines
+  assert qng2 in lines  # the killed run (no summary.json) leaves its row blank
+  assert any(line.startswith("| Ginger (τ=8) |  |  | 72.89 |") for line in lines)  # failed
+  assert lines[0] == "## Table 1: CIFAR-100 (paper Table 1)"
+  assert len([ln for ln in lines if ln.startswith("| ")]) == 1 + 14  # header + paper rows
+  assert "NVIDIA H100 (3)" in md and "jax: 0.7.0 (3)" in md
 
 
 def test_table1_latex(runs_root: Path) -> None:
-    tex = tables.to_latex(tables.build_table1(tables.collect_runs([runs_root])))
-    assert (r"    Adam & 2 & 72.50 $\pm$ 0.71 & 71.61 & +0.89 & 1.250 $\pm$ 0.071 & 1.249 & "
-            r"+0.001 & 15.00 $\pm$ 7.07 & 9.57 & +5.43 & ") in tex
-    assert r"\multicolumn{16}{c}{ResNet-18} & \multicolumn{16}{c}{ResNet-50} \\" in tex
-    assert r"\cmidrule(lr){2-17} \cmidrule(lr){18-33}" in tex
-    assert r" &  & \multicolumn{3}{c}{Acc} & \multicolumn{3}{c}{Val loss} & " in tex
-    assert "    Optimizer & n & ours & paper & $\\Delta$ & ours & paper & $\\Delta$ & " in tex
-    assert r"\caption{CIFAR-100 (paper Table 1). Best validation accuracy (\%)" in tex
-    assert "\\midrule\n    Ginger ($\\tau$=1) &" in tex  # rule between baselines and Ginger
-    assert tex.count(r"\begin{tabular}") == 1 and tex.rstrip().endswith("(3); git: abc1234def (3).")
+  tex = tables.to_latex(tables.build_table1(tables.collect_runs([runs_root])))
+  assert (
+    r"    Adam & 2 & 72.50 $\pm$ 0.71 & 71.61 & +0.89 & 1.250 $\pm$ 0.071 & 1.249 & "
+    r"+0.001 & 15.00 $\pm$ 7.07 & 9.57 & +5.43 & "
+  ) in tex
+  assert r"\multicolumn{16}{c}{ResNet-18} & \multicolumn{16}{c}{ResNet-50} \\" in tex
+  assert r"\cmidrule(lr){2-17} \cmidrule(lr){18-33}" in tex
+  assert r" &  & \multicolumn{3}{c}{Acc} & \multicolumn{3}{c}{Val loss} & " in tex
+  assert "    Optimizer & n & ours & paper & $\\Delta$ & ours & paper & $\\Delta$ & " in tex
+  assert r"\caption{CIFAR-100 (paper Table 1). Best validation accuracy (\%)" in tex
+  assert "\\midrule\n    Ginger ($\\tau$=1) &" in tex  # rule between baselines and Ginger
+  assert tex.count(r"\begin{tabular}") == 1 and tex.rstrip().endswith("(3); git: abc1234def (3).")
 
 
 def test_table1_dataset_override_and_extra_tau(tmp_path: Path) -> None:
-    extra = {"optimizer": "ginger", "tau": 64, "alpha": 0.99, "dataset": "cifar10"}
-    make_run(tmp_path, "a", extra, **image(90.0, 0.3, 1e-6, 1e9, 10**9))
-    runs = tables.collect_runs([tmp_path])
-    table = tables.build_table1(runs, dataset="cifar10")
-    assert table.title.startswith("Table 1: cifar10 runs - NOT COMPARABLE with the paper")
-    row = next(r for r in table.rows if r.label == "Ginger (τ=64)")
-    assert row.cells[:4] == ["1", "90.00", "", ""]  # no paper number, so no difference
-    assert all(r.label != "Ginger (τ=64)" for r in tables.build_table1(runs).rows)
+  extra = {"optimizer": "ginger", "tau": 64, "alpha": 0.99, "dataset": "cifar10"}
+  make_run(tmp_path, "a", extra, **image(90.0, 0.3, 1e-6, 1e9, 10**9))
+  runs = tables.collect_runs([tmp_path])
+  table = tables.build_table1(runs, dataset="cifar10")
+  assert table.title.startswith("Table 1: cifar10 runs - NOT COMPARABLE with the paper")
+  row = next(r for r in table.rows if r.label == "Ginger (τ=64)")
+  assert row.cells[:4] == ["1", "90.00", "", ""]  # no paper number, so no difference
+  assert all(r.label != "Ginger (τ=64)" for r in tables.build_table1(runs).rows)
 
 
 def test_selection_rules(tmp_path: Path) -> None:
-    """Reruns of a seed count once (newest wins); lr_tune never counts; the configuration with
-    the most seeds wins and a note says so; runs of the table's own sweep are preferred."""
-    specs = [("a", 1e-3, "table1", 0, 70.0), ("b", 1e-3, "table1", 0, 71.0),
-             ("e", 1e-3, "table1", 1, 72.0), ("c", 5e-3, None, 3, 60.0),
-             ("d", 1e-3, "lr_tune", 5, 10.0)]
-    for i, (name, lr, sweep, seed, acc) in enumerate(specs):
-        run_dir = make_run(tmp_path, name, {"lr": lr, "sweep": sweep, "seed": seed},
-                           best_val_accuracy=acc)
-        os.utime(run_dir / "summary.json", (1000 + i, 1000 + i))
-    runs = tables.collect_runs([tmp_path])
-    sel = tables.select_runs(runs, {"optimizer": "adam"}, ())
-    assert [r["best_val_accuracy"] for r in sel.runs] == [71.0, 72.0]
-    assert sel.note == "2 configurations matched; used lr=0.001 (n=2)"
-    preferred = tables.select_runs(runs, {"optimizer": "adam"}, ("table1",))
-    assert preferred.note is None and len(preferred.runs) == 2
-    only_c = tables.select_runs(runs, {"optimizer": "adam", "lr": 5e-3}, ("table1",))
-    assert [r["best_val_accuracy"] for r in only_c.runs] == [60.0]
+  """Reruns of a seed count once (newest wins); lr_tune never counts; the configuration with
+  the most seeds wins and a note says so; runs of the table's own sweep are preferred."""
+  specs = [
+    ("a", 1e-3, "table1", 0, 70.0),
+    ("b", 1e-3, "table1", 0, 71.0),
+    ("e", 1e-3, "table1", 1, 72.0),
+    ("c", 5e-3, None, 3, 60.0),
+    ("d", 1e-3, "lr_tune", 5, 10.0),
+  ]
+  for i, (name, lr, sweep, seed, acc) in enumerate(specs):
+    run_dir = make_run(
+      tmp_path, name, {"lr": lr, "sweep": sweep, "seed": seed}, best_val_accuracy=acc
+    )
+    os.utime(run_dir / "summary.json", (1000 + i, 1000 + i))
+  runs = tables.collect_runs([tmp_path])
+  sel = tables.select_runs(runs, {"optimizer": "adam"}, ())
+  assert [r["best_val_accuracy"] for r in sel.runs] == [71.0, 72.0]
+  assert sel.note == "2 configurations matched; used lr=0.001 (n=2)"
+  preferred = tables.select_runs(runs, {"optimizer": "adam"}, ("table1",))
+  assert preferred.note is None and len(preferred.runs) == 2
+  only_c = tables.select_runs(runs, {"optimizer": "adam", "lr": 5e-3}, ("table1",))
+  assert [r["best_val_accuracy"] for r in only_c.runs] == [60.0]
 
 
 def test_table2_xsum(tmp_path: Path) -> None:
-    xsum = {"dataset": "xsum", "model": "t5-small", "setting": "lora", "sweep": "table2"}
-    for seed, r1 in ((0, 31.0), (1, 32.0)):
-        make_run(tmp_path, f"s{seed}", {**xsum, "seed": seed}, rouge1=r1, rouge2=9.0,
-                 rougeL=24.0, train_perplexity=10.0, peak_memory_bytes=2_700_000_000,
-                 flops_per_iter={"analytic": None, "xla": 5.6e9})
-    table = tables.build_table2(tables.collect_runs([tmp_path]), flops="xla")
-    adam = table.rows[0]
-    assert adam.label == "Adam"
-    assert adam.cells[:19] == ["2", "31.50 ± 0.71", "31.06", "+0.44", "9.00 ± 0.00", "9.09",
-                               "-0.09", "24.00 ± 0.00", "24.10", "-0.10", "10.000 ± 0.000",
-                               "10.236", "-0.236", "5.60e9 ± 0.00e0", "5.61e9", "-1.00e7",
-                               "2.70 ± 0.00", "2.67", "+0.03"]
-    assert adam.cells[19:21] == ["", ""] and adam.cells[21] == "32.61"  # Full: paper only
-    assert [c.label for c in table.columns][13] == "FLOPs (xla)"
+  xsum = {"dataset": "xsum", "model": "t5-small", "setting": "lora", "sweep": "table2"}
+  for seed, r1 in ((0, 31.0), (1, 32.0)):
+    make_run(
+      tmp_path,
+      f"s{seed}",
+      {**xsum, "seed": seed},
+      rouge1=r1,
+      rouge2=9.0,
+      rougeL=24.0,
+      train_perplexity=10.0,
+      peak_memory_bytes=2_700_000_000,
+      flops_per_iter={"analytic": None, "xla": 5.6e9},
+    )
+  table = tables.build_table2(tables.collect_runs([tmp_path]), flops="xla")
+  adam = table.rows[0]
+  assert adam.label == "Adam"
+  assert adam.cells[:19] == [
+    "2",
+    "31.50 ± 0.71",
+    "31.06",
+    "+0.44",
+    "9.00 ± 0.00",
+    "9.09",
+    "-0.09",
+    "24.00 ± 0.00",
+    "24.10",
+    "-0.10",
+    "10.000 ± 0.000",
+    "10.236",
+    "-0.236",
+    "5.60e9 ± 0.00e0",
+    "5.61e9",
+    "-1.00e7",
+    "2.70 ± 0.00",
+    "2.67",
+    "+0.03",
+  ]
+  assert adam.cells[19:21] == ["", ""] and adam.cells[21] == "32.61"  # Full: paper only
+  assert [c.label for c in table.columns][13] == "FLOPs (xla)"
 
 
 def test_tables_3_and_4(tmp_path: Path) -> None:
-    """Table 3 is validation accuracy, Table 4 min training loss x1e-6 (alpha rows, tau cols)."""
-    sens = {"optimizer": "ginger", "sweep": "table3", "alpha": 0.9, "tau": 4}
-    make_run(tmp_path, "a", {**sens, "seed": 0}, best_val_accuracy=73.0, min_train_loss=6e-6)
-    make_run(tmp_path, "b", {**sens, "seed": 1}, best_val_accuracy=74.0, min_train_loss=7e-6)
-    runs = tables.collect_runs([tmp_path])
-    md3 = tables.to_markdown(tables.build_table3(runs)).splitlines()
-    md4 = tables.to_markdown(tables.build_table4(runs)).splitlines()
-    assert "| 0.9 |  |  | 73.24 |  | 2 | 73.50 ± 0.71 | 73.35 | +0.15 |  |  | 73.15 |  |" in md3
-    assert "| 0.9 |  |  | 14.82 |  | 2 | 6.50 ± 0.71 | 6.03 | +0.47 |  |  | 10.62 |  |" in md4
-    assert "| 0.999 |  |  | 52.98 |  |  |  | 11.92 |  |  |  | 17.55 |  |" in md4
-    assert md3[4].startswith("| α \\ τ | τ=2 n | τ=2 Acc | τ=2 Acc paper | τ=2 Acc Δ |")
+  """Table 3 is validation accuracy, Table 4 min training loss x1e-6 (alpha rows, tau cols)."""
+  sens = {"optimizer": "ginger", "sweep": "table3", "alpha": 0.9, "tau": 4}
+  make_run(tmp_path, "a", {**sens, "seed": 0}, best_val_accuracy=73.0, min_train_loss=6e-6)
+  make_run(tmp_path, "b", {**sens, "seed": 1}, best_val_accuracy=74.0, min_train_loss=7e-6)
+  runs = tables.collect_runs([tmp_path])
+  md3 = tables.to_markdown(tables.build_table3(runs)).splitlines()
+  md4 = tables.to_markdown(tables.build_table4(runs)).splitlines()
+  assert "| 0.9 |  |  | 73.24 |  | 2 | 73.50 ± 0.71 | 73.35 | +0.15 |  |  | 73.15 |  |" in md3
+  assert "| 0.9 |  |  | 14.82 |  | 2 | 6.50 ± 0.71 | 6.03 | +0.47 |  |  | 10.62 |  |" in md4
+  assert "| 0.999 |  |  | 52.98 |  |  |  | 11.92 |  |  |  | 17.55 |  |" in md4
+  assert md3[4].startswith("| α \\ τ | τ=2 n | τ=2 Acc | τ=2 Acc paper | τ=2 Acc Δ |")
 
 
 def test_tables_3_and_4_for_smoke_model(tmp_path: Path) -> None:
-    """Smoke-scale sweeps (digits / resnet_tiny) fill Tables 3/4 when asked for that model,
-    labelled as not comparable; the default (ResNet-18 / CIFAR-100) table stays blank."""
-    smoke = {"optimizer": "ginger", "sweep": "table34", "alpha": 0.9, "tau": 2,
-             "model": "resnet_tiny", "dataset": "digits"}
-    make_run(tmp_path, "s", smoke, best_val_accuracy=91.0, min_train_loss=0.5)
-    runs = tables.collect_runs([tmp_path])
-    smoke_md = tables.to_markdown(tables.build_table3(runs, "digits", "resnet_tiny"))
-    assert "NOT COMPARABLE" in smoke_md and "| 0.9 | 1 | 91.00 |" in smoke_md
-    assert "91.00" not in tables.to_markdown(tables.build_table3(runs))
+  """Smoke-scale sweeps (digits / resnet_tiny) fill Tables 3/4 when asked for that model,
+  labelled as not comparable; the default (ResNet-18 / CIFAR-100) table stays blank."""
+  smoke = {
+    "optimizer": "ginger",
+    "sweep": "table34",
+    "alpha": 0.9,
+    "tau": 2,
+    "model": "resnet_tiny",
+    "dataset": "digits",
+  }
+  make_run(tmp_path, "s", smoke, best_val_accuracy=91.0, min_train_loss=0.5)
+  runs = tables.collect_runs([tmp_path])
+  smoke_md = tables.to_markdown(tables.build_table3(runs, "digits", "resnet_tiny"))
+  assert "NOT COMPARABLE" in smoke_md and "| 0.9 | 1 | 91.00 |" in smoke_md
+  assert "91.00" not in tables.to_markdown(tables.build_table3(runs))
 
 
 def test_ablation_rows(tmp_path: Path) -> None:
-    abl = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "gamma": 1e-5, "lr": 2e-4,
-           "sweep": "ablation"}
-    make_run(tmp_path, "clip", {**abl, "rho": 1.0, "block": "per_tensor"},
-             best_val_accuracy=72.0, step_time_s=0.05)
-    make_run(tmp_path, "noclip", {**abl, "rho": None, "block": "per_tensor"},
-             best_val_accuracy=70.0)
-    make_run(tmp_path, "alone", {**abl, "tau": 8, "rho": None}, best_val_accuracy=1.0)
-    table = tables.build_ablation(tables.collect_runs([tmp_path]))
-    md = tables.to_markdown(table).splitlines()
-    assert ("| cifar100 resnet18 τ=4 α=0.99 | 1.0 | per_tensor | 0.0002 | 1e-05 | 1 | 72.00 "
-            "| 72.90 | -0.90 |  | 1.263 |  |  | 13.37 |  | 0.050 |  |") in md
-    assert ("| cifar100 resnet18 τ=4 α=0.99 | none | per_tensor | 0.0002 | 1e-05 | 1 | 70.00 "
-            "| 72.90 | -2.90 |  | 1.263 |  |  | 13.37 |  |  |  |") in md
-    assert len(table.rows) == 2  # tau=8 has a single variant: no ablation
+  abl = {
+    "optimizer": "ginger",
+    "tau": 4,
+    "alpha": 0.99,
+    "gamma": 1e-5,
+    "lr": 2e-4,
+    "sweep": "ablation",
+  }
+  make_run(
+    tmp_path,
+    "clip",
+    {**abl, "rho": 1.0, "block": "per_tensor"},
+    best_val_accuracy=72.0,
+    step_time_s=0.05,
+  )
+  make_run(tmp_path, "noclip", {**abl, "rho": None, "block": "per_tensor"}, best_val_accuracy=70.0)
+  make_run(tmp_path, "alone", {**abl, "tau": 8, "rho": None}, best_val_accuracy=1.0)
+  table = tables.build_ablation(tables.collect_runs([tmp_path]))
+  md = tables.to_markdown(table).splitlines()
+  assert (
+    "| cifar100 resnet18 τ=4 α=0.99 | 1.0 | per_tensor | 0.0002 | 1e-05 | 1 | 72.00 "
+    "| 72.90 | -0.90 |  | 1.263 |  |  | 13.37 |  | 0.050 |  |"
+  ) in md
+  assert (
+    "| cifar100 resnet18 τ=4 α=0.99 | none | per_tensor | 0.0002 | 1e-05 | 1 | 70.00 "
+    "| 72.90 | -2.90 |  | 1.263 |  |  | 13.37 |  |  |  |"
+  ) in md
+  assert len(table.rows) == 2  # tau=8 has a single variant: no ablation
 
 
 def test_empty_tables_and_latex_escaping() -> None:
-    table = tables.build_ablation([])
-    assert table.rows == [] and "No setting" in table.notes[0]
-    assert tables.latex_escape("a_b & 5% ±") == r"a\_b \& 5\% $\pm$"
-    assert tables.fmt_num(None, "f2") == "" and tables.fmt_num(-1.5e-7, "sci", True) == "-1.50e-7"
+  table = tables.build_ablation([])
+  assert table.rows == [] and "No setting" in table.notes[0]
+  assert tables.latex_escape("a_b & 5% ±") == r"a\_b \& 5\% $\pm$"
+  assert tables.fmt_num(None, "f2") == "" and tables.fmt_num(-1.5e-7, "sci", True) == "-1.50e-7"
 
 
 def test_cli_writes_files(runs_root: Path, tmp_path: Path) -> None:
-    out = tmp_path / "tables"
-    assert tables.main([str(runs_root / "multirun"), "--out", str(out)]) == 0
-    names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(f"{t}.{ext}" for t in ("table1", "table2", "table3", "table4",
-                                                  "table_ablation") for ext in ("md", "tex"))
-    assert "| Adam | 2 | 72.50 ± 0.71 |" in (out / "table1.md").read_text()
-    assert tables.main([str(runs_root), "--out", str(out), "--dataset", "cifar10"]) == 0
-    assert "NOT COMPARABLE" in (out / "table1_cifar10.md").read_text()
-    assert "NOT COMPARABLE" not in (out / "table1.md").read_text()
+  out = tmp_path / "tables"
+  assert tables.main([str(runs_root / "multirun"), "--out", str(out)]) == 0
+  names = sorted(p.name for p in out.iterdir())
+  assert names == sorted(
+    f"{t}.{ext}"
+    for t in ("table1", "table2", "table3", "table4", "table_ablation")
+    for ext in ("md", "tex")
+  )
+  assert "| Adam | 2 | 72.50 ± 0.71 |" in (out / "table1.md").read_text()
+  assert tables.main([str(runs_root), "--out", str(out), "--dataset", "cifar10"]) == 0
+  assert "NOT COMPARABLE" in (out / "table1_cifar10.md").read_text()
+  assert "NOT COMPARABLE" not in (out / "table1.md").read_text()

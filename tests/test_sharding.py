@@ -21,22 +21,41 @@ import ginger
 from training import sharding
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_DEFAULT = ["experiment=demo", "optimizer=ginger", "logger=none", "max_steps=20",
-               "eval_every=10", "log_every=5", "checkpoint_every=100", "spectrum_every=0"]
+RUN_DEFAULT = [
+  "experiment=demo",
+  "optimizer=ginger",
+  "logger=none",
+  "max_steps=20",
+  "eval_every=10",
+  "log_every=5",
+  "checkpoint_every=100",
+  "spectrum_every=0",
+]
 # The demo's optimizer state is small: split arrays from 16384 elements (default 1M elements)
 # so that these runs really are sharded.
 RUN = RUN_DEFAULT + ["mesh.min_shard_size=16384"]
 
 
-def _run_on_cpu_devices(script: str, *args: str, devices: int = 4, timeout: int = 300,
-                        **env) -> dict:
+def _run_on_cpu_devices(
+  script: str, *args: str, devices: int = 4, timeout: int = 300, **env
+) -> dict:
   """Runs ``script`` (with ``args`` as ``sys.argv[1:]``) in a fresh Python with ``devices``
   CPU devices (XLA reads the flag when JAX starts, hence the subprocess); the script prints
   one JSON line last."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **env)
-  out = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    **env,
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(script), *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -49,36 +68,44 @@ def test_partition_spec_splits_the_largest_divisible_axis():
   assert default((3, 2359296, 8), 2, "data") == P(None, "data", None)  # ResNet-18's biggest
   assert default((41, 512, 8), 2, "data") == P()  # its BatchNorm bucket: under 1M elements
   spec = functools.partial(ginger.sharding.partition_spec, min_size=1 << 14)
-  assert spec((31, 2304, 4), 4, "data") == P(None, "data", None)     # stacked U: the rows
-  assert spec((147456, 8), 4, "data") == P("data", None)             # per-leaf U / QNG qhat
+  assert spec((31, 2304, 4), 4, "data") == P(None, "data", None)  # stacked U: the rows
+  assert spec((147456, 8), 4, "data") == P("data", None)  # per-leaf U / QNG qhat
   assert spec((3, 3, 128, 128), 4, "data") == P(None, None, "data", None)
-  assert spec((30, 1000, 4), 8, "data") == P(None, "data", None)     # 1000 = 8 x 125
-  assert spec((6, 1001, 4), 4, ("data", "model")) == P()             # nothing divides
+  assert spec((30, 1000, 4), 8, "data") == P(None, "data", None)  # 1000 = 8 x 125
+  assert spec((6, 1001, 4), 4, ("data", "model")) == P()  # nothing divides
   assert spec((1 << 16, 4), 4, ("data", "model")) == P(("data", "model"), None)
-  assert spec((4,), 4, "data") == P()                                # small: sigma, cores
-  assert spec((), 4, "data") == P()                                  # counts
-  assert spec((1 << 16, 4), 1, "data") == P()                        # one device
-  assert spec((1 << 15,), 4, "data") == P("data")                    # vectors too
-  assert spec((64, 1001, 4), 4, "data") == P("data", None, None)     # then whole blocks
+  assert spec((4,), 4, "data") == P()  # small: sigma, cores
+  assert spec((), 4, "data") == P()  # counts
+  assert spec((1 << 16, 4), 1, "data") == P()  # one device
+  assert spec((1 << 15,), 4, "data") == P("data")  # vectors too
+  assert spec((64, 1001, 4), 4, "data") == P("data", None, None)  # then whole blocks
 
 
 def test_state_partition_specs_split_ginger_bases_along_rows_and_keep_sigma_replicated():
   params = {"w": jnp.zeros((256, 128)), "b": jnp.zeros((128,)), "v": jnp.zeros((64, 64))}
   state = ginger.ginger(1e-3, tau=4).init(params)
   specs = ginger.sharding.state_partition_specs(state, axis="data", size=4, min_size=4096)
-  assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == \
-      jax.tree.structure(state)
-  inner = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
-      x, ginger.ScaleByGingerState)) if isinstance(s, ginger.ScaleByGingerState)][0]
-  inner_specs = [s for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
-      x, (P, ginger.ScaleByGingerState))) if isinstance(s, ginger.ScaleByGingerState)][0]
-  for u, spec in zip(jax.tree.leaves(inner.u),
-                     jax.tree.leaves(inner_specs.u, is_leaf=lambda x: isinstance(x, P))):
+  assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(state)
+  inner = [
+    s
+    for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ginger.ScaleByGingerState))
+    if isinstance(s, ginger.ScaleByGingerState)
+  ][0]
+  inner_specs = [
+    s
+    for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, (P, ginger.ScaleByGingerState)))
+    if isinstance(s, ginger.ScaleByGingerState)
+  ][0]
+  for u, spec in zip(
+    jax.tree.leaves(inner.u), jax.tree.leaves(inner_specs.u, is_leaf=lambda x: isinstance(x, P))
+  ):
     if u.size >= 4096:  # the rows of U (axis -2; the last axis is the rank) are split
-      assert spec[u.ndim - 2] == "data" and all(s is None for i, s in enumerate(spec)
-                                                if i != u.ndim - 2), (u.shape, spec)
-  for spec in jax.tree.leaves((inner_specs.sigma, inner_specs.count),
-                              is_leaf=lambda x: isinstance(x, P)):
+      assert spec[u.ndim - 2] == "data" and all(
+        s is None for i, s in enumerate(spec) if i != u.ndim - 2
+      ), (u.shape, spec)
+  for spec in jax.tree.leaves(
+    (inner_specs.sigma, inner_specs.count), is_leaf=lambda x: isinstance(x, P)
+  ):
     assert spec == P()
 
 
@@ -102,24 +129,50 @@ def test_mesh_from_config_and_its_errors():
     sharding.make_mesh(-1, 0)
 
 
-@pytest.mark.parametrize("env, expected", [
+@pytest.mark.parametrize(
+  "env, expected",
+  [
     ({}, None),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, None),      # batch script: not a step
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, None),  # batch script: not a step
     ({"SLURM_STEP_NUM_TASKS": "1"}, None),
     ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_NTASKS": "8"}, {}),  # srun: JAX detects SLURM
     ({"WORLD_SIZE": "1", "MASTER_ADDR": "h", "RANK": "0"}, None),
-    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"},
-     {"coordinator_address": "h0:1235", "num_processes": 2, "process_id": 1}),
-    ({"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-      "MASTER_ADDR": "h0", "JAX_COORDINATOR_PORT": "777"},
-     {"coordinator_address": "h0:777", "num_processes": 8, "process_id": 5,
-      "local_device_ids": [1]}),
-    ({"COORDINATOR_ADDRESS": "h0:9", "NUM_PROCESSES": "2", "PROCESS_ID": "0"},
-     {"coordinator_address": "h0:9", "num_processes": 2, "process_id": 0}),
-    ({"JAX_COORDINATOR_ADDRESS": "h1:9", "JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "2",
-      "WORLD_SIZE": "9", "MASTER_ADDR": "x"},
-     {"coordinator_address": "h1:9", "num_processes": 3, "process_id": 2}),
-])
+    (
+      {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"},
+      {"coordinator_address": "h0:1235", "num_processes": 2, "process_id": 1},
+    ),
+    (
+      {
+        "WORLD_SIZE": "8",
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "h0",
+        "JAX_COORDINATOR_PORT": "777",
+      },
+      {
+        "coordinator_address": "h0:777",
+        "num_processes": 8,
+        "process_id": 5,
+        "local_device_ids": [1],
+      },
+    ),
+    (
+      {"COORDINATOR_ADDRESS": "h0:9", "NUM_PROCESSES": "2", "PROCESS_ID": "0"},
+      {"coordinator_address": "h0:9", "num_processes": 2, "process_id": 0},
+    ),
+    (
+      {
+        "JAX_COORDINATOR_ADDRESS": "h1:9",
+        "JAX_NUM_PROCESSES": "3",
+        "JAX_PROCESS_ID": "2",
+        "WORLD_SIZE": "9",
+        "MASTER_ADDR": "x",
+      },
+      {"coordinator_address": "h1:9", "num_processes": 3, "process_id": 2},
+    ),
+  ],
+)
 def test_launch_arguments_from_the_environment(env, expected):
   assert sharding.launch_arguments(env) == expected
 
@@ -131,7 +184,8 @@ def test_sharded_optimizer_state_on_four_devices():
   """Ginger's ``U`` and QNG's factors are split along their rows over 4 devices, per-device
   state bytes fall ~4x, a jitted update keeps them there and gives the unsharded result; the
   mesh and batch placement of training.sharding."""
-  result = _run_on_cpu_devices("""
+  result = _run_on_cpu_devices(
+    """
       import json, sys
       import jax, jax.numpy as jnp, numpy as np
       import ginger, train
@@ -204,7 +258,9 @@ def test_sharded_optimizer_state_on_four_devices():
       except ValueError as e:
         out["batch_error"] = str(e)
       print(json.dumps(out))
-      """, str(ROOT / "configs"))
+      """,
+    str(ROOT / "configs"),
+  )
   for name in ("ginger", "ginger_global", "qng"):
     r = result[name]
     for shape, shard, devices in r["bases"]:
@@ -214,12 +270,12 @@ def test_sharded_optimizer_state_on_four_devices():
     assert r["kept"], name
     assert r["max_rel_error"] < 1e-5, (name, r["max_rel_error"])
   for name in ("ginger", "qng"):
-    assert result[name]["basis_ratio"] > 3.5, result[name]   # U: ~4x less per device
-    assert result[name]["state_ratio"] > 3.0, result[name]   # the whole optimizer state
+    assert result[name]["basis_ratio"] > 3.5, result[name]  # U: ~4x less per device
+    assert result[name]["state_ratio"] > 3.0, result[name]  # the whole optimizer state
   plan = result["plan"]
   assert plan["params_replicated"]
-  assert plan["opt_split"] == [1, 4]          # small arrays whole, big ones over data x model
-  assert plan["indices"] == [[32]] * 4        # data=2: each half on both model devices
+  assert plan["opt_split"] == [1, 4]  # small arrays whole, big ones over data x model
+  assert plan["indices"] == [[32]] * 4  # data=2: each half on both model devices
   assert plan["odd_indices_replicated"]
   assert plan["mesh"]["shape"] == {"data": 2, "model": 2}
   assert "divisible by the 4 devices" in result["batch_error"]
@@ -233,15 +289,19 @@ def test_four_devices_give_the_one_device_results(tmp_path):
   """20 demo steps with Ginger on 1 and on 4 devices: same metrics to 1e-5 (~50 s).
 
   Two pairs: the default config (the batch split 4 ways; of the state only the arrays over
-  ``mesh.min_shard_size``), and all of the state split 4 ways. Splitting ``U`` changes the summation order of
-  the passes over it, and Ginger magnifies rounding by about ``sigma_max / gamma`` (README
-  "Several GPUs and hosts"): with the default gamma=1e-5 the split runs drift apart like two
-  seeds from step ~15 (1e-4), so the split pair uses gamma=1e-2, where a sharding bug still
-  shows and rounding does not grow."""
-  runs = {"one": ["mesh.data=1"], "four": ["mesh.data=4"],
-          "one_g": ["mesh.data=1", "gamma=1e-2"],
-          "four_split": ["mesh.data=4", "gamma=1e-2", "mesh.min_shard_size=16384"]}
-  result = _run_on_cpu_devices("""
+  ``mesh.min_shard_size``), and all of the state split 4 ways. Splitting ``U`` changes the
+  summation order of the passes over it, and Ginger magnifies rounding by about ``sigma_max /
+  gamma`` (README "Several GPUs and hosts"): with the default gamma=1e-5 the split runs drift
+  apart like two seeds from step ~15 (1e-4), so the split pair uses gamma=1e-2, where a sharding
+  bug still shows and rounding does not grow."""
+  runs = {
+    "one": ["mesh.data=1"],
+    "four": ["mesh.data=4"],
+    "one_g": ["mesh.data=1", "gamma=1e-2"],
+    "four_split": ["mesh.data=4", "gamma=1e-2", "mesh.min_shard_size=16384"],
+  }
+  result = _run_on_cpu_devices(
+    """
       import json, sys
       from pathlib import Path
       from hydra import compose, initialize_config_dir
@@ -257,15 +317,20 @@ def test_four_devices_give_the_one_device_results(tmp_path):
         events = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
         out[name] = {"summary": summary, "events": events}
       print(json.dumps(out, default=str))
-      """, str(ROOT / "configs"), json.dumps(RUN_DEFAULT), json.dumps(runs), str(tmp_path),
-      # the runs share their model-building compilations through the persistent cache
-      JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
-      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+      """,
+    str(ROOT / "configs"),
+    json.dumps(RUN_DEFAULT),
+    json.dumps(runs),
+    str(tmp_path),
+    # the runs share their model-building compilations through the persistent cache
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+  )
   assert result["one"]["summary"]["mesh"]["shape"] == {"data": 1, "model": 1}
   assert result["four"]["summary"]["mesh"]["shape"] == {"data": 4, "model": 1}
   assert result["four"]["summary"]["mesh"]["devices"] == 4
   state_bytes = {k: r["summary"]["optimizer_state_bytes_per_device"] for k, r in result.items()}
-  assert state_bytes["four"] < state_bytes["one"]          # bases over 1M elements split
+  assert state_bytes["four"] < state_bytes["one"]  # bases over 1M elements split
   assert 3.0 * state_bytes["four_split"] < state_bytes["one_g"], state_bytes  # U split 4 ways
   for one, four in (("one", "four"), ("one_g", "four_split")):
     one, four = result[one], result[four]
@@ -282,7 +347,8 @@ def test_four_devices_give_the_one_device_results(tmp_path):
 def test_resume_on_four_devices_and_on_another_mesh(tmp_path):
   """On a 4-device mesh a resumed run is bit for bit the straight one; a checkpoint written on
   4 devices resumes on 1; evaluate.py reloads a 4-device run (~70 s)."""
-  result = _run_on_cpu_devices("""
+  result = _run_on_cpu_devices(
+    """
       import json, sys
       from pathlib import Path
       import jax, numpy as np
@@ -323,7 +389,10 @@ def test_resume_on_four_devices_and_on_another_mesh(tmp_path):
                                              jax.tree.leaves(c.trainable))),
           "evaluated": [evaluated["val_loss"], evaluated["val_accuracy"]],
           "logged": [logged["val_loss"], logged["val_accuracy"]]}))
-      """, str(ROOT / "configs"), str(tmp_path))
+      """,
+    str(ROOT / "configs"),
+    str(tmp_path),
+  )
   assert result["bitwise"]
   assert result["moved_steps"] == 6 and result["moved_devices"] == 1
   assert result["moved_error"] < 1e-5
@@ -349,32 +418,61 @@ def test_two_processes_give_the_one_process_results(tmp_path):
   They agree to rounding (1e-5) for the first 10 steps; after that the rounding differences
   of another all-reduce order (gloo) grow, as in any such comparison, once a ReLU flips or
   a Ginger eigenvalue is near gamma (observed: 1e-4 by step 20), hence 1e-2 there."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
-             NUM_PROCESSES="2", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+    NUM_PROCESSES="2",
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  )
   for steps in (10, 20):
-    cmd = [sys.executable, "train.py", *RUN, f"max_steps={steps}", "checkpoint_every=10",
-           f"hydra.run.dir={tmp_path / 'multi'}"]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, PROCESS_ID=str(i)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    cmd = [
+      sys.executable,
+      "train.py",
+      *RUN,
+      f"max_steps={steps}",
+      "checkpoint_every=10",
+      f"hydra.run.dir={tmp_path / 'multi'}",
+    ]
+    procs = [
+      subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(env, PROCESS_ID=str(i)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+      for i in range(2)
+    ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs[0][-2000:] + logs[1][-2000:]
   assert all("resumed from" in log and "at step 10" in log for log in logs)
   single = subprocess.run(
-      [sys.executable, "train.py", *RUN, f"hydra.run.dir={tmp_path / 'single'}"],
-      cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+    [sys.executable, "train.py", *RUN, f"hydra.run.dir={tmp_path / 'single'}"],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+  )
   assert single.returncode == 0, single.stderr[-2000:]
   multi = json.loads((tmp_path / "multi" / "summary.json").read_text())
   one = json.loads((tmp_path / "single" / "summary.json").read_text())
-  assert multi["mesh"] == {"shape": {"data": 4, "model": 1}, "devices": 4, "processes": 2,
-                           "shard_optimizer_state": True}
+  assert multi["mesh"] == {
+    "shape": {"data": 4, "model": 1},
+    "devices": 4,
+    "processes": 2,
+    "shard_optimizer_state": True,
+  }
   for key in ("final_train_loss", "min_train_loss", "val_loss_at_best", "best_val_accuracy"):
     assert _close(one[key], multi[key], rtol=1e-2), key
-  read = lambda run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl")
-                      .read_text().splitlines()]
+  read = lambda run: [
+    json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+  ]
   events, reference = read("multi"), read("single")
-  assert [(e["event"], e["step"]) for e in events] == [(e["event"], e["step"])
-                                                       for e in reference]  # written once
+  assert [(e["event"], e["step"]) for e in events] == [
+    (e["event"], e["step"]) for e in reference
+  ]  # written once
   for a, b in zip(reference, events):
     for key in ("train_loss", "grad_norm", "val_loss", "val_accuracy"):
       if key in a:

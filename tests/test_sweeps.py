@@ -22,234 +22,288 @@ ARMS = {("momentum", None), ("adam", None)} | {(o, t) for o in ("qng", "ginger")
 
 @pytest.fixture(scope="module")
 def cfg_dir(tmp_path_factory):
-    """configs/ without any tuned lr (configs/best_lr/*.yaml), so lrs are the defaults."""
-    out = tmp_path_factory.mktemp("cfg") / "configs"
-    shutil.copytree(ROOT / "configs", out, ignore=shutil.ignore_patterns("*.pyc"))
-    for f in (out / "best_lr").glob("*.yaml"):
-        f.unlink()
-    return out
+  """configs/ without any tuned lr (configs/best_lr/*.yaml), so lrs are the defaults."""
+  out = tmp_path_factory.mktemp("cfg") / "configs"
+  shutil.copytree(ROOT / "configs", out, ignore=shutil.ignore_patterns("*.pyc"))
+  for f in (out / "best_lr").glob("*.yaml"):
+    f.unlink()
+  return out
 
 
 @pytest.fixture(scope="module")
 def table1(cfg_dir):
-    return expand(["+sweep=table1"], cfg_dir)
+  return expand(["+sweep=table1"], cfg_dir)
 
 
 @pytest.fixture(scope="module")
 def table34(cfg_dir):
-    return expand(["+sweep=table34"], cfg_dir)
+  return expand(["+sweep=table34"], cfg_dir)
 
 
 @pytest.fixture(scope="module")
 def ablation(cfg_dir):
-    return expand(["+sweep=ablation"], cfg_dir)
+  return expand(["+sweep=ablation"], cfg_dir)
 
 
 def _default_lr(optimizer):
-    return float(OmegaConf.load(ROOT / "configs" / "optimizer" / f"{optimizer}.yaml").lr)
+  return float(OmegaConf.load(ROOT / "configs" / "optimizer" / f"{optimizer}.yaml").lr)
 
 
 # ----------------------------------------------------------------------------- composition
 
 
 def test_layout_excludes_at_least_what_config_yaml_excludes():
-    base = OmegaConf.load(ROOT / "configs" / "config.yaml")
-    layout = OmegaConf.load(ROOT / "configs" / "sweep" / "common" / "layout.yaml")
-    ours = set(layout.hydra.job.config.override_dirname.exclude_keys)
-    assert set(base.hydra.job.config.override_dirname.exclude_keys) <= ours
+  base = OmegaConf.load(ROOT / "configs" / "config.yaml")
+  layout = OmegaConf.load(ROOT / "configs" / "sweep" / "common" / "layout.yaml")
+  ours = set(layout.hydra.job.config.override_dirname.exclude_keys)
+  assert set(base.hydra.job.config.override_dirname.exclude_keys) <= ours
 
 
 def test_table1_is_14_configurations_per_model(table1):
-    assert len(table1) == 28
-    by_model = {}
-    for job in table1:
-        run = job.run
-        assert run["sweep"] == "table1" and run["dataset"] == "cifar100"
-        assert job.config["epochs"] == 200 and job.config["batch_size"] == 128
-        by_model.setdefault(run["model"], []).append((run["optimizer"], run["tau"]))
-        if run["optimizer"] in ("qng", "ginger"):
-            assert run["alpha"] == 0.99  # the paper's second moment: Table 1's cells need it
-        else:
-            assert run["tau"] is None  # no tau sweep for Momentum / Adam
-        assert run["lr"] == _default_lr(run["optimizer"])  # nothing tuned in cfg_dir
-        assert job.config["lr_from"].startswith("optimizer default")
-    assert sorted(by_model) == ["resnet18", "resnet50"]
-    for arms in by_model.values():
-        assert len(arms) == 14 and set(arms) == ARMS
-    assert len({job.run_dir for job in table1}) == 28  # no two runs share a dir
+  assert len(table1) == 28
+  by_model = {}
+  for job in table1:
+    run = job.run
+    assert run["sweep"] == "table1" and run["dataset"] == "cifar100"
+    assert job.config["epochs"] == 200 and job.config["batch_size"] == 128
+    by_model.setdefault(run["model"], []).append((run["optimizer"], run["tau"]))
+    if run["optimizer"] in ("qng", "ginger"):
+      assert run["alpha"] == 0.99  # the paper's second moment: Table 1's cells need it
+    else:
+      assert run["tau"] is None  # no tau sweep for Momentum / Adam
+    assert run["lr"] == _default_lr(run["optimizer"])  # nothing tuned in cfg_dir
+    assert job.config["lr_from"].startswith("optimizer default")
+  assert sorted(by_model) == ["resnet18", "resnet50"]
+  for arms in by_model.values():
+    assert len(arms) == 14 and set(arms) == ARMS
+  assert len({job.run_dir for job in table1}) == 28  # no two runs share a dir
 
 
 def test_table2_is_14_configurations_per_setting(cfg_dir):
-    overrides = job_overrides(["+sweep=table2"], cfg_dir)
-    assert len(overrides) == 28
-    arms = Counter(o for job in overrides for o in job if o.startswith("+sweep/arm="))
-    assert len(arms) == 14 and set(arms.values()) == {2}  # each arm once per setting
-    for i in (0, 1, 14, 27):  # Momentum and Adam of one setting, the ends of both
-        job = compose_job(overrides[i], cfg_dir)
-        assert job.run["sweep"] == "table2" and job.run["dataset"] == "xsum"
-        assert job.config["grad_clip"] == 1.0 and job.config["batch_size"] == 4
-        setting = "lora" if job.config["model"]["lora"] else "full"
-        assert setting == ("lora" if i < 14 else "full")
-        assert (job.run["optimizer"], job.run["tau"]) in ARMS
+  overrides = job_overrides(["+sweep=table2"], cfg_dir)
+  assert len(overrides) == 28
+  arms = Counter(o for job in overrides for o in job if o.startswith("+sweep/arm="))
+  assert len(arms) == 14 and set(arms.values()) == {2}  # each arm once per setting
+  for i in (0, 1, 14, 27):  # Momentum and Adam of one setting, the ends of both
+    job = compose_job(overrides[i], cfg_dir)
+    assert job.run["sweep"] == "table2" and job.run["dataset"] == "xsum"
+    assert job.config["grad_clip"] == 1.0 and job.config["batch_size"] == 4
+    setting = "lora" if job.config["model"]["lora"] else "full"
+    assert setting == ("lora" if i < 14 else "full")
+    assert (job.run["optimizer"], job.run["tau"]) in ARMS
 
 
 def test_tables_3_4_are_9_configurations(cfg_dir, table34):
-    jobs = table34
+  jobs = table34
+  assert len(jobs) == 9
+  assert {(j.run["alpha"], j.run["tau"]) for j in jobs} == {
+    (a, t) for a in (0.9, 0.99, 0.999) for t in (2, 4, 8)
+  }
+  assert {(j.run["optimizer"], j.run["model"], j.run["dataset"], j.run["sweep"]) for j in jobs} == {
+    ("ginger", "resnet18", "cifar100", "table34")
+  }
+  assert {j.run["sweep"] for j in jobs} <= set(tables.TABLE_SWEEPS["table3"])
+  # +sweep=table3 and +sweep=table4 are the same runs, in the same dirs.
+  for alias in ("table3", "table4"):
+    jobs = job_overrides([f"+sweep={alias}"], cfg_dir)
     assert len(jobs) == 9
-    assert {(j.run["alpha"], j.run["tau"]) for j in jobs} == {
-        (a, t) for a in (0.9, 0.99, 0.999) for t in (2, 4, 8)}
-    assert {(j.run["optimizer"], j.run["model"], j.run["dataset"], j.run["sweep"])
-            for j in jobs} == {("ginger", "resnet18", "cifar100", "table34")}
-    assert {j.run["sweep"] for j in jobs} <= set(tables.TABLE_SWEEPS["table3"])
-    # +sweep=table3 and +sweep=table4 are the same runs, in the same dirs.
-    for alias in ("table3", "table4"):
-        jobs = job_overrides([f"+sweep={alias}"], cfg_dir)
-        assert len(jobs) == 9
-        assert compose_job(jobs[-1], cfg_dir).run_dir == table34[-1].run_dir
+    assert compose_job(jobs[-1], cfg_dir).run_dir == table34[-1].run_dir
 
 
 def test_ablation_is_clip_x_block(ablation):
-    jobs = ablation
-    assert {(j.run["rho"], j.run["block"]) for j in jobs} == {
-        (1.0, "per_tensor"), (1.0, "global"), (None, "per_tensor"), (None, "global")}
-    assert len(jobs) == 4 and {j.run["tau"] for j in jobs} == {4}
-    assert {j.run["sweep"] for j in jobs} == {"ablation"}
-    # results/tables.py's ablation: one base (dataset, model, setting, tau, alpha), 4 variants.
-    assert len({tuple(j.run[k] for k in ("dataset", "model", "tau", "alpha")) for j in jobs}) == 1
+  jobs = ablation
+  assert {(j.run["rho"], j.run["block"]) for j in jobs} == {
+    (1.0, "per_tensor"),
+    (1.0, "global"),
+    (None, "per_tensor"),
+    (None, "global"),
+  }
+  assert len(jobs) == 4 and {j.run["tau"] for j in jobs} == {4}
+  assert {j.run["sweep"] for j in jobs} == {"ablation"}
+  # results/tables.py's ablation: one base (dataset, model, setting, tau, alpha), 4 variants.
+  assert len({tuple(j.run[k] for k in ("dataset", "model", "tau", "alpha")) for j in jobs}) == 1
 
 
 def test_lr_tune_protocol(cfg_dir):
-    jobs = job_overrides(["+sweep=lr_tune"], cfg_dir)
-    assert len(jobs) == 4 * 4 * 8  # experiments x optimizers x the paper's 8 lrs
-    lrs = {float(o.split("=")[1]) for job in jobs for o in job if o.startswith("lr=")}
-    assert lrs == set(best_lr.LR_GRID) and len(best_lr.LR_GRID) == 8
-    image = compose_job(["+sweep=lr_tune", "+sweep/exp=full/cifar100_resnet18",
-                         "+sweep/arm=ginger", "lr=0.05"], cfg_dir)
-    assert image.run["sweep"] in tables.EXCLUDED_SWEEPS
-    assert image.config["data"]["holdout"] == 5000  # held-out training images, not test
-    assert image.run["lr"] == 0.05 and image.run["tau"] == 4  # ginger's config default tau
-    smoke = compose_job(["+sweep=lr_tune", "scale=smoke", "+sweep/exp=smoke/cifar100_resnet50",
-                         "+sweep/arm=qng", "lr=0.5"], cfg_dir)
-    assert smoke.config["data"]["holdout"] == 300 and smoke.run["dataset"] == "digits"
+  jobs = job_overrides(["+sweep=lr_tune"], cfg_dir)
+  assert len(jobs) == 4 * 4 * 8  # experiments x optimizers x the paper's 8 lrs
+  lrs = {float(o.split("=")[1]) for job in jobs for o in job if o.startswith("lr=")}
+  assert lrs == set(best_lr.LR_GRID) and len(best_lr.LR_GRID) == 8
+  image = compose_job(
+    ["+sweep=lr_tune", "+sweep/exp=full/cifar100_resnet18", "+sweep/arm=ginger", "lr=0.05"], cfg_dir
+  )
+  assert image.run["sweep"] in tables.EXCLUDED_SWEEPS
+  assert image.config["data"]["holdout"] == 5000  # held-out training images, not test
+  assert image.run["lr"] == 0.05 and image.run["tau"] == 4  # ginger's config default tau
+  smoke = compose_job(
+    [
+      "+sweep=lr_tune",
+      "scale=smoke",
+      "+sweep/exp=smoke/cifar100_resnet50",
+      "+sweep/arm=qng",
+      "lr=0.5",
+    ],
+    cfg_dir,
+  )
+  assert smoke.config["data"]["holdout"] == 300 and smoke.run["dataset"] == "digits"
 
 
 def test_seeds_are_a_sweep_axis(cfg_dir):
-    jobs = expand(["+sweep=table34", "seed=0,1,2", "tau=4", "alpha=0.9"], cfg_dir)
-    assert sorted(j.run["seed"] for j in jobs) == [0, 1, 2]
-    assert len({j.run_dir for j in jobs}) == 3
+  jobs = expand(["+sweep=table34", "seed=0,1,2", "tau=4", "alpha=0.9"], cfg_dir)
+  assert sorted(j.run["seed"] for j in jobs) == [0, 1, 2]
+  assert len({j.run_dir for j in jobs}) == 3
 
 
 def test_smoke_scale_swaps_in_embedded_data_and_tiny_models(cfg_dir, table1):
-    overrides = job_overrides(["+sweep=table1", "scale=smoke"], cfg_dir)
-    assert len(overrides) == 28
-    full_dirs = {j.run_dir for j in table1}
-    for i, experiment in ((0, "smoke_cifar100_resnet18"), (-1, "smoke_cifar100_resnet50")):
-        job = compose_job(overrides[i], cfg_dir)
-        assert (job.run["dataset"], job.run["model"]) == ("digits", "resnet_tiny")
-        assert job.run["experiment"] == experiment and job.config["epochs"] == 2
-        assert job.run_dir not in full_dirs
-        assert job.run_dir.parts[:3] == ("multirun", "table1", experiment)
-    xsum = compose_job(["+sweep=table2", "scale=smoke", "+sweep/exp=smoke/xsum_t5_lora",
-                        "+sweep/arm=ginger_tau2"], cfg_dir)
-    assert xsum.run["dataset"] == "xsum_demo"  # never counted as an XSUM cell of Table 2
-    assert xsum.config["model"]["name"] == "t5-tiny" and xsum.config["data"]["source"] == "demo"
-    lora = OmegaConf.load(ROOT / "configs" / "model" / "t5_small_lora.yaml").lora
-    assert xsum.config["model"]["lora"] == OmegaConf.to_container(lora)
+  overrides = job_overrides(["+sweep=table1", "scale=smoke"], cfg_dir)
+  assert len(overrides) == 28
+  full_dirs = {j.run_dir for j in table1}
+  for i, experiment in ((0, "smoke_cifar100_resnet18"), (-1, "smoke_cifar100_resnet50")):
+    job = compose_job(overrides[i], cfg_dir)
+    assert (job.run["dataset"], job.run["model"]) == ("digits", "resnet_tiny")
+    assert job.run["experiment"] == experiment and job.config["epochs"] == 2
+    assert job.run_dir not in full_dirs
+    assert job.run_dir.parts[:3] == ("multirun", "table1", experiment)
+  xsum = compose_job(
+    ["+sweep=table2", "scale=smoke", "+sweep/exp=smoke/xsum_t5_lora", "+sweep/arm=ginger_tau2"],
+    cfg_dir,
+  )
+  assert xsum.run["dataset"] == "xsum_demo"  # never counted as an XSUM cell of Table 2
+  assert xsum.config["model"]["name"] == "t5-tiny" and xsum.config["data"]["source"] == "demo"
+  lora = OmegaConf.load(ROOT / "configs" / "model" / "t5_small_lora.yaml").lora
+  assert xsum.config["model"]["lora"] == OmegaConf.to_container(lora)
 
 
 def test_sweeps_never_share_run_dirs(cfg_dir, table1, table34, ablation):
-    dirs = [j.run_dir for j in table1 + table34 + ablation]
-    assert len(dirs) == len(set(dirs))
-    # The experiment is part of the subdir, so an overridden hydra.sweep.dir keeps runs apart.
-    moved = expand(["+sweep=table2", "+sweep/arm=adam", "hydra.sweep.dir=/elsewhere"], cfg_dir)
-    assert sorted(str(j.run_dir) for j in moved) == [
-        "/elsewhere/xsum_t5_full/adam,lr=0.001/seed=0",
-        "/elsewhere/xsum_t5_lora/adam,lr=0.001/seed=0"]
-    # A single job without -m (hydra.run.dir) keeps the arm and lr in its path too.
-    with hydra_context(cfg_dir) as hydra:
-        single = [hydra.compose_config("config", ["+sweep=table1", f"+sweep/arm={arm}",
-                                                  "+sweep/exp=full/cifar100_resnet18"],
-                                       run_mode=RunMode.RUN, from_shell=False).hydra.run.dir
-                  for arm in ("adam", "ginger_tau4")]
-    assert single == ["outputs/table1/cifar100_resnet18/adam,lr=0.001/default",
-                      "outputs/table1/cifar100_resnet18/ginger_tau4,lr=0.0002/default"]
+  dirs = [j.run_dir for j in table1 + table34 + ablation]
+  assert len(dirs) == len(set(dirs))
+  # The experiment is part of the subdir, so an overridden hydra.sweep.dir keeps runs apart.
+  moved = expand(["+sweep=table2", "+sweep/arm=adam", "hydra.sweep.dir=/elsewhere"], cfg_dir)
+  assert sorted(str(j.run_dir) for j in moved) == [
+    "/elsewhere/xsum_t5_full/adam,lr=0.001/seed=0",
+    "/elsewhere/xsum_t5_lora/adam,lr=0.001/seed=0",
+  ]
+  # A single job without -m (hydra.run.dir) keeps the arm and lr in its path too.
+  with hydra_context(cfg_dir) as hydra:
+    single = [
+      hydra.compose_config(
+        "config",
+        ["+sweep=table1", f"+sweep/arm={arm}", "+sweep/exp=full/cifar100_resnet18"],
+        run_mode=RunMode.RUN,
+        from_shell=False,
+      ).hydra.run.dir
+      for arm in ("adam", "ginger_tau4")
+    ]
+  assert single == [
+    "outputs/table1/cifar100_resnet18/adam,lr=0.001/default",
+    "outputs/table1/cifar100_resnet18/ginger_tau4,lr=0.0002/default",
+  ]
 
 
 # ----------------------------------------------------------------------------- best lr
 
 
-def _summary(root, name, *, experiment, optimizer, lr, seed=0, sweep="lr_tune", status="completed",
-             family="resnet", holdout=5000, **metrics):
-    run_dir = root / name
-    run_dir.mkdir(parents=True)
-    summary = {"run": {"experiment": experiment, "optimizer": optimizer, "lr": lr, "seed": seed,
-                       "sweep": sweep, "tau": None, "alpha": None, "model": "m", "dataset": "d"},
-               "config": {"model": {"family": family}, "data": {"holdout": holdout}},
-               "status": status, **metrics}
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+def _summary(
+  root,
+  name,
+  *,
+  experiment,
+  optimizer,
+  lr,
+  seed=0,
+  sweep="lr_tune",
+  status="completed",
+  family="resnet",
+  holdout=5000,
+  **metrics,
+):
+  run_dir = root / name
+  run_dir.mkdir(parents=True)
+  summary = {
+    "run": {
+      "experiment": experiment,
+      "optimizer": optimizer,
+      "lr": lr,
+      "seed": seed,
+      "sweep": sweep,
+      "tau": None,
+      "alpha": None,
+      "model": "m",
+      "dataset": "d",
+    },
+    "config": {"model": {"family": family}, "data": {"holdout": holdout}},
+    "status": status,
+    **metrics,
+  }
+  (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
 def test_best_lr_picks_writes_and_falls_back(tmp_path, cfg_dir, capsys):
-    runs = tmp_path / "runs"
-    c18 = dict(experiment="cifar100_resnet18")
-    for seed, (a, b) in enumerate([(50.0, 60.0), (52.0, 58.0)]):
-        _summary(runs, f"adam01-{seed}", optimizer="adam", lr=0.01, seed=seed,
-                 best_val_accuracy=a, **c18)
-        _summary(runs, f"adam001-{seed}", optimizer="adam", lr=0.001, seed=seed,
-                 best_val_accuracy=b, **c18)
-    _summary(runs, "adam05", optimizer="adam", lr=0.5, status="failed", **c18)
-    _summary(runs, "adam-test-split", optimizer="adam", lr=0.1, holdout=0, best_val_accuracy=99.0,
-             **c18)
-    _summary(runs, "adam-table1", optimizer="adam", lr=0.05, sweep="table1",
-             best_val_accuracy=99.0, **c18)
-    _summary(runs, "ginger-ok", optimizer="ginger", lr=0.0005, best_val_accuracy=70.0, **c18)
-    _summary(runs, "ginger-unstable-0", optimizer="ginger", lr=0.005, best_val_accuracy=71.0,
-             **c18)
-    _summary(runs, "ginger-unstable-1", optimizer="ginger", lr=0.005, seed=1, status="failed",
-             **c18)
-    lora = dict(experiment="xsum_t5_lora", family="t5", holdout=0)
-    _summary(runs, "qng-a", optimizer="qng", lr=0.01, rougeL=20.0, val_loss=2.0, **lora)
-    _summary(runs, "qng-b", optimizer="qng", lr=0.001, rougeL=25.0, val_loss=2.5, **lora)
-    full = dict(experiment="xsum_t5_full", family="t5", holdout=0)
-    _summary(runs, "adam-x1", optimizer="adam", lr=0.001, val_loss=3.0, **full)
-    _summary(runs, "adam-x2", optimizer="adam", lr=0.0001, val_loss=2.5, **full)
+  runs = tmp_path / "runs"
+  c18 = dict(experiment="cifar100_resnet18")
+  for seed, (a, b) in enumerate([(50.0, 60.0), (52.0, 58.0)]):
+    _summary(
+      runs, f"adam01-{seed}", optimizer="adam", lr=0.01, seed=seed, best_val_accuracy=a, **c18
+    )
+    _summary(
+      runs, f"adam001-{seed}", optimizer="adam", lr=0.001, seed=seed, best_val_accuracy=b, **c18
+    )
+  _summary(runs, "adam05", optimizer="adam", lr=0.5, status="failed", **c18)
+  _summary(
+    runs, "adam-test-split", optimizer="adam", lr=0.1, holdout=0, best_val_accuracy=99.0, **c18
+  )
+  _summary(
+    runs, "adam-table1", optimizer="adam", lr=0.05, sweep="table1", best_val_accuracy=99.0, **c18
+  )
+  _summary(runs, "ginger-ok", optimizer="ginger", lr=0.0005, best_val_accuracy=70.0, **c18)
+  _summary(runs, "ginger-unstable-0", optimizer="ginger", lr=0.005, best_val_accuracy=71.0, **c18)
+  _summary(runs, "ginger-unstable-1", optimizer="ginger", lr=0.005, seed=1, status="failed", **c18)
+  lora = dict(experiment="xsum_t5_lora", family="t5", holdout=0)
+  _summary(runs, "qng-a", optimizer="qng", lr=0.01, rougeL=20.0, val_loss=2.0, **lora)
+  _summary(runs, "qng-b", optimizer="qng", lr=0.001, rougeL=25.0, val_loss=2.5, **lora)
+  full = dict(experiment="xsum_t5_full", family="t5", holdout=0)
+  _summary(runs, "adam-x1", optimizer="adam", lr=0.001, val_loss=3.0, **full)
+  _summary(runs, "adam-x2", optimizer="adam", lr=0.0001, val_loss=2.5, **full)
 
-    out = cfg_dir / "best_lr"
-    assert best_lr.main([str(runs), "--out", str(out), "--config-dir", str(cfg_dir)]) == 0
-    printed = capsys.readouterr().out
-    c18_file = OmegaConf.load(out / "cifar100_resnet18.yaml")
-    assert c18_file.adam.lr == 0.001 and c18_file.adam.score == pytest.approx(59.0)
-    assert c18_file.adam.metric == "best_val_accuracy"
-    assert {c.lr: c.diverged for c in c18_file.adam.candidates}[0.5] == 1
-    assert c18_file.ginger.lr == 0.0005  # 0.005 scored higher once but diverged on seed 1
-    assert "momentum" not in c18_file and "qng" not in c18_file
-    assert OmegaConf.load(out / "xsum_t5_lora.yaml").qng.lr == 0.001  # highest ROUGE-L
-    assert OmegaConf.load(out / "xsum_t5_full.yaml").adam.lr == 0.0001  # lowest val loss
-    assert "test split" in printed
-    assert ("cifar100_resnet18 momentum: no finished lr_tune run -> the default lr 0.1"
-            in printed)
+  out = cfg_dir / "best_lr"
+  assert best_lr.main([str(runs), "--out", str(out), "--config-dir", str(cfg_dir)]) == 0
+  printed = capsys.readouterr().out
+  c18_file = OmegaConf.load(out / "cifar100_resnet18.yaml")
+  assert c18_file.adam.lr == 0.001 and c18_file.adam.score == pytest.approx(59.0)
+  assert c18_file.adam.metric == "best_val_accuracy"
+  assert {c.lr: c.diverged for c in c18_file.adam.candidates}[0.5] == 1
+  assert c18_file.ginger.lr == 0.0005  # 0.005 scored higher once but diverged on seed 1
+  assert "momentum" not in c18_file and "qng" not in c18_file
+  assert OmegaConf.load(out / "xsum_t5_lora.yaml").qng.lr == 0.001  # highest ROUGE-L
+  assert OmegaConf.load(out / "xsum_t5_full.yaml").adam.lr == 0.0001  # lowest val loss
+  assert "test split" in printed
+  assert "cifar100_resnet18 momentum: no finished lr_tune run -> the default lr 0.1" in printed
 
-    try:  # the table sweeps read the file; optimizers without an entry keep their default
-        adam = compose_job(["+sweep=table1", "+sweep/exp=full/cifar100_resnet18",
-                            "+sweep/arm=adam"], cfg_dir)
-        assert adam.run["lr"] == 0.001 and adam.config["lr_from"].startswith("lr_tune")
-        assert "lr=0.001" in str(adam.run_dir)
-        momentum = compose_job(["+sweep=table1", "+sweep/exp=full/cifar100_resnet18",
-                                "+sweep/arm=momentum"], cfg_dir)
-        assert momentum.run["lr"] == 0.1
-        assert momentum.config["lr_from"] == "optimizer default (no lr_tune result)"
-        smoke = compose_job(["+sweep=table1", "scale=smoke", "+sweep/exp=smoke/cifar100_resnet18",
-                             "+sweep/arm=adam"], cfg_dir)
-        assert smoke.run["lr"] == _default_lr("adam")  # smoke runs have their own best_lr
+  try:  # the table sweeps read the file; optimizers without an entry keep their default
+    adam = compose_job(
+      ["+sweep=table1", "+sweep/exp=full/cifar100_resnet18", "+sweep/arm=adam"], cfg_dir
+    )
+    assert adam.run["lr"] == 0.001 and adam.config["lr_from"].startswith("lr_tune")
+    assert "lr=0.001" in str(adam.run_dir)
+    momentum = compose_job(
+      ["+sweep=table1", "+sweep/exp=full/cifar100_resnet18", "+sweep/arm=momentum"], cfg_dir
+    )
+    assert momentum.run["lr"] == 0.1
+    assert momentum.config["lr_from"] == "optimizer default (no lr_tune result)"
+    smoke = compose_job(
+      ["+sweep=table1", "scale=smoke", "+sweep/exp=smoke/cifar100_resnet18", "+sweep/arm=adam"],
+      cfg_dir,
+    )
+    assert smoke.run["lr"] == _default_lr("adam")  # smoke runs have their own best_lr
 
-        # Runs gone: earlier results are kept (and said so), never dropped silently.
-        shutil.rmtree(runs / "ginger-ok")
-        best_lr.main([str(runs), "--out", str(out), "--config-dir", str(cfg_dir)])
-        assert OmegaConf.load(out / "cifar100_resnet18.yaml").ginger.lr == 0.0005
-        assert "ginger: lr 0.0005 kept from" in capsys.readouterr().out
-    finally:
-        for f in out.glob("*.yaml"):
-            f.unlink()
+    # Runs gone: earlier results are kept (and said so), never dropped silently.
+    shutil.rmtree(runs / "ginger-ok")
+    best_lr.main([str(runs), "--out", str(out), "--config-dir", str(cfg_dir)])
+    assert OmegaConf.load(out / "cifar100_resnet18.yaml").ginger.lr == 0.0005
+    assert "ginger: lr 0.0005 kept from" in capsys.readouterr().out
+  finally:
+    for f in out.glob("*.yaml"):
+      f.unlink()
 
 
 # ----------------------------------------------------------------------------- GPU pool
@@ -267,94 +321,108 @@ sys.exit(1 if any("fail" in a for a in sys.argv[1:]) else 0)
 
 
 def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+  return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _assert_no_shared_device(records):
-    for i, a in enumerate(records):
-        for b in records[i + 1:]:
-            if a["start"] < b["end"] and b["start"] < a["end"]:  # ran at the same time
-                assert a["device"] != b["device"], (a, b)
+  for i, a in enumerate(records):
+    for b in records[i + 1 :]:
+      if a["start"] < b["end"] and b["start"] < a["end"]:  # ran at the same time
+        assert a["device"] != b["device"], (a, b)
 
 
 def test_gpu_pool_pins_distinct_devices(tmp_path, monkeypatch):
-    fake = tmp_path / "fake.py"
-    fake.write_text(FAKE)
-    record = tmp_path / "record.jsonl"
-    monkeypatch.setenv("FAKE_RECORD", str(record))
-    commands = [[sys.executable, str(fake), f"job{i}"] for i in range(7)]
-    codes = gpu_pool.run_pool(commands, ["0", "1", "2"], cwd=tmp_path)
-    assert codes == [0] * 7
-    records = _records(record)
-    assert sorted(r["args"][0] for r in records) == sorted(f"job{i}" for i in range(7))
-    assert {r["device"] for r in records} == {"0", "1", "2"}
-    _assert_no_shared_device(records)
-    events = sorted([(r["start"], 1) for r in records] + [(r["end"], -1) for r in records])
-    running = [sum(d for _, d in events[:i + 1]) for i in range(len(events))]
-    assert max(running) >= 2  # really in parallel ...
-    assert max(running) <= 3  # ... but never more jobs than devices
-    with pytest.raises(ValueError, match="distinct"):
-        gpu_pool.run_pool(commands, ["0", "0"])
+  fake = tmp_path / "fake.py"
+  fake.write_text(FAKE)
+  record = tmp_path / "record.jsonl"
+  monkeypatch.setenv("FAKE_RECORD", str(record))
+  commands = [[sys.executable, str(fake), f"job{i}"] for i in range(7)]
+  codes = gpu_pool.run_pool(commands, ["0", "1", "2"], cwd=tmp_path)
+  assert codes == [0] * 7
+  records = _records(record)
+  assert sorted(r["args"][0] for r in records) == sorted(f"job{i}" for i in range(7))
+  assert {r["device"] for r in records} == {"0", "1", "2"}
+  _assert_no_shared_device(records)
+  events = sorted([(r["start"], 1) for r in records] + [(r["end"], -1) for r in records])
+  running = [sum(d for _, d in events[: i + 1]) for i in range(len(events))]
+  assert max(running) >= 2  # really in parallel ...
+  assert max(running) <= 3  # ... but never more jobs than devices
+  with pytest.raises(ValueError, match="distinct"):
+    gpu_pool.run_pool(commands, ["0", "0"])
 
 
 def test_gpu_pool_runs_a_sweep(tmp_path, cfg_dir, monkeypatch, capsys):
-    fake = tmp_path / "fake.py"
-    fake.write_text(FAKE)
-    record = tmp_path / "record.jsonl"
-    monkeypatch.setenv("FAKE_RECORD", str(record))
-    monkeypatch.setattr(gpu_pool, "expand", lambda overrides: expand(overrides, cfg_dir))
-    overrides = ["+sweep=table34", "scale=smoke", f"hydra.sweep.dir={tmp_path / 'mr'}"]
-    jobs = expand(overrides, cfg_dir)
-    done = jobs[0]  # a completed run of the same config is skipped
-    done.run_dir.mkdir(parents=True)
-    (done.run_dir / "summary.json").write_text(
-        json.dumps({"status": "completed", "config": done.config}))
-    argv = ["--devices", "3,5", "--command", f"{sys.executable} {fake}", "--", *overrides]
-    assert gpu_pool.main(argv) == 0
-    assert "9 jobs, 1 already completed" in capsys.readouterr().out
-    records = _records(record)
-    assert sorted(tuple(r["args"]) for r in records) == sorted(j.overrides for j in jobs[1:])
-    assert {r["device"] for r in records} == {"3", "5"}
-    _assert_no_shared_device(records)
-    assert all((j.run_dir / "train.log").exists() for j in jobs[1:])
+  fake = tmp_path / "fake.py"
+  fake.write_text(FAKE)
+  record = tmp_path / "record.jsonl"
+  monkeypatch.setenv("FAKE_RECORD", str(record))
+  monkeypatch.setattr(gpu_pool, "expand", lambda overrides: expand(overrides, cfg_dir))
+  overrides = ["+sweep=table34", "scale=smoke", f"hydra.sweep.dir={tmp_path / 'mr'}"]
+  jobs = expand(overrides, cfg_dir)
+  done = jobs[0]  # a completed run of the same config is skipped
+  done.run_dir.mkdir(parents=True)
+  (done.run_dir / "summary.json").write_text(
+    json.dumps({"status": "completed", "config": done.config})
+  )
+  argv = ["--devices", "3,5", "--command", f"{sys.executable} {fake}", "--", *overrides]
+  assert gpu_pool.main(argv) == 0
+  assert "9 jobs, 1 already completed" in capsys.readouterr().out
+  records = _records(record)
+  assert sorted(tuple(r["args"]) for r in records) == sorted(j.overrides for j in jobs[1:])
+  assert {r["device"] for r in records} == {"3", "5"}
+  _assert_no_shared_device(records)
+  assert all((j.run_dir / "train.log").exists() for j in jobs[1:])
 
-    # A failing job makes the pool fail; a diverged one (summary status "failed") does not.
-    assert gpu_pool.main([*argv[:4], "--rerun", "--", *overrides, "tau=2", "alpha=0.9",
-                          "+fail=1"]) == 1
-    (done.run_dir / "summary.json").write_text(
-        json.dumps({"status": "failed", "config": done.config}))
-    assert gpu_pool.diverged_run(done)
+  # A failing job makes the pool fail; a diverged one (summary status "failed") does not.
+  assert (
+    gpu_pool.main([*argv[:4], "--rerun", "--", *overrides, "tau=2", "alpha=0.9", "+fail=1"]) == 1
+  )
+  (done.run_dir / "summary.json").write_text(
+    json.dumps({"status": "failed", "config": done.config})
+  )
+  assert gpu_pool.diverged_run(done)
 
 
 # ----------------------------------------------------------------------------- end to end
 
 
 def test_smoke_sweep_end_to_end_gives_table_rows(tmp_path, capsys):
-    """Two Table 3/4 runs at scale=smoke, each `python train.py -m <job>` (so train.train under
-    Hydra's own multirun) in the GPU pool, two at a time on the CPU; then results.tables."""
-    overrides = ["+sweep=table34", "scale=smoke", "tau=2", "alpha=0.9,0.99", "max_steps=2",
-                 "eval_every=2", "log_every=1", "checkpoint_every=2", "spectrum_every=0",
-                 f"hydra.sweep.dir={tmp_path}"]
-    jobs = expand(overrides)  # the repo's configs/, which the train.py children read too
-    assert len(jobs) == 2
-    assert gpu_pool.main(["--devices", "0,1", "--", *overrides]) == 0, capsys.readouterr().out
-    runs = tables.collect_runs([tmp_path])
-    assert sorted(Path(r["path"]) for r in runs) == sorted(j.run_dir for j in jobs)
-    for run, job in zip(sorted(runs, key=lambda r: r["path"]),
-                        sorted(jobs, key=lambda j: str(j.run_dir))):
-        assert run["status"] == "completed" and run["steps"] == 2
-        assert run["config"] == job.config  # Hydra composed what sweeps.expand predicted
-        assert tables.rfield(run, "sweep") == "table34"
-        assert (tables.rfield(run, "dataset"), tables.rfield(run, "model")) == (
-            "digits", "resnet_tiny")
-    # The cell a Table 3 would take for alpha 0.9, tau 2 (at the smoke stand-ins) ...
-    cell = tables.select_runs(runs, {"dataset": "digits", "model": "resnet_tiny",
-                                     "optimizer": "ginger", "tau": 2, "alpha": 0.9},
-                              tables.TABLE_SWEEPS["table3"])
-    assert len(cell.runs) == 1 and cell.note is None
-    # ... and a rendered partial table: Table 1's Ginger (tau=2) row from the alpha=0.99 run.
-    table = tables.build_table1(runs, dataset="digits", models=("resnet_tiny",))
-    row = next(r for r in table.rows if r.label == "Ginger (τ=2)")
-    assert row.cells[0] == "1" and row.cells[1]  # n = 1 and an accuracy
-    assert all(r.cells[0] == "" for r in table.rows if r.label != "Ginger (τ=2)")
-    assert "Ginger (τ=2) | 1 |" in tables.to_markdown(table)
+  """Two Table 3/4 runs at scale=smoke, each `python train.py -m <job>` (so train.train under
+  Hydra's own multirun) in the GPU pool, two at a time on the CPU; then results.tables."""
+  overrides = [
+    "+sweep=table34",
+    "scale=smoke",
+    "tau=2",
+    "alpha=0.9,0.99",
+    "max_steps=2",
+    "eval_every=2",
+    "log_every=1",
+    "checkpoint_every=2",
+    "spectrum_every=0",
+    f"hydra.sweep.dir={tmp_path}",
+  ]
+  jobs = expand(overrides)  # the repo's configs/, which the train.py children read too
+  assert len(jobs) == 2
+  assert gpu_pool.main(["--devices", "0,1", "--", *overrides]) == 0, capsys.readouterr().out
+  runs = tables.collect_runs([tmp_path])
+  assert sorted(Path(r["path"]) for r in runs) == sorted(j.run_dir for j in jobs)
+  for run, job in zip(
+    sorted(runs, key=lambda r: r["path"]), sorted(jobs, key=lambda j: str(j.run_dir))
+  ):
+    assert run["status"] == "completed" and run["steps"] == 2
+    assert run["config"] == job.config  # Hydra composed what sweeps.expand predicted
+    assert tables.rfield(run, "sweep") == "table34"
+    assert (tables.rfield(run, "dataset"), tables.rfield(run, "model")) == ("digits", "resnet_tiny")
+  # The cell a Table 3 would take for alpha 0.9, tau 2 (at the smoke stand-ins) ...
+  cell = tables.select_runs(
+    runs,
+    {"dataset": "digits", "model": "resnet_tiny", "optimizer": "ginger", "tau": 2, "alpha": 0.9},
+    tables.TABLE_SWEEPS["table3"],
+  )
+  assert len(cell.runs) == 1 and cell.note is None
+  # ... and a rendered partial table: Table 1's Ginger (tau=2) row from the alpha=0.99 run.
+  table = tables.build_table1(runs, dataset="digits", models=("resnet_tiny",))
+  row = next(r for r in table.rows if r.label == "Ginger (τ=2)")
+  assert row.cells[0] == "1" and row.cells[1]  # n = 1 and an accuracy
+  assert all(r.cells[0] == "" for r in table.rows if r.label != "Ginger (τ=2)")
+  assert "Ginger (τ=2) | 1 |" in tables.to_markdown(table)

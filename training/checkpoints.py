@@ -15,14 +15,21 @@ class CheckpointError(RuntimeError):
 def _to_saveable(tree):
   """Typed PRNG keys are stored as their raw uint32 data (orbax saves plain arrays)."""
   return jax.tree.map(
-      lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-      else x, tree)
+    lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+    tree,
+  )
 
 
 def _from_saveable(saved, like):
   return jax.tree.map(
-      lambda s, x: jax.random.wrap_key_data(s, impl=jax.random.key_impl(x))
-      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else s, saved, like)
+    lambda s, x: (
+      jax.random.wrap_key_data(s, impl=jax.random.key_impl(x))
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+      else s
+    ),
+    saved,
+    like,
+  )
 
 
 class Checkpointer:
@@ -31,7 +38,8 @@ class Checkpointer:
   def __init__(self, run_dir: str | Path, keep: int = 2):
     self.directory = Path(run_dir).absolute() / "checkpoints"
     self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    )
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -52,6 +60,7 @@ class Checkpointer:
       saved = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
     except Exception as e:  # orbax raises many types for truncated/corrupt files
       raise CheckpointError(
-          f"checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {e}); "
-          "it may be corrupt or from a different configuration") from e
+        f"checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {e}); "
+        "it may be corrupt or from a different configuration"
+      ) from e
     return _from_saveable(saved, like)

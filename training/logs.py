@@ -42,8 +42,11 @@ class MetricsLog:
     if not self.writer:
       return
     if resume_step is not None and self.path.exists():
-      kept = [line for line in self.path.read_text().splitlines()
-              if line and json.loads(line).get("step", 0) <= resume_step]
+      kept = [
+        line
+        for line in self.path.read_text().splitlines()
+        if line and json.loads(line).get("step", 0) <= resume_step
+      ]
       self.path.write_text("".join(line + "\n" for line in kept))
       if kept:
         self.wall_offset = json.loads(kept[-1]).get("wall_time_s", 0.0) or 0.0
@@ -51,12 +54,20 @@ class MetricsLog:
       self.path.unlink()
     if logger_cfg.name == "wandb":
       import wandb
+
       # One wandb run per run dir: the id is derived from its absolute path, so a resumed run
       # continues its wandb run and two dirs with the same name (e.g. "default") never merge.
       run_id = hashlib.sha1(str(run_dir.absolute()).encode()).hexdigest()[:16]
-      self.wandb = wandb.init(project=logger_cfg.project, mode=logger_cfg.mode, config=config,
-                              dir=str(run_dir), id=run_id, name=str(run_dir),
-                              resume="allow", reinit="finish_previous")
+      self.wandb = wandb.init(
+        project=logger_cfg.project,
+        mode=logger_cfg.mode,
+        config=config,
+        dir=str(run_dir),
+        id=run_id,
+        name=str(run_dir),
+        resume="allow",
+        reinit="finish_previous",
+      )
 
   def wall_time(self) -> float:
     return self.wall_offset + time.time() - self.start
@@ -69,8 +80,14 @@ class MetricsLog:
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
     if self.wandb is not None and event != "spectrum":
-      self.wandb.log({f"{event}/{k}": v for k, v in record.items()
-                      if isinstance(v, (int, float)) and k != "step"}, step=int(step))
+      self.wandb.log(
+        {
+          f"{event}/{k}": v
+          for k, v in record.items()
+          if isinstance(v, (int, float)) and k != "step"
+        },
+        step=int(step),
+      )
     return record
 
   def close(self) -> None:
@@ -87,6 +104,7 @@ class Progress:
     self.bar = None
     if self.tty:
       from tqdm import tqdm
+
       self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True)
 
   def update(self, step: int, **postfix) -> None:
@@ -107,8 +125,13 @@ class Progress:
 
 def git_commit() -> str | None:
   try:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent, timeout=5)
+    out = subprocess.run(
+      ["git", "rev-parse", "HEAD"],
+      capture_output=True,
+      text=True,
+      cwd=Path(__file__).parent,
+      timeout=5,
+    )
     return out.stdout.strip() or None
   except (OSError, subprocess.SubprocessError):
     return None
@@ -117,10 +140,16 @@ def git_commit() -> str | None:
 def versions() -> dict[str, str]:
   import flax
   import optax
-  out = {"python": sys.version.split()[0], "jax": jax.__version__, "flax": flax.__version__,
-         "optax": optax.__version__}
+
+  out = {
+    "python": sys.version.split()[0],
+    "jax": jax.__version__,
+    "flax": flax.__version__,
+    "optax": optax.__version__,
+  }
   try:
     import jaxlib
+
     out["jaxlib"] = jaxlib.__version__
   except ImportError:
     pass

@@ -20,7 +20,8 @@ def learning_rate(cfg, steps_per_epoch: int, total_steps: int) -> optax.Schedule
   if cfg.schedule == "warmup_constant":
     warmup = max(1, int(cfg.warmup_epochs * steps_per_epoch))
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
+      [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]
+    )
   if cfg.schedule == "cosine":
     return optax.cosine_decay_schedule(lr, max(1, total_steps))
   raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}.")
@@ -30,13 +31,25 @@ def build_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformati
   """The optimizer named by ``cfg.optimizer.name`` with the top-level paper notation."""
   name, opt = cfg.optimizer.name, cfg.optimizer
   if name == "ginger":
-    tx = ginger.ginger(schedule, tau=int(cfg.tau), alpha=float(cfg.alpha),
-                       gamma=float(cfg.gamma), b1=float(opt.b1),
-                       rho=None if cfg.rho is None else float(cfg.rho), block=cfg.block,
-                       state_dtype=opt.state_dtype)
+    tx = ginger.ginger(
+      schedule,
+      tau=int(cfg.tau),
+      alpha=float(cfg.alpha),
+      gamma=float(cfg.gamma),
+      b1=float(opt.b1),
+      rho=None if cfg.rho is None else float(cfg.rho),
+      block=cfg.block,
+      state_dtype=opt.state_dtype,
+    )
   elif name == "qng":
-    tx = ginger.qng(schedule, tau=int(cfg.tau), alpha=float(cfg.alpha), b1=float(opt.b1),
-                    block=cfg.block, state_dtype=opt.state_dtype)
+    tx = ginger.qng(
+      schedule,
+      tau=int(cfg.tau),
+      alpha=float(cfg.alpha),
+      b1=float(opt.b1),
+      block=cfg.block,
+      state_dtype=opt.state_dtype,
+    )
   elif name == "adam":
     tx = optax.adam(schedule, b1=float(opt.b1), b2=float(opt.b2), eps=float(opt.eps))
   elif name == "momentum":

@@ -41,6 +41,7 @@ def launch_arguments(env=os.environ) -> dict[str, Any] | None:
   - SLURM job steps (``srun``) of more than one task: JAX detects everything itself
     (``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``, ``SLURM_PROCID``, ``SLURM_LOCALID``).
   """
+
   def get(*names):
     return next((env[n] for n in names if env.get(n)), None)
 
@@ -55,8 +56,11 @@ def launch_arguments(env=os.environ) -> dict[str, Any] | None:
   if get("MASTER_ADDR") and int(get("WORLD_SIZE") or 1) > 1:
     # torchrun's own agent store listens on MASTER_PORT, so JAX's coordinator takes the next.
     port = get("JAX_COORDINATOR_PORT") or int(get("MASTER_PORT") or 29500) + 1
-    kwargs = {"coordinator_address": f"{env['MASTER_ADDR']}:{port}",
-              "num_processes": int(env["WORLD_SIZE"]), "process_id": int(env.get("RANK", 0))}
+    kwargs = {
+      "coordinator_address": f"{env['MASTER_ADDR']}:{port}",
+      "num_processes": int(env["WORLD_SIZE"]),
+      "process_id": int(env.get("RANK", 0)),
+    }
     if int(get("LOCAL_WORLD_SIZE") or 1) > 1:
       kwargs["local_device_ids"] = [int(env.get("LOCAL_RANK", 0))]
     return kwargs
@@ -79,8 +83,13 @@ def initialize_distributed(mode: str | bool = "auto") -> None:
     # (one GPU per process); unset, each process drives all GPUs it sees.
     kwargs["cluster_detection_method"] = "deactivate"
   jax.distributed.initialize(**kwargs)
-  log.info("process %d of %d, %d local of %d devices", jax.process_index(),
-           jax.process_count(), jax.local_device_count(), jax.device_count())
+  log.info(
+    "process %d of %d, %d local of %d devices",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
 
 
 def make_mesh(data: int = -1, model: int = 1) -> Mesh:
@@ -92,17 +101,24 @@ def make_mesh(data: int = -1, model: int = 1) -> Mesh:
     raise ValueError(f"mesh.model must be >= 1 and divide the device count {count}, got {model}.")
   data = count // model if int(data) == -1 else int(data)
   if data < 1 or data * model > count:
-    raise ValueError(f"mesh.data x mesh.model = {data} x {model} needs more than the "
-                     f"{count} devices there are (mesh.data=-1 takes all).")
+    raise ValueError(
+      f"mesh.data x mesh.model = {data} x {model} needs more than the "
+      f"{count} devices there are (mesh.data=-1 takes all)."
+    )
   if data * model < count and jax.process_count() > 1:
     raise ValueError(f"a multi-host mesh must use all {count} devices, got {data} x {model}.")
-  return jax.make_mesh((data, model), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
-                       devices=jax.devices()[:data * model])
+  return jax.make_mesh(
+    (data, model),
+    ("data", "model"),
+    axis_types=(AxisType.Auto,) * 2,
+    devices=jax.devices()[: data * model],
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Where every array of a run lives on ``mesh``."""
+
   mesh: Mesh
   shard_optimizer_state: bool = True
   min_shard_size: int = state_sharding.MIN_SIZE
@@ -123,8 +139,11 @@ class Plan:
     """Shardings of a ``TrainState``: everything replicated except the optimizer state."""
     shardings = jax.tree.map(lambda _: self.replicated, state)
     if self.shard_optimizer_state:
-      shardings = shardings._replace(opt_state=state_sharding.state_shardings(
-          state.opt_state, self.mesh, ("data", "model"), min_size=self.min_shard_size))
+      shardings = shardings._replace(
+        opt_state=state_sharding.state_shardings(
+          state.opt_state, self.mesh, ("data", "model"), min_size=self.min_shard_size
+        )
+      )
     return shardings
 
   def indices(self, idx) -> jax.Array:
@@ -133,16 +152,21 @@ class Plan:
     return put(idx, self.batch if len(idx) % self.data_size == 0 else self.replicated)
 
   def describe(self) -> dict[str, Any]:
-    return {"shape": dict(self.mesh.shape), "devices": int(self.mesh.size),
-            "processes": jax.process_count(),
-            "shard_optimizer_state": self.shard_optimizer_state}
+    return {
+      "shape": dict(self.mesh.shape),
+      "devices": int(self.mesh.size),
+      "processes": jax.process_count(),
+      "shard_optimizer_state": self.shard_optimizer_state,
+    }
 
 
 def plan_from_config(mesh_cfg) -> Plan:
   mesh_cfg = mesh_cfg or {}
-  return Plan(make_mesh(mesh_cfg.get("data", -1), mesh_cfg.get("model", 1)),
-              bool(mesh_cfg.get("shard_optimizer_state", True)),
-              int(mesh_cfg.get("min_shard_size", state_sharding.MIN_SIZE)))
+  return Plan(
+    make_mesh(mesh_cfg.get("data", -1), mesh_cfg.get("model", 1)),
+    bool(mesh_cfg.get("shard_optimizer_state", True)),
+    int(mesh_cfg.get("min_shard_size", state_sharding.MIN_SIZE)),
+  )
 
 
 def put(tree, shardings):
@@ -179,4 +203,5 @@ def sync(name: str) -> None:
   """Waits until every process got here (a no-op in a single process)."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices(name)
