@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The stand-in campaign (results/cifar10/CAMPAIGN.md): the paper's image protocol on CIFAR-10 at
+# 30 epochs, through the repository's own sweeps and GPU pool (one job per GPU), phase by phase:
+#
+#   bash sweeps/standin_campaign.sh lr_tune table1_r18 table34 table1_r50 ablation table2
+#
+# Every phase is a `make` target's sweep at SCALE=standin; completed runs are skipped, so a phase
+# cut short is continued by running it again. Env: GINGER_DATA (the folder holding
+# cifar10-jpeg.tar.xz and xsum-1000.jsonl; default .data), SEEDS (default 0; e.g. 0,1),
+# PY (default python3), CAMPAIGN_ARGS (extra overrides for every job; default logger=none).
+set -u
+PY=${PY:-python3}
+SEEDS=${SEEDS:-0}
+EXTRA=${CAMPAIGN_ARGS:-logger=none}
+# Longest jobs first (ms/step measured in bench/RESULTS.md), so that the pool finishes sooner.
+ARMS="qng_tau32,qng_tau16,ginger_tau32,qng_tau8,ginger_tau16,qng_tau4,qng_tau2,ginger_tau8"
+ARMS="$ARMS,qng_tau1,ginger_tau4,ginger_tau2,ginger_tau1,adam,momentum"
+pool() { $PY -m sweeps.gpu_pool -- scale=standin $EXTRA "$@"; }
+status=0
+for phase in "$@"; do
+  echo "=== $(date -u +%FT%TZ) phase $phase (seeds $SEEDS)"
+  case $phase in
+    lr_tune)  # ResNet-18 only; ResNet-50 reuses its lr at this scale (standin/cifar100_resnet50)
+      pool +sweep=lr_tune +sweep/exp=standin/cifar100_resnet18 \
+        +sweep/arm=qng,ginger,adam,momentum seed=0 && $PY -m sweeps.best_lr ;;
+    table1_r18) pool +sweep=table1 +sweep/exp=standin/cifar100_resnet18 "+sweep/arm=$ARMS" seed=$SEEDS ;;
+    table1_r50) pool +sweep=table1 +sweep/exp=standin/cifar100_resnet50 "+sweep/arm=$ARMS" seed=$SEEDS ;;
+    table34) pool +sweep=table34 seed=$SEEDS ;;
+    ablation) pool +sweep=ablation seed=$SEEDS ;;
+    table2) pool +sweep=table2 "+sweep/arm=$ARMS" seed=$SEEDS ;;
+    *) echo "unknown phase $phase (lr_tune table1_r18 table1_r50 table34 ablation table2)"; exit 2 ;;
+  esac || status=1
+done
+echo "=== $(date -u +%FT%TZ) done (status $status)"
+exit $status
