@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,21 +97,61 @@ class MetricsLog:
 
 
 class Progress:
-  """A tqdm bar on a terminal; plain, greppable log lines otherwise (CI, files, SLURM)."""
+  """A tqdm bar on a terminal; plain, greppable lines otherwise (CI, log files, SLURM).
 
-  def __init__(self, total: int, initial: int):
+  Without a terminal, :meth:`update` prints a train line at its first call and then at most
+  every ``interval_s`` seconds (and at the last step)::
+
+    train step 300/7800 (3.8%) loss=3.912 | 2.41 steps/s | ETA 0:51:52
+
+  The rate is measured over the steps since the previous line, so it follows the current
+  speed, and the first line (whose interval includes compilation) gives none. A loop whose
+  log steps are far apart can ask :meth:`due` whether a line is wanted and call
+  :meth:`update` then.
+  """
+
+  def __init__(
+    self,
+    total: int,
+    initial: int,
+    *,
+    interval_s: float = 30.0,
+    tty: bool | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+  ):
     self.quiet = jax.process_index() != 0  # multi-host: process 0 reports for all
-    self.tty = sys.stderr.isatty() and not self.quiet
+    self.tty = (sys.stderr.isatty() if tty is None else tty) and not self.quiet
+    self.total, self.interval_s, self.clock = total, interval_s, clock
+    self.last: tuple[int, float] | None = None  # (step, time) of the last plain line
     self.bar = None
     if self.tty:
       from tqdm import tqdm
 
       self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True)
 
+  def due(self) -> bool:
+    """Whether a plain line is wanted now (never on a terminal, where the bar runs)."""
+    if self.tty or self.quiet:
+      return False
+    return self.last is None or self.clock() - self.last[1] >= self.interval_s
+
   def update(self, step: int, **postfix) -> None:
     if self.bar is not None:
       self.bar.n = step
       self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=True)
+    elif self.due() or (step >= self.total and not self.quiet):
+      now = self.clock()
+      print(self.train_line(step, now, postfix), flush=True)
+      self.last = (step, now)
+
+  def train_line(self, step: int, now: float, postfix: dict[str, float]) -> str:
+    parts = [f"train step {step}/{self.total} ({100.0 * step / max(self.total, 1):.1f}%)"]
+    parts[0] += "".join(f" {k}={v:.4g}" for k, v in postfix.items())
+    if self.last is not None and step > self.last[0] and now > self.last[1]:
+      rate = (step - self.last[0]) / (now - self.last[1])
+      parts.append(f"{rate:.3g} steps/s")
+      parts.append(f"ETA {format_duration((self.total - step) / rate)}")
+    return " | ".join(parts)
 
   def line(self, text: str) -> None:
     if self.bar is not None:
@@ -121,6 +162,15 @@ class Progress:
   def close(self) -> None:
     if self.bar is not None:
       self.bar.close()
+
+
+def format_duration(seconds: float) -> str:
+  """``h:mm:ss`` (days as ``Nd h:mm:ss``)."""
+  seconds = max(0, int(round(seconds)))
+  days, seconds = divmod(seconds, 86400)
+  hours, seconds = divmod(seconds, 3600)
+  minutes, seconds = divmod(seconds, 60)
+  return (f"{days}d " if days else "") + f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 def git_commit() -> str | None:
