@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from data import hub
+from data import cache, hub
 
 DATASETS: tuple[str, ...] = ("cifar100", "cifar10", "digits")
 SOURCES: tuple[str, ...] = ("tfds", "hf", "local")
@@ -296,7 +296,7 @@ def _load_archive(name: str, archive: Path) -> _Splits:
     )
   cache_key = f"{archive.name}-{md5[:16]}"
   return _cached_decode(
-    name, cache_key, [_cache_dir() / f"{cache_key}.npz"], lambda: _archive_entries(archive)
+    name, cache_key, [cache.cache_root() / f"{cache_key}.npz"], lambda: _archive_entries(archive)
   )
 
 
@@ -345,14 +345,6 @@ def _folder_fingerprint(root: Path) -> str:
   return digest.hexdigest()
 
 
-def _cache_dir() -> Path:
-  """``$GINGER_CACHE_DIR``, else ``$XDG_CACHE_HOME/ginger``, else ``~/.cache/ginger``."""
-  if os.environ.get("GINGER_CACHE_DIR"):
-    return Path(os.environ["GINGER_CACHE_DIR"]).expanduser()
-  xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-  return Path(xdg) / "ginger"
-
-
 def decoded_cache_paths(root: str | os.PathLike) -> list[Path]:
   """Where the decoded arrays of image folder ``root`` are cached, in order of preference.
 
@@ -363,7 +355,7 @@ def decoded_cache_paths(root: str | os.PathLike) -> list[Path]:
   path_hash = hashlib.sha1(str(root).encode()).hexdigest()[:12]
   return [
     root.parent / f"{root.name}.decoded.npz",
-    _cache_dir() / f"{root.name}-{path_hash}.decoded.npz",
+    cache.cache_root() / f"{root.name}-{path_hash}.decoded.npz",
   ]
 
 
@@ -402,36 +394,19 @@ def _check_class_count(name: str, num_classes: int, where: Path) -> None:
 
 
 def _read_cache(path: Path, key: str) -> _Splits | None:
-  if not path.is_file():
-    return None
+  arrays = cache.load_arrays(path)
+  if arrays is None or str(arrays.get("key")) != key:
+    return None  # absent, unreadable, or decoded from other files: decode again
   try:
-    with np.load(path) as z:
-      if str(z["key"]) != key:
-        return None
-      return _Splits(
-        z["train_images"],
-        z["train_labels"],
-        z["test_images"],
-        z["test_labels"],
-        int(z["num_classes"]),
-      )
-  except (OSError, KeyError, ValueError):
-    return None  # unreadable or partial cache: decode again
+    images = (arrays[f] for f in ("train_images", "train_labels", "test_images", "test_labels"))
+    return _Splits(*images, int(arrays["num_classes"]))
+  except KeyError:
+    return None
 
 
 def _write_cache(path: Path, key: str, splits: _Splits) -> bool:
-  """Atomically writes the cache; False if ``path`` is not writable."""
-  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "wb") as f:
-      np.savez(f, key=np.asarray(key), **splits._asdict())
-    os.replace(tmp, path)
-    return True
-  except OSError:
-    with contextlib.suppress(OSError):
-      tmp.unlink()
-    return False
+  """False if ``path`` is not writable (the next candidate is tried)."""
+  return cache.save_arrays(path, {"key": np.asarray(key), **splits._asdict()})
 
 
 def _decode_image(data: bytes) -> np.ndarray:

@@ -1,4 +1,7 @@
-"""XSUM summarization data: raw text, tokenizers, token arrays and batches for T5.
+"""XSUM summarization data: raw text, tokenizers and token arrays for T5.
+
+The training loop gathers batches from the token arrays on the device, in the order of
+``data.images.epoch_permutation`` (one definition of epoch order for every task).
 
 Sources (``load_xsum(source=...)``):
   * ``"hf"``: Hugging Face ``datasets`` (``EdinburghNLP/xsum``; ``path`` = optional cache dir).
@@ -21,8 +24,8 @@ local directory or the hub, a SentencePiece ``.model`` file, or ``"demo"``: a Se
 (BPE, see ``train_sentencepiece``) trained on the demo corpus on the fly (pad=0, eos=1, unk=2 like
 T5) and cached on disk.
 
-Caches live in ``$GINGER_CACHE_DIR``, else ``$XDG_CACHE_HOME/ginger``, else ``~/.cache/ginger``
-(the same place as ``data/images.py``), or in an explicit ``cache_dir``.
+Caches (tokenizers, token arrays) live in ``data.cache.cache_root()``: ``$GINGER_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/ginger``, else ``~/.cache/ginger``, or in an explicit ``cache_dir``.
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ import io
 import json
 import os
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from data import hub
-from data.images import DatasetUnavailableError, epoch_permutation
+from data.cache import atomic_write, cache_root, load_arrays, save_arrays
+from data.images import DatasetUnavailableError
 
 SOURCES = ("hf", "tfds", "local", "demo")
 SPLITS = ("train", "validation", "test")
@@ -56,15 +60,6 @@ Example = dict[str, str]
 
 class TokenizerUnavailableError(DatasetUnavailableError):
   """The requested tokenizer cannot be loaded here; the message says how to provide it."""
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-  """Explicit dir, else $GINGER_CACHE_DIR, else $XDG_CACHE_HOME/ginger, else ~/.cache/ginger."""
-  if cache_dir is not None:
-    return Path(cache_dir).expanduser()
-  if os.environ.get("GINGER_CACHE_DIR"):
-    return Path(os.environ["GINGER_CACHE_DIR"]).expanduser()
-  return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ginger"
 
 
 # ------------------------------------------------------------------------------- raw text
@@ -439,15 +434,9 @@ def train_sentencepiece(
     num_threads=2,
     minloglevel=2,
   )
-  _atomic_write(path, buf.getvalue())
+  if not atomic_write(path, buf.getvalue()):
+    raise OSError(f"cannot write the SentencePiece model to {path} (set GINGER_CACHE_DIR)")
   return path
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  tmp.write_bytes(data)
-  os.replace(tmp, path)
 
 
 def _demo_tokenizer(cache_dir: str | os.PathLike | None, vocab_size: int) -> Tokenizer:
@@ -557,9 +546,9 @@ def tokenize_split(
   """
   key = _tokens_key(examples, tokenizer, prefix, (max_source_len, max_target_len), pad_to_longest)
   file = cache_root(cache_dir) / "tokens" / f"xsum-{key}.npz"
-  if cache and file.exists():
-    with np.load(file) as z:
-      return {k: z[k] for k in z.files}
+  cached = load_arrays(file) if cache else None
+  if cached is not None:
+    return cached
   src = tokenizer.encode([prefix + ex["document"] for ex in examples])
   tgt = tokenizer.encode([ex["summary"] for ex in examples])
   eos, pad = tokenizer.eos_id, tokenizer.pad_id
@@ -572,47 +561,8 @@ def tokenize_split(
     "decoder_attention_mask": label_mask,
   }
   if cache:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    _atomic_write(file, buf.getvalue())
+    save_arrays(file, arrays)  # an unwritable cache only costs the next run the tokenizing
   return arrays
-
-
-# -------------------------------------------------------------------------------- batches
-
-
-def epoch_order(n: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-  """Example order of one epoch: a pure function of (seed, epoch), so resuming reproduces it."""
-  if not shuffle:
-    return np.arange(n)
-  return epoch_permutation(seed, epoch, n)
-
-
-def num_batches(n: int, batch_size: int, *, drop_remainder: bool = True) -> int:
-  return n // batch_size if drop_remainder else -(-n // batch_size)
-
-
-def batches(
-  arrays: dict[str, np.ndarray],
-  batch_size: int,
-  *,
-  seed: int,
-  epoch: int,
-  shuffle: bool = True,
-  drop_remainder: bool = True,
-  start_batch: int = 0,
-) -> Iterator[dict[str, np.ndarray]]:
-  """Batches of every array in ``arrays``; ``start_batch`` skips ahead for mid-epoch resume."""
-  if batch_size < 1:
-    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-  sizes = {len(v) for v in arrays.values()}
-  if len(sizes) != 1:
-    raise ValueError(f"arrays have different lengths: {sizes}")
-  n = sizes.pop()
-  order = epoch_order(n, seed=seed, epoch=epoch, shuffle=shuffle)
-  for b in range(start_batch, num_batches(n, batch_size, drop_remainder=drop_remainder)):
-    idx = order[b * batch_size : (b + 1) * batch_size]
-    yield {k: v[idx] for k, v in arrays.items()}
 
 
 __all__ = [
@@ -622,13 +572,10 @@ __all__ = [
   "HFTokenizer",
   "SentencePieceTokenizer",
   "TokenizerUnavailableError",
-  "batches",
   "cache_root",
   "demo_corpus",
-  "epoch_order",
   "load_tokenizer",
   "load_xsum",
-  "num_batches",
   "read_jsonl",
   "tokenize_split",
   "train_sentencepiece",

@@ -1,4 +1,4 @@
-"""XSUM data pipeline: sources, offline errors, on-the-fly tokenizer, token cache, batches."""
+"""XSUM data pipeline: sources, offline errors, on-the-fly tokenizer, token cache."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from data.xsum import (
   DatasetUnavailableError,
   SentencePieceTokenizer,
   TokenizerUnavailableError,
-  batches,
   load_tokenizer,
   load_xsum,
   tokenize_split,
@@ -182,20 +181,3 @@ def test_hf_tokenizer_directory_matches_sentencepiece(tmp_path, cache):
   assert isinstance(hf, xsum.HFTokenizer) and (hf.pad_id, hf.eos_id) == (0, 1)
   assert hf.encode(texts[:4]) == sp.encode(texts[:4])
   assert hf.decode(hf.encode(texts[:1])[0] + [1, 0]) == texts[0]
-
-
-def test_batches_are_deterministic_and_resumable():
-  arrays = {"x": np.arange(10), "y": np.arange(10) * 2}
-  first = list(batches(arrays, 3, seed=1, epoch=0))
-  assert len(first) == 3 and all(len(b["x"]) == 3 for b in first)
-  assert all(np.array_equal(b["y"], 2 * b["x"]) for b in first)
-  again = list(batches(arrays, 3, seed=1, epoch=0))
-  assert all(np.array_equal(a["x"], b["x"]) for a, b in zip(first, again, strict=True))
-  other = np.concatenate([b["x"] for b in batches(arrays, 3, seed=1, epoch=1)])
-  assert not np.array_equal(other, np.concatenate([b["x"] for b in first]))
-  resumed = list(batches(arrays, 3, seed=1, epoch=0, start_batch=2))
-  assert np.array_equal(resumed[0]["x"], first[2]["x"]) and len(resumed) == 1
-  full = list(batches(arrays, 3, seed=0, epoch=0, shuffle=False, drop_remainder=False))
-  assert [list(b["x"]) for b in full] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
-  with pytest.raises(ValueError):
-    next(batches({"x": np.arange(3), "y": np.arange(4)}, 2, seed=0, epoch=0))
