@@ -7,8 +7,11 @@ Sources (``source=``):
   * ``"local"``: ``path`` is the official CIFAR python-pickle tarball (md5-verified), its
     extracted folder, a folder laid out as ``train/<class>/*.jpg|png`` and
     ``test/<class>/*.jpg|png``, or a ``.tar.xz`` / ``.tar.gz`` of such a folder.
-  * ``"hf"``: the Hugging Face Hub (``uoft-cs/cifar100``, ``uoft-cs/cifar10``).
-  * ``"tfds"``: TensorFlow Datasets (not installed by default).
+  * ``"hf"`` (the default): the Hugging Face Hub (``uoft-cs/cifar100``, ``uoft-cs/cifar10``)
+    through ``datasets``, which requirements.txt pins.
+  * ``"tfds"``: TensorFlow Datasets. Not pinned: it needs TensorFlow itself (a ~570 MB wheel)
+    to download and prepare CIFAR (its builder encodes images with ``tf.image``) and to read
+    it (``tfds.load`` returns a ``tf.data`` pipeline).
   * ``digits`` (scikit-learn's bundled 8x8 digits) ignores ``source`` and ``path``: it is
     always available offline.
 
@@ -18,7 +21,6 @@ there is never a silent fallback to other data.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import os
@@ -36,7 +38,7 @@ import numpy as np
 from data import cache, hub
 
 DATASETS: tuple[str, ...] = ("cifar100", "cifar10", "digits")
-SOURCES: tuple[str, ...] = ("tfds", "hf", "local")
+SOURCES: tuple[str, ...] = ("hf", "tfds", "local")
 NUM_CLASSES: dict[str, int] = {"cifar100": 100, "cifar10": 10, "digits": 10}
 
 OFFICIAL_URLS: dict[str, str] = {
@@ -101,7 +103,7 @@ class _Splits(NamedTuple):
 
 def load_image_dataset(
   name: str,
-  source: str = "tfds",
+  source: str = "hf",
   path: str | os.PathLike | None = None,
   *,
   holdout: int = 0,
@@ -111,9 +113,9 @@ def load_image_dataset(
 
   Args:
     name: "cifar100", "cifar10" or "digits".
-    source: "tfds", "hf" or "local" (ignored for "digits").
-    path: for "local", the tarball or folder to read; for "tfds"/"hf", an optional data or
-      cache directory.
+    source: "hf", "tfds" or "local" (ignored for "digits").
+    path: for "local", the tarball or folder to read; for "hf"/"tfds", an optional cache or
+      data directory.
     holdout: if > 0, the last ``holdout`` examples of a ``seed``-permutation of the training
       set become the validation set (``val_split_name="holdout"``), so learning rates can be
       tuned without touching the test split. Otherwise validation is the test split.
@@ -209,8 +211,8 @@ def _how_to_get(name: str) -> str:
     f"Download the official tarball from {OFFICIAL_URLS[name]} and pass "
     f"data.source=local data.path=/path/to/{Path(OFFICIAL_URLS[name]).name} (or its "
     "extracted folder, or a train/<class>/*.jpg + test/<class>/*.jpg folder or .tar.xz of "
-    "one), or use data.source=hf (Hugging Face datasets) or data.source=tfds "
-    "(pip install tensorflow-datasets) on a machine with network access."
+    "one), or use data.source=hf (Hugging Face datasets, pinned) or data.source=tfds "
+    "(pip install tensorflow-datasets tensorflow) on a machine with network access."
   )
 
 
@@ -442,29 +444,12 @@ def _decode_entries(entries: list[_Entry]) -> _Splits:
 
 
 def _load_hf(name: str, cache_dir: str | os.PathLike | None) -> _Splits:
-  """Hugging Face ``datasets``; offline (flags set or Hub unreachable) it uses the cache only."""
+  """Hugging Face ``datasets`` (pinned); offline (flags set or Hub unreachable) the cache only."""
   repo, image_field, label_field = HF_REPOS[name]
-  offline = not hub.hub_reachable()
   try:
-    import datasets
-  except ImportError as e:
-    raise DatasetUnavailableError(
-      "data.source=hf needs `pip install datasets`. " + _how_to_get(name)
-    ) from e
-  mode = hub.forced_offline() if offline else contextlib.nullcontext()
-  try:
-    with mode:
-      dataset = datasets.load_dataset(repo, cache_dir=None if cache_dir is None else str(cache_dir))
-  except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError...)
-    why = (
-      "offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set, or huggingface.co unreachable) "
-      "and not in the local Hugging Face cache"
-      if offline
-      else f"{type(e).__name__}: {e}"
-    )
-    raise DatasetUnavailableError(
-      f"Could not load {repo} from the Hugging Face Hub: {why}. {_how_to_get(name)}"
-    ) from e
+    dataset = hub.load_dataset(repo, cache_dir)
+  except hub.HubLoadError as e:
+    raise DatasetUnavailableError(f"{e}. {_how_to_get(name)}") from e
 
   def split(s: str) -> tuple[np.ndarray, np.ndarray]:
     ds = dataset[s]
@@ -478,12 +463,12 @@ def _load_hf(name: str, cache_dir: str | os.PathLike | None) -> _Splits:
 
 
 def _load_tfds(name: str, data_dir: str | os.PathLike | None) -> _Splits:
-  """TensorFlow Datasets, imported lazily since it is an optional dependency."""
+  """TensorFlow Datasets, imported lazily since it is an optional dependency (with TensorFlow)."""
   try:
     import tensorflow_datasets as tfds
   except ImportError as e:
     raise DatasetUnavailableError(
-      "data.source=tfds needs TensorFlow Datasets, which is not installed "
+      "data.source=tfds needs TensorFlow Datasets and TensorFlow, which are not pinned here "
       f"(`pip install tensorflow-datasets tensorflow`). {_how_to_get(name)}"
     ) from e
 

@@ -4,7 +4,9 @@ The training loop gathers batches from the token arrays on the device, in the or
 ``data.images.epoch_permutation`` (one definition of epoch order for every task).
 
 Sources (``load_xsum(source=...)``):
-  * ``"hf"``: Hugging Face ``datasets`` (``EdinburghNLP/xsum``; ``path`` = optional cache dir).
+  * ``"hf"`` (the default): Hugging Face ``datasets`` (``EdinburghNLP/xsum``, read from the
+    Hub's Parquet export since ``datasets`` no longer runs its loading script; ``path`` =
+    optional cache dir).
   * ``"tfds"``: TensorFlow Datasets' ``xsum`` (needs tensorflow-datasets and XSUM's manual
     download; ``path`` = ``data_dir``). Imported lazily: not installed by default.
   * ``"local"``: ``path`` is a folder with ``train.jsonl`` / ``validation.jsonl`` / ``test.jsonl``,
@@ -30,7 +32,6 @@ else ``$XDG_CACHE_HOME/ginger``, else ``~/.cache/ginger``, or in an explicit ``c
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -133,22 +134,10 @@ def _load_local(path: str | os.PathLike | None, splits: tuple[str, ...]) -> dict
 
 
 def _load_hf(path: str | os.PathLike | None, splits: tuple[str, ...]) -> dict:
-  offline = not hub.hub_reachable()
   try:
-    import datasets
-  except ImportError as e:
-    raise DatasetUnavailableError(f"data.source=hf needs `datasets`. {_how_to_get()}") from e
-  try:
-    with hub.forced_offline() if offline else contextlib.nullcontext():
-      ds = datasets.load_dataset(HF_REPO, cache_dir=None if path is None else str(path))
-  except Exception as e:  # noqa: BLE001 - datasets raises many types
-    why = (
-      "offline (HF_*_OFFLINE set or huggingface.co unreachable) and not in the local "
-      "Hugging Face cache"
-      if offline
-      else f"{type(e).__name__}: {e}"
-    )
-    raise DatasetUnavailableError(f"could not load {HF_REPO}: {why}. {_how_to_get()}") from e
+    ds = hub.load_dataset(HF_REPO, path)
+  except hub.HubLoadError as e:
+    raise DatasetUnavailableError(f"{e}. {_how_to_get()}") from e
   return {s: [_example(r, f"{HF_REPO}[{s}]") for r in ds[s]] for s in splits}
 
 
@@ -157,8 +146,8 @@ def _load_tfds(path: str | os.PathLike | None, splits: tuple[str, ...]) -> dict:
     import tensorflow_datasets as tfds
   except ImportError as e:
     raise DatasetUnavailableError(
-      "data.source=tfds needs tensorflow-datasets (not installed; `pip install "
-      "tensorflow-datasets tensorflow`) and XSUM's manual download in "
+      "data.source=tfds needs tensorflow-datasets and TensorFlow (not pinned here: `pip "
+      "install tensorflow-datasets tensorflow`) and XSUM's manual download in "
       "<data_dir>/downloads/manual. " + _how_to_get()
     ) from e
   out = {}

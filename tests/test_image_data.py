@@ -61,7 +61,7 @@ def test_digits_ignores_source_and_is_deterministic(digits):
 def test_unknown_name_and_source():
   with pytest.raises(ValueError, match=r"'mnist'.*cifar100.*digits"):
     load_image_dataset("mnist")
-  with pytest.raises(ValueError, match=r"'gcs'.*tfds.*hf.*local"):
+  with pytest.raises(ValueError, match=r"'gcs'.*hf.*tfds.*local"):
     load_image_dataset("cifar10", source="gcs")
 
 
