@@ -245,7 +245,7 @@ def _after_residual(s, alpha, gamma):
     c, s["l1"] * p_norm, s["sigma"], s["l1"] * v_norm_l1, in_span, alpha
   )
   w, vecs = lowrank.sorted_eigh(core)
-  sigma = lowrank.rescale_sigma(w, scale, rank)
+  sigma = lowrank.rescale_sigma(w, scale, rank, lowrank.rank_after_update(s["sigma"]))
   top, b = vecs[..., :rank, :rank], vecs[..., rank, :rank]
   p_g = (s["pg"] - jnp.sum(s["c2"] * s["y"], -1)) * inv_p  # p^T g with p of unit norm
   y_new = lowrank.small_matvec(top, s["y"], transpose=True) + b * p_g[..., None]

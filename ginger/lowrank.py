@@ -181,14 +181,33 @@ def sorted_eigh(core: jax.Array) -> tuple[jax.Array, jax.Array]:
   return w[..., ::-1], v[..., ::-1]
 
 
-def rescale_sigma(w: jax.Array, s: jax.Array, rank: int) -> jax.Array:
-  """Top ``rank`` eigenvalues back in the original units, clipped to ``[0, finfo.max]``.
+def rescale_sigma(w: jax.Array, s: jax.Array, rank: int, max_rank: jax.Array) -> jax.Array:
+  """Top ``rank`` eigenvalues back in the original units, clipped to ``[0, finfo.max]``, and
+  exactly zero past ``max_rank`` (see :func:`keep_rank`).
 
   Clipping at zero removes the tiny negative eigenvalues roundoff leaves on a PSD matrix;
   clipping at ``finfo.max`` keeps huge curvature finite (it then acts as "infinite").
   """
   big = jnp.finfo(w.dtype).max
-  return jnp.clip(w[..., :rank] * s[..., None] * s[..., None], 0.0, big)
+  return keep_rank(jnp.clip(w[..., :rank] * s[..., None] * s[..., None], 0.0, big), max_rank)
+
+
+def keep_rank(w: jax.Array, max_rank: jax.Array) -> jax.Array:
+  """Descending eigenvalues ``w`` with all past the first ``max_rank`` set to exactly zero.
+
+  ``alpha S + (1 - alpha) v v^T`` has rank at most ``rank(S) + 1``, so all its eigenvalues
+  past that are zero in exact arithmetic; a float32 ``eigh`` returns them as noise of about
+  ``eps ||C||``. Kept, that noise is curvature of ``1e-7 sigma_max``, which exceeds ``gamma``
+  once ``sigma_max / gamma > 1e7`` and then wrongly shrinks those directions (mostly while a
+  block has seen fewer than ``tau`` vectors). The bound is exact bookkeeping, not a threshold:
+  ``rank(S)`` is the number of nonzero ``sigma``, themselves exact zeros past their own bound.
+  """
+  return jnp.where(jnp.arange(w.shape[-1]) < max_rank[..., None], w, jnp.zeros_like(w))
+
+
+def rank_after_update(sigma: jax.Array) -> jax.Array:
+  """Upper bound of the rank of ``alpha U diag(sigma) U^T + (1 - alpha) v v^T``."""
+  return jnp.sum(sigma > 0, axis=-1) + 1
 
 
 # ---- orthonormality --------------------------------------------------------------------------
@@ -218,7 +237,9 @@ def reorthonormalising_factor(gram_u: jax.Array, sigma: jax.Array):
   linv_t = jnp.swapaxes(jax.scipy.linalg.solve_triangular(chol, eye, lower=True), -1, -2)
   small = jnp.einsum("...ji,...j,...jl->...il", chol, sigma, chol, precision=HIGHEST)
   w, vecs = sorted_eigh(small)
-  return jnp.matmul(linv_t, vecs, precision=HIGHEST), jnp.maximum(w, 0.0)
+  # L^T diag(sigma) L has the rank of sigma: its other eigenvalues are exact zeros.
+  w = keep_rank(jnp.maximum(w, 0.0), jnp.sum(sigma > 0, axis=-1))
+  return jnp.matmul(linv_t, vecs, precision=HIGHEST), w
 
 
 def orthonormality_error(pieces: Pieces) -> jax.Array:

@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import block_vectors, ginger_direction, ginger_step
+from reference import (
+  SubspaceGinger,
+  block_vectors,
+  ginger_direction,
+  ginger_step,
+  hard_fisher_vectors,
+)
 
 import ginger
 
@@ -79,6 +85,57 @@ def test_matches_dense_reference_over_alpha_gamma(x64, block):
       tol = 1e-9 + 1e-13 * 400 / gamma
       err = _run_against_dense(PYTREES["matrix+vectors"], block, 4, alpha, gamma)
       assert err < tol, (alpha, gamma, err)
+
+
+HARD_SIZES = (10, 37, 200, 1000, 5000)
+
+
+@functools.cache
+def _jitted_float32_ginger(block, tau):
+  # Every 3rd step re-orthonormalises, so that path too must keep the exact zeros.
+  tx = ginger.scale_by_ginger(tau, 0.99, 1e-5, block, reorthonormalise_every=3)
+  return tx, jax.jit(tx.update)
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+@pytest.mark.parametrize("tau", [4, 8])
+@pytest.mark.parametrize("ratio", [1e5, 1e9])
+def test_float32_is_exact_from_the_first_step(block, tau, ratio):
+  """float32 state against the float64 definition, every step from the first, with
+  ``sigma_max / gamma`` from ``ratio`` at the first step to ~50 ``ratio`` (gamma = 1e-5,
+  alpha = 0.99, leaves of 10..5000 entries).
+
+  While a block has seen ``t < tau`` vectors its curvature has rank ``t``: the other
+  eigenvalues are exactly zero, and must come out as exact zeros (float32 ``eigh`` returns
+  them as noise of ~1e-7 sigma_max, which at 1e9 is 100 gamma and wrecks those directions).
+  The 5e-4 bound (the issue's target) follows from the data: float32 rounding turns the
+  kept eigenvectors by about ``eps sigma_max / sigma_min`` (Davis-Kahan; the smallest kept
+  gap is the smallest kept eigenvalue), and here the noise directions' eigenvalues are
+  ``~ 0.1^2 / 26`` of the top one in the steady state: ``6e-8 * 2.6e3 = 1.5e-4``. The
+  condition number ``sigma_max / gamma`` itself does not enter.
+  """
+  gamma, alpha = 1e-5, 0.99
+  tx, update = _jitted_float32_ginger(block, tau)
+  state = tx.init([jnp.zeros(n) for n in HARD_SIZES])
+  blocks = _blocks(len(HARD_SIZES), block)
+  refs = [SubspaceGinger(sum(HARD_SIZES[i] for i in b), tau, alpha) for b in blocks]
+  rng = np.random.default_rng(int(np.log10(ratio)) + tau)
+  scale = np.sqrt(ratio * gamma / (1 - alpha))  # sigma_1 = (1 - alpha) ||d_1||^2 ~ ratio gamma
+  first = None
+  for t, (ds, gs) in enumerate(hard_fisher_vectors(rng, HARD_SIZES, 30, scale)):
+    out, state = update(gs, state, fisher_grads=ds)
+    sigmas = [state.sigma] if block == "global" else state.sigma
+    for b, ref in zip(blocks, refs, strict=True):
+      cat = lambda xs, b=b: np.concatenate([np.asarray(xs[i], np.float64) for i in b])
+      w = ref.step(cat(ds))
+      expected = ref.direction(cat(gs), gamma)
+      err = np.max(np.abs(cat(out) - expected)) / np.max(np.abs(expected))
+      assert err < 5e-4, (t, b, err)
+      sigma = np.asarray(sigmas[b[0]] if block == "per_tensor" else sigmas[0])
+      assert np.all(sigma[t + 1 :] == 0), (t, sigma)  # rank <= t + 1: exact zeros
+      first = max(w[0], first or 0.0) if t == 0 else first
+  # The regime holds from the first step (later the EMA sums ~26 steps: 10-100x more).
+  assert ratio / 10 < first / gamma < 10 * ratio, first / gamma
 
 
 def test_sigma_is_the_dense_spectrum(x64):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import block_vectors, qng_step
+from reference import SubspaceQNG, block_vectors, hard_fisher_vectors, qng_step
 
 import ginger
 
@@ -44,6 +44,29 @@ def test_exact_for_huge_and_tiny_vectors(x64):
   for scale in (1e-6, 1e6):
     err, _ = _run("global", tau=8, alpha=0.9, steps=8, scale=scale)
     assert err < 1e-13, scale
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+@pytest.mark.parametrize("tau", [4, 8])
+def test_float32_exact_at_condition_1e9(block, tau):
+  """float32 factors against the float64 definition on every step where QNG is exact
+  (``t <= tau``), with ``(1 - alpha) ||d||^2 / alpha^t`` from 1e9 at the first step (G_0 = I:
+  QNG's damping is 1), alpha 0.99, leaves of 10..5000 entries: within 5e-4, as Ginger."""
+  sizes, alpha = (10, 37, 200, 1000, 5000), 0.99
+  tx = ginger.scale_by_qng(tau, alpha, block)
+  update = jax.jit(tx.update)
+  state = tx.init([jnp.zeros(n) for n in sizes])
+  blocks = [list(range(len(sizes)))] if block == "global" else [[i] for i in range(len(sizes))]
+  refs = [SubspaceQNG(sum(sizes[i] for i in b), alpha) for b in blocks]
+  rng = np.random.default_rng(tau)
+  for t, (ds, gs) in enumerate(hard_fisher_vectors(rng, sizes, tau, np.sqrt(1e9 / (1 - alpha)))):
+    out, state = update(gs, state, fisher_grads=ds)
+    for b, ref in zip(blocks, refs, strict=True):
+      cat = lambda xs, b=b: np.concatenate([np.asarray(xs[i], np.float64) for i in b])
+      ref.step(cat(ds))
+      expected = ref.direction(cat(gs))
+      err = np.max(np.abs(cat(out) - expected)) / np.max(np.abs(expected))
+      assert err < 5e-4, (t, b, err)
 
 
 def test_truncation_keeps_only_tau_factors(x64):
