@@ -9,12 +9,13 @@ params = optax.apply_updates(params, updates)
 """
 
 from ginger import fisher, lowrank, sharding
-from ginger.ginger import ScaleByGingerState, ginger, scale_by_ginger
+from ginger.ginger import ScaleByGingerState, curvature_spectrum, ginger, scale_by_ginger
 from ginger.qng import ScaleByQNGState, qng, scale_by_qng
 
 __all__ = [
   "ScaleByGingerState",
   "ScaleByQNGState",
+  "curvature_spectrum",
   "fisher",
   "ginger",
   "lowrank",

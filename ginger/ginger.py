@@ -301,6 +301,33 @@ def _per_leaf(layout: _common.Layout, sigmas: list[jax.Array]) -> list[jax.Array
   return out
 
 
+def curvature_spectrum(opt_state) -> dict[str, jax.Array]:
+  """The curvature eigenvalues ``sigma`` (descending) of every Ginger block in ``opt_state``.
+
+  ``opt_state`` is any optimizer state that contains :class:`ScaleByGingerState` s, at any
+  depth (:func:`ginger`, ``optax.chain``, ``optax.inject_hyperparams``, ``optax.masked``...).
+  Keys are parameter paths (``jax.tree_util.keystr``, e.g. ``"['conv1']['kernel']"``) for
+  ``block="per_tensor"`` and ``"global"`` for ``block="global"`` (or params that are one
+  array, where both are one block); with several Ginger states
+  (e.g. under ``optax.multi_transform``) each key is prefixed by the state's index,
+  ``"0:['w']"``. Empty when there is no Ginger state. Pure: usable under ``jax.jit``.
+  """
+  states = [
+    s
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByGingerState))
+    if isinstance(s, ScaleByGingerState)
+  ]
+  out = {}
+  for n, state in enumerate(states):
+    prefix = f"{n}:" if len(states) > 1 else ""
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(state.sigma)):
+      out[prefix + "global"] = state.sigma  # one block (also per-tensor over one array)
+    else:
+      for path, sigma in jax.tree_util.tree_leaves_with_path(state.sigma):
+        out[prefix + jax.tree_util.keystr(path)] = sigma
+  return out
+
+
 def ginger(
   learning_rate: optax.ScalarOrSchedule,
   tau: int = 4,

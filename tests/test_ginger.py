@@ -317,3 +317,32 @@ def test_fisher_structure_mismatch():
     tx.update(params, state, fisher_grads={"w": jnp.ones(3)})
   with pytest.raises(ValueError, match="leaf shapes differ"):
     tx.update(params, state, fisher_grads={"w": jnp.ones(3), "b": jnp.ones(5)})
+
+
+# ---- the spectrum, for logging -----------------------------------------------------------
+
+
+def test_curvature_spectrum_finds_the_state_at_any_depth():
+  params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+  d = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
+  injected = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(0.1, tau=2)
+  chained = optax.chain(optax.clip(1.0), ginger.scale_by_ginger(2, block="global"))
+  for tx, keys in [
+    (ginger.scale_by_ginger(2), ["['b']", "['w']"]),
+    (injected, ["['b']", "['w']"]),
+    (chained, ["global"]),
+  ]:
+    _, state = tx.update(d, tx.init(params), params, fisher_grads=d)
+    spectrum = jax.jit(ginger.curvature_spectrum)(state)
+    assert sorted(spectrum) == keys
+    for key, sigma in spectrum.items():
+      assert sigma.shape == (2,) and float(sigma[0]) > 0, key
+  w_only = (1 - 0.99) * float(jnp.sum(d["w"] ** 2))
+  _, state = injected.update(d, injected.init(params), params, fisher_grads=d)
+  np.testing.assert_allclose(ginger.curvature_spectrum(state)["['w']"][0], w_only, rtol=1e-5)
+  adam = optax.adam(0.1)
+  assert ginger.curvature_spectrum(adam.init(params)) == {}
+  two = optax.multi_transform(
+    {"a": ginger.scale_by_ginger(2), "b": ginger.scale_by_ginger(1)}, {"w": "a", "b": "b"}
+  )
+  assert sorted(ginger.curvature_spectrum(two.init(params))) == ["0:['w']", "1:['b']"]
