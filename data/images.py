@@ -21,13 +21,16 @@ there is never a silent fallback to other data.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import lzma
 import os
 import pickle
 import tarfile
 import warnings
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
@@ -64,6 +67,7 @@ HF_REPOS: dict[str, tuple[str, str, str]] = {  # repo, image field, label field
   "cifar10": ("uoft-cs/cifar10", "img", "label"),
 }
 IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png")
+TAR_SUFFIXES: tuple[str, ...] = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2")
 DIGITS_TEST_FRACTION = 0.2
 _DIGITS_SPLIT_SEED = 0  # fixed, so the digits test split never depends on the run's seed
 _CACHE_VERSION = "1"
@@ -71,6 +75,25 @@ _CACHE_VERSION = "1"
 
 class DatasetUnavailableError(RuntimeError):
   """The requested data cannot be loaded here; the message says how to provide it."""
+
+
+# What a truncated or corrupt archive raises while it is read (xz, gzip, bz2, tar).
+_ARCHIVE_ERRORS = (EOFError, tarfile.TarError, lzma.LZMAError, zlib.error, OSError)
+
+
+@contextlib.contextmanager
+def _reading(archive: Path) -> Iterator[None]:
+  """Turns a truncated or corrupt archive's error into one naming the file and the cause."""
+  try:
+    yield
+  except _ARCHIVE_ERRORS as e:
+    cause = str(e) or type(e).__name__
+    if isinstance(e, EOFError):
+      cause = f"it ends early ({cause})"
+    raise DatasetUnavailableError(
+      f"{str(archive)!r} cannot be read to its end: {cause}. The file is truncated or corrupt "
+      "(an interrupted download or copy?): download or build it again."
+    ) from None
 
 
 class ImageDataset(NamedTuple):
@@ -227,7 +250,7 @@ def _load_local(name: str, path: str | os.PathLike | None) -> _Splits:
   if root.is_dir():
     pickle_dir = _find_pickle_dir(name, root)
     if pickle_dir is not None:
-      return _read_pickle_splits(name, lambda f: (pickle_dir / f).read_bytes())
+      return _read_pickle_splits(name, lambda f: (pickle_dir / f).read_bytes(), pickle_dir)
     if (root / "train").is_dir() and (root / "test").is_dir():
       return _load_image_folder(name, root)
     raise DatasetUnavailableError(
@@ -235,7 +258,9 @@ def _load_local(name: str, path: str | os.PathLike | None) -> _Splits:
       f"({', '.join(PICKLE_LAYOUT[name][1] + PICKLE_LAYOUT[name][2])}) nor train/ and test/ "
       f"class folders. {_how_to_get(name)}"
     )
-  if tarfile.is_tarfile(root):
+  with _reading(root):
+    is_tar = tarfile.is_tarfile(root)
+  if is_tar or root.name.endswith(TAR_SUFFIXES):  # a named archive: say why it is unreadable
     return _load_archive(name, root)
   raise DatasetUnavailableError(
     f"{str(root)!r} is not a folder or a tar archive. " + _how_to_get(name)
@@ -251,12 +276,24 @@ def _find_pickle_dir(name: str, root: Path) -> Path | None:
   return None
 
 
-def _read_pickle_splits(name: str, read: Callable[[str], bytes]) -> _Splits:
+def _read_pickle_splits(name: str, read: Callable[[str], bytes], where: Path) -> _Splits:
   """Reads the official pickle format: dicts with b"data" (N, 3072) in CHW order."""
   _, train_files, test_files, label_key = PICKLE_LAYOUT[name]
 
+  def unpickle(file: str) -> dict:
+    try:
+      batch = pickle.loads(read(file), encoding="bytes")
+      if not (isinstance(batch, dict) and b"data" in batch and label_key in batch):
+        raise ValueError(f"no {b'data'!r} and {label_key!r} entries")
+      return batch
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+      raise DatasetUnavailableError(
+        f"{where}/{file} is not a {name} python pickle ({type(e).__name__}: {e}). "
+        + _how_to_get(name)
+      ) from None
+
   def read_split(files: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    batches = [pickle.loads(read(f), encoding="bytes") for f in files]
+    batches = [unpickle(f) for f in files]
     data = np.concatenate([np.asarray(b[b"data"], np.uint8) for b in batches])
     labels = np.concatenate([np.asarray(b[label_key], np.int64) for b in batches])
     return data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), labels.astype(np.int32)
@@ -282,13 +319,13 @@ def _load_archive(name: str, archive: Path) -> _Splits:
         f"{str(archive)!r} is the official {official[md5]} tarball, not {name}."
       )
     wanted = set(PICKLE_LAYOUT[name][1] + PICKLE_LAYOUT[name][2])
-    with tarfile.open(archive) as tar:  # one sequential pass: no seeking in the stream
+    with _reading(archive), tarfile.open(archive) as tar:  # one pass: no seeking
       files = {
         PurePosixPath(m.name).name: tar.extractfile(m).read()
         for m in tar
         if m.isfile() and PurePosixPath(m.name).name in wanted
       }
-    return _read_pickle_splits(name, files.__getitem__)
+    return _read_pickle_splits(name, files.__getitem__, archive)
   official_names = {Path(url).name: ds for ds, url in OFFICIAL_URLS.items()}
   if archive.name in official_names:
     ds = official_names[archive.name]
@@ -297,9 +334,8 @@ def _load_archive(name: str, archive: Path) -> _Splits:
       f"The file is corrupt or incomplete; download it again from {OFFICIAL_URLS[ds]}."
     )
   cache_key = f"{archive.name}-{md5[:16]}"
-  return _cached_decode(
-    name, cache_key, [cache.cache_root() / f"{cache_key}.npz"], lambda: _archive_entries(archive)
-  )
+  paths = [cache.cache_root() / f"{cache_key}.npz"]
+  return _cached_decode(name, cache_key, paths, lambda: _archive_entries(archive), archive)
 
 
 # Image-folder decoding. An entry is (split, class name, file name, bytes reader).
@@ -313,7 +349,7 @@ def _is_image(file_name: str) -> bool:
 def _archive_entries(archive: Path) -> list[_Entry]:
   """Reads every ``.../{train,test}/<class>/<image>`` member in one sequential pass."""
   entries = []
-  with tarfile.open(archive) as tar:
+  with _reading(archive), tarfile.open(archive) as tar:
     for member in tar:
       parts = PurePosixPath(member.name).parts
       if member.isfile() and len(parts) >= 3 and parts[-3] in ("train", "test"):
@@ -363,11 +399,11 @@ def decoded_cache_paths(root: str | os.PathLike) -> list[Path]:
 
 def _load_image_folder(name: str, root: Path) -> _Splits:
   key = _folder_fingerprint(root)
-  return _cached_decode(name, key, decoded_cache_paths(root), lambda: _folder_entries(root))
+  return _cached_decode(name, key, decoded_cache_paths(root), lambda: _folder_entries(root), root)
 
 
 def _cached_decode(
-  name: str, key: str, cache_paths: list[Path], entries: Callable[[], list[_Entry]]
+  name: str, key: str, cache_paths: list[Path], entries: Callable[[], list[_Entry]], where: Path
 ) -> _Splits:
   """Loads decoded arrays from the first valid cache, else decodes and writes the cache.
 
@@ -378,7 +414,7 @@ def _cached_decode(
     if splits is not None:
       _check_class_count(name, splits.num_classes, path)
       return splits
-  splits = _decode_entries(entries())
+  splits = _decode_entries(entries(), where)
   _check_class_count(name, splits.num_classes, cache_paths[0].parent)
   for path in cache_paths:
     if _write_cache(path, key, splits):
@@ -418,11 +454,20 @@ def _decode_image(data: bytes) -> np.ndarray:
     return np.asarray(image.convert("RGB"), dtype=np.uint8)
 
 
-def _decode_entries(entries: list[_Entry]) -> _Splits:
+def _decode_entries(entries: list[_Entry], where: Path) -> _Splits:
   """Decodes class-folder images; class index = sorted order of training class folders."""
   classes = sorted({cls for split, cls, _, _ in entries if split == "train"})
   if not classes:
-    raise DatasetUnavailableError("No training images found under train/<class>/.")
+    raise DatasetUnavailableError(f"{str(where)!r}: no training images under train/<class>/.")
+
+  def decode(split: str, cls: str, file: str, read: Callable[[], bytes]) -> np.ndarray:
+    try:
+      return _decode_image(read())
+    except OSError as e:  # PIL's UnidentifiedImageError, truncated image data
+      raise DatasetUnavailableError(
+        f"{str(where)!r}: {split}/{cls}/{file} is not a readable image ({e})."
+      ) from None
+
   index = {cls: i for i, cls in enumerate(classes)}
   arrays: list[np.ndarray] = []
   for split in ("train", "test"):
@@ -430,7 +475,7 @@ def _decode_entries(entries: list[_Entry]) -> _Splits:
     unknown = {cls for _, cls, _, _ in items} - set(index)
     if unknown:
       raise ValueError(f"{split}/ has classes missing from train/: {sorted(unknown)}")
-    images = [_decode_image(read()) for _, _, _, read in items]
+    images = [decode(*item) for item in items]
     if len({im.shape for im in images}) > 1:
       shapes = sorted({im.shape for im in images})
       raise ValueError(f"{split}/ images differ in size: {shapes}")

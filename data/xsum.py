@@ -95,18 +95,51 @@ def _how_to_get() -> str:
 def _example(row: dict[str, Any], where: str) -> Example:
   try:
     return {"document": str(row["document"]), "summary": str(row["summary"])}
-  except (KeyError, TypeError) as e:
-    raise ValueError(f"{where}: expected an object with 'document' and 'summary'") from e
+  except (KeyError, TypeError):
+    raise DatasetUnavailableError(
+      f"{where}: expected an object with 'document' and 'summary', got {_preview(row)}"
+    ) from None
+
+
+def _preview(value: Any, width: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def read_jsonl(file: str | os.PathLike) -> list[Example]:
-  """Examples of a jsonl file (blank lines skipped)."""
+  """Examples of a jsonl file (blank lines skipped).
+
+  Raises:
+    DatasetUnavailableError: naming the file (and line) when it is not UTF-8 text, a line is
+      not a JSON object with ``document`` and ``summary``, or it holds no examples.
+  """
   out = []
   with open(file, encoding="utf-8") as f:
-    for i, line in enumerate(f, 1):
-      if line.strip():
-        out.append(_example(json.loads(line), f"{file}:{i}"))
+    i = 0
+    try:
+      for i, line in enumerate(f, 1):  # noqa: B007 - i names the line of a decoding error
+        if line.strip():
+          out.append(_example(_json_line(line, f"{file}:{i}"), f"{file}:{i}"))
+    except UnicodeDecodeError as e:
+      raise DatasetUnavailableError(
+        f"{file}: not UTF-8 text near line {i + 1} ({e.reason}); a jsonl file is UTF-8 text "
+        "with one JSON object per line"
+      ) from None
+  if not out:
+    raise DatasetUnavailableError(
+      f"{file} holds no examples (the file is empty or blank). {_how_to_get()}"
+    )
   return out
+
+
+def _json_line(line: str, where: str) -> Any:
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError as e:
+    raise DatasetUnavailableError(
+      f"{where}: not valid JSON ({e.msg} at column {e.colno}): {_preview(line.strip())}; each "
+      "line must be an object with 'document' and 'summary'"
+    ) from None
 
 
 def _load_local(path: str | os.PathLike | None, splits: tuple[str, ...]) -> dict:
@@ -114,15 +147,19 @@ def _load_local(path: str | os.PathLike | None, splits: tuple[str, ...]) -> dict
     raise DatasetUnavailableError(f"data.source=local needs data.path. {_how_to_get()}")
   root = Path(path).expanduser()
   if root.is_file():
-    rows = read_jsonl(root)
-    n_val = int(round(len(rows) * LOCAL_VALIDATION_FRACTION))
-    parts = {"train": rows[: len(rows) - n_val], "validation": rows[len(rows) - n_val :]}
     if "test" in splits:
       raise DatasetUnavailableError(
         f"{root} is a single file: it provides train (first 90%) and validation (last "
         "10%) only; put a test.jsonl in a folder for a test split."
       )
-    return parts
+    rows = read_jsonl(root)
+    n_val = int(round(len(rows) * LOCAL_VALIDATION_FRACTION))
+    if "validation" in splits and n_val == 0:
+      raise DatasetUnavailableError(
+        f"{root} holds {len(rows)} example(s): its last 10% (the validation split) is empty. "
+        "Give more examples, or a folder with train.jsonl and validation.jsonl."
+      )
+    return {"train": rows[: len(rows) - n_val], "validation": rows[len(rows) - n_val :]}
   if root.is_dir():
     missing = [s for s in splits if not (root / f"{s}.jsonl").is_file()]
     if missing:

@@ -144,6 +144,40 @@ def test_local_image_archive(tmp_path):
   assert list((tmp_path / "ginger-cache").glob("tiny.tar.xz-*.npz"))
 
 
+@pytest.mark.parametrize("mode, keep", [("w:xz", 0.6), ("w:gz", 0.6), ("w:xz", 0.02)])
+def test_truncated_archive_names_the_file_and_the_cause(tmp_path, mode, keep):
+  root = _make_image_folder(tmp_path / "src" / "tiny")
+  archive = tmp_path / ("tiny.tar.xz" if mode == "w:xz" else "tiny.tar.gz")
+  with tarfile.open(archive, mode) as tar:
+    tar.add(root, arcname="tiny")
+  data = archive.read_bytes()
+  archive.write_bytes(data[: int(len(data) * keep)])  # an interrupted download
+  with pytest.raises(DatasetUnavailableError) as info:  # was a 46-line EOFError traceback
+    load_image_dataset("cifar10", "local", archive)
+  message = str(info.value)
+  assert str(archive) in message and "truncated or corrupt" in message
+  assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_unreadable_image_names_the_file(tmp_path):
+  root = _make_image_folder(tmp_path / "tiny")
+  (root / "train" / "ant" / "1.png").write_bytes(b"not a png")
+  with pytest.raises(DatasetUnavailableError, match=r"train/ant/1\.png is not a readable image"):
+    load_image_dataset("cifar10", "local", root)
+
+
+def test_corrupt_pickle_names_the_file(tmp_path):
+  folder = tmp_path / "cifar-100-python"
+  folder.mkdir()
+  _write_pickle(folder / "train", _cifar_pickle(5, b"fine_labels", 0))
+  (folder / "test").write_bytes(pickle.dumps(_cifar_pickle(3, b"fine_labels", 1))[:100])
+  with pytest.raises(DatasetUnavailableError, match=r"cifar-100-python/test is not a cifar100"):
+    load_image_dataset("cifar100", "local", folder)
+  _write_pickle(folder / "test", {b"labels": [1]})  # a CIFAR-10 batch in a CIFAR-100 folder
+  with pytest.raises(DatasetUnavailableError, match=r"test is not a cifar100 python pickle"):
+    load_image_dataset("cifar100", "local", folder)
+
+
 # The repo's shared/ folder, or the one beside the checkout (not part of the product).
 SHARED_JPEG = next(
   (

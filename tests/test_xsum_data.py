@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -132,10 +133,40 @@ def test_local_jsonl_file_and_folder(tmp_path):
   with pytest.raises(DatasetUnavailableError):
     load_xsum("local", None)
   (tmp_path / "bad.jsonl").write_text('{"text": "no summary"}\n')
-  with pytest.raises(ValueError, match="bad.jsonl:1"):
+  with pytest.raises(DatasetUnavailableError, match="bad.jsonl:1: expected an object with"):
     load_xsum("local", tmp_path / "bad.jsonl")
   with pytest.raises(ValueError):
     load_xsum("nope")
+
+
+@pytest.mark.parametrize(
+  "content, cause",
+  [
+    (b"", r"holds no examples \(the file is empty or blank\)"),  # said "batch_size 16 is larger"
+    (b"\n\n  \n", r"holds no examples"),
+    (b"<html>502 Bad Gateway</html>\n", r":1: not valid JSON \(Expecting value at column 1\)"),
+    (b'{"document": "d", "summary": "s"}\n{"document": "d", "summ', r":2: not valid JSON"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", r"not UTF-8 text near line 1"),
+    (b'["document", "summary"]\n', r":1: expected an object with 'document' and 'summary'"),
+  ],
+)
+def test_bad_jsonl_names_the_file_and_the_cause(tmp_path, content, cause):
+  file = tmp_path / "xsum-sample.jsonl"
+  file.write_bytes(content)
+  for path in (file, tmp_path):  # one file, or a folder's train.jsonl
+    if path == tmp_path:
+      file.rename(tmp_path / "train.jsonl")
+      (tmp_path / "validation.jsonl").write_text(json.dumps(_rows(1)[0]))
+      file = tmp_path / "train.jsonl"
+    with pytest.raises(DatasetUnavailableError, match=re.escape(str(file)) + ".*" + cause):
+      load_xsum("local", path)
+
+
+def test_single_file_too_small_for_a_validation_split(tmp_path):
+  file = tmp_path / "two.jsonl"
+  file.write_text("\n".join(json.dumps(r) for r in _rows(2)))
+  with pytest.raises(DatasetUnavailableError, match=r"2 example\(s\): its last 10%.*empty"):
+    load_xsum("local", file)
 
 
 @pytest.mark.skipif(not any(p.exists() for p in REAL_SAMPLE), reason="shared XSUM sample absent")
