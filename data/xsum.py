@@ -37,7 +37,7 @@ import io
 import json
 import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,44 @@ Example = dict[str, str]
 
 class TokenizerUnavailableError(DatasetUnavailableError):
   """The requested tokenizer cannot be loaded here; the message says how to provide it."""
+
+
+class MissingInputsError(DatasetUnavailableError):
+  """Several inputs of a run (tokenizer, data, weights) cannot be had here; the message lists
+  each with how to provide it."""
+
+
+def load_inputs(
+  loads: Mapping[str, Callable[[], Any]], unavailable: tuple[type[Exception], ...] = ()
+) -> dict[str, Any]:
+  """Runs every load, also after one failed, so that one message lists everything missing.
+
+  Offline, a run needs its tokenizer, its data and its weights; failing on the first missing
+  piece would make the user fix them one rerun at a time.
+
+  Args:
+    loads: name -> zero-argument loader, e.g. ``{"tokenizer": ..., "data": ..., "weights": ...}``.
+    unavailable: error classes that mean "cannot be had here" besides
+      ``DatasetUnavailableError`` (e.g. the model's ``ModelUnavailableError``); anything else
+      is a bug and raises at once.
+
+  Raises:
+    The loader's own error when exactly one input is missing, else :class:`MissingInputsError`.
+  """
+  results, failed = {}, {}
+  for name, load in loads.items():
+    try:
+      results[name] = load()
+    except (DatasetUnavailableError, *unavailable) as e:
+      failed[name] = e
+  if len(failed) == 1:
+    raise next(iter(failed.values()))
+  if failed:
+    lines = "\n".join(f"  - {name}: {e}" for name, e in failed.items())
+    raise MissingInputsError(
+      f"{len(failed)} inputs of this run are not available here ({', '.join(failed)}):\n{lines}"
+    )
+  return results
 
 
 # ------------------------------------------------------------------------------- raw text
@@ -596,10 +634,12 @@ __all__ = [
   "SOURCES",
   "DatasetUnavailableError",
   "HFTokenizer",
+  "MissingInputsError",
   "SentencePieceTokenizer",
   "TokenizerUnavailableError",
   "cache_root",
   "demo_corpus",
+  "load_inputs",
   "load_tokenizer",
   "load_xsum",
   "read_jsonl",

@@ -214,7 +214,7 @@ def _unavailable(name: str, why: str) -> ModelUnavailableError:
     f"T5 weights {name!r} are not available: {why}. Provide a local directory with config.json "
     "and model.safetensors (or pytorch_model.bin), e.g. saved elsewhere with "
     "`T5ForConditionalGeneration.from_pretrained(name).save_pretrained(dir)`, and pass it as "
-    "model.path=/that/dir."
+    "model.pretrained=/that/dir."
   )
 
 
