@@ -9,17 +9,26 @@ params = optax.apply_updates(params, updates)
 """
 
 from ginger import fisher, lowrank, sharding
-from ginger.ginger import ScaleByGingerState, curvature_spectrum, ginger, scale_by_ginger
+from ginger.ginger import (
+  ScaleByGingerState,
+  checkpoint_state,
+  curvature_spectrum,
+  ginger,
+  restore_checkpoint_state,
+  scale_by_ginger,
+)
 from ginger.qng import ScaleByQNGState, qng, scale_by_qng
 
 __all__ = [
   "ScaleByGingerState",
   "ScaleByQNGState",
+  "checkpoint_state",
   "curvature_spectrum",
   "fisher",
   "ginger",
   "lowrank",
   "qng",
+  "restore_checkpoint_state",
   "scale_by_ginger",
   "scale_by_qng",
   "sharding",

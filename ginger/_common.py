@@ -221,7 +221,8 @@ def _size_runs(distinct: list[int], counts: list[int], rank: int) -> list[set[in
 
 
 def gather(layout: Layout, vectors: Sequence[jax.Array]) -> list[jax.Array]:
-  """Leaf vectors -> one ``(members, rows)`` array per bucket (zero padded)."""
+  """Leaf vectors ``(size, ...)`` -> one ``(members, rows, ...)`` array per bucket (zero
+  padded)."""
   stacks = []
   for bucket in layout.buckets:
     rows = []
@@ -229,7 +230,7 @@ def gather(layout: Layout, vectors: Sequence[jax.Array]) -> list[jax.Array]:
       parts = [vectors[i] for i, _ in pieces]
       used = sum(p.shape[0] for p in parts)
       if used < bucket.rows:
-        parts.append(jnp.zeros((bucket.rows - used,), parts[0].dtype))
+        parts.append(jnp.zeros((bucket.rows - used,) + parts[0].shape[1:], parts[0].dtype))
       rows.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
     stacks.append(jnp.stack(rows))
   return stacks

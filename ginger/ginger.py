@@ -7,7 +7,7 @@ folds the sampled-Fisher vector ``d_t`` into the curvature::
     S_t = top_tau( alpha S_{t-1} + (1 - alpha) d_t d_t^T ),     S_0 = 0
 
 (Brand's rank-one eigen-update, O(d tau^2 + tau^3)), then returns ``G_t^{-1} g`` by the
-stable split of the Woodbury identity (O(d tau)). See ginger-math.md for why this
+stable split of the Woodbury identity (O(d tau)). See docs/ginger-math.md for why this
 sigma-space form, and not the paper's inverse-space algorithm, is the one implemented.
 """
 
@@ -58,6 +58,11 @@ class StackedBasis:
     return jax.tree.unflatten(
       self.layout.treedef, [self.leaf(i) for i in range(len(self.layout.sizes))]
     )
+
+  @classmethod
+  def from_tree(cls, tree, layout: _common.Layout) -> StackedBasis:
+    """Inverse of :meth:`tree`: per-leaf rows ``(leaf.size, rank)`` stacked by ``layout``."""
+    return cls(_common.gather(layout, jax.tree.leaves(tree)), layout)
 
   def __getitem__(self, key):
     return self.tree()[key]
@@ -326,6 +331,43 @@ def curvature_spectrum(opt_state) -> dict[str, jax.Array]:
       for path, sigma in jax.tree_util.tree_leaves_with_path(state.sigma):
         out[prefix + jax.tree_util.keystr(path)] = sigma
   return out
+
+
+def _is_basis(x) -> bool:
+  return isinstance(x, StackedBasis)
+
+
+def checkpoint_state(opt_state):
+  """``opt_state`` in a saving layout that does not depend on how Ginger buckets its bases.
+
+  Ginger's bases live stacked in buckets (:class:`StackedBasis`) planned for speed from a
+  tuning constant (``_common.BUCKET_OVERHEAD``); saved as they are, a checkpoint would fit
+  only the plan it was written with. Here every basis becomes its per-leaf view
+  ``u.tree()`` (a pytree like the params of ``(leaf.size, rank)`` arrays; for
+  ``block="global"`` each leaf's rows of the one block), which depends only on the params'
+  shapes, ``tau`` and ``block``. Everything else is returned as is, so this can be applied
+  to any optimizer state (or a whole training state) before saving::
+
+      save(checkpoint_state(state))
+      state = restore_checkpoint_state(restore(like=checkpoint_state(like)), like)
+
+  The per-leaf view is a copy of ``U`` (made only when saving).
+  """
+  return jax.tree.map(lambda x: x.tree() if _is_basis(x) else x, opt_state, is_leaf=_is_basis)
+
+
+def restore_checkpoint_state(saved, like):
+  """Inverse of :func:`checkpoint_state`: ``saved`` back in the stacked layout of ``like``
+  (a freshly initialised state of the same optimizer, whatever its bucketing)."""
+
+  def restack(template, value):
+    if not _is_basis(template):
+      return value
+    if _is_basis(value):  # already stacked: only one plan fits the template's shapes
+      value = value.tree()
+    return StackedBasis.from_tree(value, template.layout)
+
+  return jax.tree.map(restack, like, saved, is_leaf=_is_basis)
 
 
 def ginger(

@@ -6,6 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from reference import ginger_direction, ginger_step
 
@@ -166,3 +167,68 @@ def test_empty_params():
     tx = ginger.scale_by_ginger(2, block=block)
     out, state = tx.update({}, tx.init({}), fisher_grads={})
     assert out == {} and int(state.count) == 1
+
+
+def test_checkpoint_does_not_depend_on_the_bucketing(x64, monkeypatch, tmp_path):
+  """A state saved under one bucket plan (``BUCKET_OVERHEAD``, a speed knob) restores into
+  another and continues exactly as the uninterrupted run."""
+  import orbax.checkpoint as ocp
+
+  rng = np.random.default_rng(2)
+  shapes = {"a": (5, 3), "b": (11,), "c": (2, 2, 2), "d": (9,), "e": (2,)}
+  params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
+  tx = ginger.ginger(0.1, tau=3, alpha=0.9, gamma=1e-2, state_dtype="float64")
+  update = jax.jit(tx.update)
+  batches = [
+    tuple({k: jnp.asarray(rng.normal(size=s)) for k, s in shapes.items()} for _ in range(2))
+    for _ in range(6)
+  ]
+  monkeypatch.setattr(_common, "BUCKET_OVERHEAD", 10**9)  # one bucket per rank
+  state = tx.init(params)
+  for g, d in batches[:3]:
+    _, state = update(g, state, params, fisher_grads=d)
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path, ginger.checkpoint_state(state))
+  expected = []
+  for g, d in batches[3:]:
+    out, state = update(g, state, params, fisher_grads=d)
+    expected.append(out)
+
+  monkeypatch.setattr(_common, "BUCKET_OVERHEAD", 0)  # one bucket per size
+  like = tx.init(params)
+  old, new = (
+    [x.u.layout for x in jax.tree.leaves(s, is_leaf=_is_state) if _is_state(x)]
+    for s in (state, like)
+  )
+  assert len(new[0].buckets) > len(old[0].buckets)
+  assert jax.tree.structure(state) != jax.tree.structure(like)  # stacked: would not restore
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ginger.checkpoint_state(like))
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ginger.restore_checkpoint_state(ckpt.restore(path, abstract), like)
+  assert jax.tree.structure(restored) == jax.tree.structure(like)
+  for (g, d), want in zip(batches[3:], expected, strict=True):
+    out, restored = update(g, restored, params, fisher_grads=d)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-11, atol=1e-14), out, want)
+  # The relayout also works in memory, stacked to stacked.
+  again = ginger.restore_checkpoint_state(state, like)
+  assert jax.tree.structure(again) == jax.tree.structure(like)
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-11, atol=1e-14),
+    ginger.checkpoint_state(again),
+    ginger.checkpoint_state(restored),
+  )
+
+
+def _is_state(x):
+  return isinstance(x, ginger.ScaleByGingerState)
+
+
+def test_checkpoint_state_leaves_other_states_alone():
+  params = {"w": jnp.zeros((3, 2))}
+  for tx in (optax.adam(0.1), ginger.qng(0.1, tau=2)):
+    state = tx.init(params)
+    assert ginger.checkpoint_state(state) is not None
+    jax.tree.map(
+      np.testing.assert_array_equal, ginger.restore_checkpoint_state(state, state), state
+    )
