@@ -4,7 +4,7 @@ Ginger's bases are stored *stacked*: an array ``u`` of shape ``(m, n, k)`` holds
 each an ``n x k`` matrix ``U`` with orthonormal columns (zero rows past a block's size are
 padding and stay zero); vectors of those blocks are ``(m, n)`` and per-block small quantities
 ``(m, ...)``. The curvature model of a block is ``G = gamma I + U diag(sigma) U^T`` with
-``sigma >= 0`` sorted descending; see ``docs``: ginger-math.md.
+``sigma >= 0`` sorted descending; see docs/ginger-math.md.
 
 One Brand eigen-update plus preconditioning is written as three passes over ``U``
 (:func:`project_pair`, :func:`residual_sums`, :func:`rotate_and_precondition`): two reads and

@@ -1,5 +1,5 @@
 """Dense float64 references for the curvature models: form the matrices, eigendecompose,
-solve. Deliberately naive so that they are obviously the definitions in ginger-math.md."""
+solve. Deliberately naive so that they are obviously the definitions in docs/ginger-math.md."""
 
 import numpy as np
 
