@@ -6,8 +6,8 @@
 
 Reads the run's resolved config (``.hydra/config.yaml``), rebuilds the model and data exactly
 as training did, restores the checkpoint (the latest unless ``step=``) and writes
-``eval_step<N>.json`` into the run dir. Any other ``key=value`` overrides the stored config
-(e.g. ``data.path=...`` on another machine).
+``eval_step<N>_<split>.json`` into the run dir. Any other ``key=value`` overrides the stored
+config (e.g. ``data.path=...`` on another machine).
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from training.run_record import RunDirError
+
 log = logging.getLogger("evaluate")
-
-
-class RunDirError(RuntimeError):
-  """A run dir without the files evaluation needs."""
 
 
 def load_run_config(run_dir: Path, overrides: list[str]):
@@ -35,17 +33,15 @@ def load_run_config(run_dir: Path, overrides: list[str]):
 
 
 def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = ()) -> dict:
-  import train
-  from training import sharding
-  from training.checkpoints import Checkpointer, CheckpointError
+  from training import loop, sharding
+  from training.checkpoints import Checkpointer
 
   cfg = load_run_config(run_dir, list(overrides))
   checkpointer = Checkpointer(run_dir)
-  if checkpointer.latest_step() is None:
-    raise CheckpointError(f"no checkpoint in {checkpointer.directory}: was the run started?")
-  setup = train.build(cfg)
+  step = checkpointer.check_step(step)  # before any data is loaded or compiled
+  setup = loop.build(cfg)
   state = checkpointer.restore(setup.state, step)
-  metrics = train.evaluate(
+  metrics = loop.evaluate(
     setup.task,
     setup.eval_step,
     state,
@@ -53,9 +49,7 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
     sharding.put(setup.task.val_arrays, setup.plan.replicated),
     cfg,
   )
-  split = cfg.data.get("eval_split") or (
-    "validation" if cfg.model.family == "t5" else getattr(setup.task, "info", {}).get("val_split")
-  )
+  split = setup.task.eval_split
   result = {"run_dir": str(run_dir), "step": int(state.step), "split": split} | metrics
   out = run_dir / f"eval_step{int(state.step)}_{split}.json"
   out.write_text(json.dumps(result, indent=2))
@@ -72,14 +66,13 @@ def main(argv: list[str]) -> int:
   if "run_dir" not in args:
     print(__doc__)
     return 2
-  from data.images import DatasetUnavailableError
-  from training.checkpoints import CheckpointError
+  from training.errors import user_errors
 
   try:
     result = evaluate_run(
       Path(args["run_dir"]), int(args["step"]) if "step" in args else None, overrides
     )
-  except (RunDirError, CheckpointError, DatasetUnavailableError, ValueError) as e:
+  except user_errors() as e:
     log.error("%s: %s", type(e).__name__, e)
     return 1
   print(json.dumps(result, indent=2))

@@ -1,7 +1,9 @@
-"""Analytic multiply-accumulate (MAC) and FLOP counts for conv and dense layers.
+"""Analytic FLOP counts: every number summary.json's ``flops_per_iter.analytic`` is made of.
 
 XLA's ``cost_analysis`` is unreliable for convolutions on GPU, so the training loop reports
-FLOPs from these counts instead.
+FLOPs from these counts instead: the model's forward pass per example (ResNets traced from the
+real module, T5 from its shapes), how many forward-pass equivalents a training step costs
+(:func:`train_step_flops`) and the optimizer's own update (:func:`optimizer_update_flops`).
 
 Conventions (the usual ones in papers that quote "GFLOPs" for ResNets):
   * Only convolutions (``k*k*cin/groups*cout*Hout*Wout`` MACs) and dense layers / matmuls
@@ -9,7 +11,9 @@ Conventions (the usual ones in papers that quote "GFLOPs" for ResNets):
     loss are ignored: they are O(activations), not O(activations * fan-in).
   * One MAC = 2 FLOPs (a multiply and an add).
   * Training (forward + backward) = 3x forward: the backward pass computes the gradient with
-    respect to both the activations and the weights, each costing about one forward pass.
+    respect to both the activations and the weights, each costing about one forward pass. The
+    curvature optimizers' d-pass adds a backward (2x) when it shares the training forward, or
+    a forward and a backward (3x) when it runs its own in inference mode.
 
 ResNet counts come from tracing the real NNX module (``models.resnet``) with ``jax.make_jaxpr``
 on abstract shapes and counting its ``conv_general_dilated`` and ``dot_general`` equations, so
@@ -120,18 +124,73 @@ def _resnet_forward_macs(name: str, num_classes: int, image_shape: tuple[int, ..
   return count_macs(forward, state, jax.ShapeDtypeStruct((1, *image_shape), jnp.float32))
 
 
-def resnet_forward_flops_per_example(
-  name: str, num_classes: int, image_shape: tuple[int, int, int] = (32, 32, 3)
-) -> int:
-  """Forward FLOPs per example (2 FLOPs per MAC)."""
-  return FLOPS_PER_MAC * resnet_forward_macs(name, num_classes, image_shape)
+def train_step_flops(forward_flops: float, *, fisher_forward: str | None) -> float:
+  """FLOPs of one training step's passes, from one forward pass over the batch.
 
-
-def resnet_train_flops_per_example(
-  name: str, num_classes: int, image_shape: tuple[int, int, int] = (32, 32, 3)
-) -> int:
-  """Training FLOPs per example: forward + backward = 3x forward, 2 FLOPs per MAC.
-
-  Multiply by the batch size for FLOPs per iteration (optimizer cost not included).
+  Forward x3 for the loss gradient; a sampled-Fisher d-pass (``fisher_forward`` of the
+  curvature optimizers; None for the others) adds one backward (2x) when it shares the
+  training forward ("shared"), or its own forward and backward (3x) in inference mode ("eval").
   """
-  return TRAIN_FORWARD_MULTIPLIER * resnet_forward_flops_per_example(name, num_classes, image_shape)
+  d_pass = {None: 0, "shared": 2, "eval": 3}[fisher_forward]
+  return (TRAIN_FORWARD_MULTIPLIER + d_pass) * forward_flops
+
+
+# Ginger's and QNG's pass structure per update: it belongs with ginger/, which does not expose
+# it yet, so it is kept here, the one place FLOPs are counted.
+ELEMENTWISE_FLOPS_PER_PARAM = 10.0  # momentum, Adam moments, weight decay, the update itself
+
+
+def ginger_update_flops(sizes: list[int], tau: int, block: str) -> float:
+  """Ginger's curvature work per update, for blocks of size n at rank k = min(tau, n).
+
+  U^T v and its re-orthogonalisation (4 n k multiply-adds), the rotation [U p] V (n k (k+1)),
+  preconditioning (2 n k), plus the (k+1)^3 eigensolve (~9 (k+1)^3 FLOPs for a symmetric
+  tridiagonal QR). ``block="global"`` is one block of all parameters, else one per tensor.
+  """
+  blocks = [sum(sizes)] if block == "global" else sizes
+  total = 0.0
+  for n in blocks:
+    k = min(tau, n)
+    total += FLOPS_PER_MAC * (4 * n * k + n * k * (k + 1) + 2 * n * k) + 9.0 * (k + 1) ** 3
+  return total
+
+
+def qng_update_flops(sizes: list[int], tau: int) -> float:
+  """QNG's curvature work per update: 3 tau sequential rank-one applications of 2 n each."""
+  return 3 * tau * 2.0 * FLOPS_PER_MAC * sum(sizes)
+
+
+def optimizer_update_flops(
+  name: str, sizes: list[int], *, tau: int | None = None, block: str | None = None
+) -> float:
+  """FLOPs of one update of optimizer ``name`` over parameter leaves of ``sizes``: the
+  element-wise work (~10 FLOPs per parameter) plus Ginger's or QNG's curvature part."""
+  elementwise = ELEMENTWISE_FLOPS_PER_PARAM * sum(sizes)
+  if name == "ginger":
+    return elementwise + ginger_update_flops(sizes, int(tau), block)
+  if name == "qng":
+    return elementwise + qng_update_flops(sizes, int(tau))
+  return elementwise
+
+
+def t5_forward_flops(config: Any, batch: int, src_len: int, tgt_len: int) -> int:
+  """Matmul FLOPs of one teacher-forced T5 forward pass (2 FLOPs per multiply-accumulate).
+
+  Counted: every projection (q, k, v, o, wi, wo), the attention score (QK^T) and value (AV)
+  matmuls over the full padded lengths (causal masking saves nothing in a dense kernel, so the
+  decoder's self-attention counts all T x T entries), cross-attention (keys/values projected from
+  the S encoder positions once per layer) and the LM head. Not counted: embedding gathers,
+  norms, softmax, relative-bias lookups, residual adds (all O(T*d), well under 1%).
+  ``config`` is a :class:`models.t5.T5Config`.
+  """
+  c = config
+  d, inner, ff, v = c.d_model, c.inner_dim, c.d_ff, c.vocab_size
+  s, t = src_len, tgt_len
+  proj = 4 * d * inner  # q, k, v, o per token
+  mlp = 2 * d * ff
+  enc_layer = s * (proj + mlp) + 2 * s * s * inner
+  dec_self = t * proj + 2 * t * t * inner
+  dec_cross = t * 2 * d * inner + s * 2 * d * inner + 2 * t * s * inner
+  dec_layer = dec_self + dec_cross + t * mlp
+  macs = c.num_layers * enc_layer + c.num_decoder_layers * dec_layer + t * d * v
+  return int(FLOPS_PER_MAC * batch * macs)

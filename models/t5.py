@@ -172,17 +172,6 @@ def shift_right(labels: Array, decoder_start_token_id: int = 0, pad_token_id: in
   return jnp.where(shifted == -100, pad_token_id, shifted)
 
 
-def lm_loss(logits: Array, labels: Array, mask: Array | None = None) -> Array:
-  """Mean token cross-entropy over ``mask`` (default: labels != -100), as HF's loss."""
-  if mask is None:
-    mask = labels != -100
-  mask = mask.astype(jnp.float32)
-  safe = jnp.where(labels < 0, 0, labels)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
-  return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
 class RMSNorm(nnx.Module):
   """T5LayerNorm: scale * x / rms(x), computed in float32, no mean and no bias."""
 
@@ -542,26 +531,3 @@ def param_count(model: nnx.Module) -> int:
   """Number of trainable scalars (nnx.Param); works on nnx.eval_shape'd abstract models too."""
   leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
   return int(sum(math.prod(x.shape) for x in leaves))
-
-
-def t5_forward_flops(config: T5Config, batch: int, src_len: int, tgt_len: int) -> int:
-  """Matmul FLOPs of one teacher-forced forward pass (2 FLOPs per multiply-accumulate).
-
-  Counted: every projection (q, k, v, o, wi, wo), the attention score (QK^T) and value (AV)
-  matmuls over the full padded lengths (causal masking saves nothing in a dense kernel, so the
-  decoder's self-attention counts all T x T entries), cross-attention (keys/values projected from
-  the S encoder positions once per layer) and the LM head. Not counted: embedding gathers,
-  norms, softmax, relative-bias lookups, residual adds (all O(T*d), well under 1%).
-  A training step (forward + backward) is conventionally 3x this.
-  """
-  c = config
-  d, inner, ff, v = c.d_model, c.inner_dim, c.d_ff, c.vocab_size
-  s, t = src_len, tgt_len
-  proj = 4 * d * inner  # q, k, v, o per token
-  mlp = 2 * d * ff
-  enc_layer = s * (proj + mlp) + 2 * s * s * inner
-  dec_self = t * proj + 2 * t * t * inner
-  dec_cross = t * 2 * d * inner + s * 2 * d * inner + 2 * t * s * inner
-  dec_layer = dec_self + dec_cross + t * mlp
-  macs = c.num_layers * enc_layer + c.num_decoder_layers * dec_layer + t * d * v
-  return int(2 * batch * macs)

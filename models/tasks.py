@@ -1,20 +1,27 @@
 """Tasks: what the training loop needs from a model family, without knowing the model.
 
 A task owns the NNX model, the dataset arrays it trains on and everything that differs
-between image classification and seq2seq: how a batch is formed (inside the jitted step),
-the forward pass, evaluation metrics and the analytic FLOP count. The loop only ever sees
-``(logits, labels, mask)``, which is all that the loss and the sampled-Fisher vector need.
+between image classification and seq2seq: loading its data from the config, the example order
+of an epoch, how a batch is formed (inside the jitted step), the forward pass, evaluation
+(additive statistics per batch, and generation where the task has it), which evaluation is the
+best and what the summary reports about it, and the forward FLOP count. The loop
+(training/loop.py) only ever sees ``(logits, labels, mask)``, which is all that the loss and the
+sampled-Fisher vector need, and never asks which kind of task it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from models.flops import FLOPS_PER_MAC
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -25,6 +32,14 @@ def compute_dtype(precision: str):
   return DTYPES[precision]
 
 
+def build_task(cfg) -> Task:
+  """The task of ``cfg.model.family``, with its data loaded."""
+  family = cfg.model.family
+  if family not in TASKS:
+    raise ValueError(f"model.family must be one of {sorted(TASKS)}, got {family!r}.")
+  return TASKS[family].from_config(cfg)
+
+
 @dataclasses.dataclass
 class Task:
   """Shared plumbing. Subclasses set the fields and implement the marked methods.
@@ -33,16 +48,34 @@ class Task:
     model: the NNX module (train mode); split into ``graphdef/params/rest`` by the loop.
     train_arrays / val_arrays: dicts of numpy arrays with a common leading axis; the loop
       places them on the device once and gathers batches by index inside the jitted step.
-    kind: "classification" or "seq2seq" (what summary keys the run reports).
+    eval_split: the name of the split in ``val_arrays`` ("test", "holdout", "validation").
   """
 
   model: nnx.Module
   train_arrays: dict[str, np.ndarray]
   val_arrays: dict[str, np.ndarray]
-  kind: str
+  eval_split: str
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-  # -- parameters: full fine-tuning by default; LoRA overrides these two --------------------
+  @classmethod
+  def from_config(cls, cfg) -> Task:
+    """The task with its data loaded, from train.py's config."""
+    raise NotImplementedError
+
+  @property
+  def num_train(self) -> int:
+    return len(next(iter(self.train_arrays.values())))
+
+  @property
+  def num_val(self) -> int:
+    return len(next(iter(self.val_arrays.values())))
+
+  def batch_order(self, seed: int, epoch: int) -> np.ndarray:
+    """The order of the training examples in ``epoch``: a pure function of (seed, epoch), so a
+    resumed run sees exactly the batches of an uninterrupted one (int32, gathered on device)."""
+    return np.random.default_rng([seed, epoch]).permutation(self.num_train).astype(np.int32)
+
+  # -- parameters: full fine-tuning by default; LoRA overrides these three -----------------
   def trainable_params(self, params: nnx.State) -> Any:
     """The pytree the optimizer sees (and whose size is Ginger's d)."""
     return params
@@ -55,6 +88,27 @@ class Task:
   def frozen_params(self, params: nnx.State) -> Any:
     del params
     return None
+
+  def model_with(self, trainable: Any, frozen: Any, rest: Any) -> nnx.Module:
+    """The task's model holding these parameters and state (for work outside jit)."""
+    nnx.update(self.model, self.full_params(trainable, frozen), rest)
+    return self.model
+
+  # -- evaluation and summary ----------------------------------------------------------------
+  def generation_metrics(self, model: Callable[[], nnx.Module]) -> dict[str, float]:
+    """Metrics that need more than a teacher-forced forward (none by default); ``model()``
+    gives the model with the evaluated parameters."""
+    del model
+    return {}
+
+  def best_of(self, evals: list[dict]) -> dict[str, Any]:
+    """summary.json's fields from the run's best evaluation (``{}`` without evaluations)."""
+    raise NotImplementedError
+
+  def train_summary(self, mean_train_loss: float) -> dict[str, Any]:
+    """Extra summary.json fields from the mean training loss (none by default)."""
+    del mean_train_loss
+    return {}
 
   # -- implemented by subclasses -----------------------------------------------------------
   def train_batch(self, arrays, idx, rng):
@@ -78,6 +132,25 @@ class Task:
 class ImageClassification(Task):
   """A ResNet on an :class:`data.images.ImageDataset`, with the augmentation in JAX."""
 
+  @classmethod
+  def from_config(cls, cfg) -> ImageClassification:
+    from data.images import load_image_dataset
+
+    dataset = load_image_dataset(
+      cfg.data.name,
+      cfg.data.source,
+      cfg.data.path,
+      holdout=int(cfg.data.holdout),
+      seed=int(cfg.seed),
+    )
+    return cls(
+      cfg.model,
+      dataset,
+      precision=cfg.precision,
+      seed=int(cfg.seed),
+      augment=bool(cfg.data.augment),
+    )
+
   def __init__(self, model_cfg, dataset, *, precision: str, seed: int, augment: bool = True):
     from models.flops import resnet_forward_macs
     from models.resnet import build_resnet
@@ -96,8 +169,8 @@ class ImageClassification(Task):
       model=model,
       train_arrays={"images": dataset.train_images, "labels": dataset.train_labels},
       val_arrays={"images": dataset.val_images, "labels": dataset.val_labels},
-      kind="classification",
-      info={"val_split": dataset.val_split_name, "num_classes": dataset.num_classes},
+      eval_split=dataset.val_split_name,
+      info={"num_classes": dataset.num_classes},
     )
     self.mean = np.asarray(dataset.mean, np.float32)
     self.std = np.asarray(dataset.std, np.float32)
@@ -139,12 +212,66 @@ class ImageClassification(Task):
       "val_accuracy": 100.0 * sums["correct"] / sums["count"],
     }
 
+  def best_of(self, evals):
+    """The evaluation of highest accuracy."""
+    if not evals:
+      return {}
+    best = max(evals, key=lambda e: e["val_accuracy"])
+    return {
+      "best_val_accuracy": best["val_accuracy"],
+      "val_loss_at_best": best["val_loss"],
+      "best_step": best["step"],
+    }
+
   def forward_flops_per_example(self) -> float:
-    return 2.0 * self._macs
+    return FLOPS_PER_MAC * self._macs
 
 
 class Seq2Seq(Task):
   """T5 on tokenized document/summary pairs; optionally LoRA (only adapters trained)."""
+
+  @classmethod
+  def from_config(cls, cfg) -> Seq2Seq:
+    from data import xsum
+    from models.t5_convert import ModelUnavailableError, resolve_model_dir
+
+    # The evaluated split is "validation" unless data.eval_split says otherwise (evaluate.py
+    # data.eval_split=test); the task holds it as its val_arrays either way.
+    eval_split = cfg.data.get("eval_split") or "validation"
+    pretrained = cfg.model.get("pretrained")
+    # Every input is tried before failing, so one message lists all that is missing offline.
+    inputs = xsum.load_inputs(
+      {
+        "tokenizer": lambda: xsum.load_tokenizer(cfg.data.tokenizer),
+        "data": lambda: xsum.load_xsum(
+          cfg.data.source, cfg.data.path, splits=("train", eval_split), limit=cfg.data.limit
+        ),
+        "weights": lambda: resolve_model_dir(pretrained) if pretrained else None,
+      },
+      unavailable=(ModelUnavailableError,),
+    )
+    tokenizer, raw = inputs["tokenizer"], inputs["data"]
+    arrays = {
+      split: xsum.tokenize_split(
+        raw[split],
+        tokenizer,
+        prefix=cfg.data.prefix,
+        max_source_len=cfg.data.max_source_len,
+        max_target_len=cfg.data.max_target_len,
+      )
+      for split in ("train", eval_split)
+    }
+    return cls(
+      cfg.model,
+      arrays,
+      tokenizer,
+      precision=cfg.precision,
+      seed=int(cfg.seed),
+      eval_split=eval_split,
+      rouge_examples=int(cfg.data.rouge_examples or 0),
+      max_new_tokens=int(cfg.data.max_new_tokens),
+      generate_batch_size=int(cfg.eval_batch_size),
+    )
 
   def __init__(
     self,
@@ -154,6 +281,10 @@ class Seq2Seq(Task):
     *,
     precision: str,
     seed: int,
+    eval_split: str = "validation",
+    rouge_examples: int = 0,
+    max_new_tokens: int = 128,
+    generate_batch_size: int = 32,
   ):
     from models import t5
 
@@ -176,9 +307,15 @@ class Seq2Seq(Task):
         f"model vocab_size {config.vocab_size} < tokenizer vocab_size {tokenizer.vocab_size}"
       )
     super().__init__(
-      model=model, train_arrays=arrays["train"], val_arrays=arrays["validation"], kind="seq2seq"
+      model=model,
+      train_arrays=arrays["train"],
+      val_arrays=arrays[eval_split],
+      eval_split=eval_split,
     )
     self.config = config
+    self.rouge_examples = rouge_examples
+    self.max_new_tokens = max_new_tokens
+    self.generate_batch_size = generate_batch_size
     self.tokenizer = tokenizer
     self.lora = model_cfg.get("lora") or None
     self.seed = seed
@@ -235,14 +372,46 @@ class Seq2Seq(Task):
   def eval_metrics(self, sums):
     return {"val_loss": sums["loss_sum"] / sums["tokens"]}
 
+  def generation_metrics(self, model):
+    """ROUGE of greedy summaries (:meth:`rouge`) when ``data.rouge_examples`` asks for it."""
+    if not self.rouge_examples:
+      return {}
+    return self.rouge(
+      model(),
+      examples=self.rouge_examples,
+      batch_size=self.generate_batch_size,
+      max_new_tokens=self.max_new_tokens,
+    )
+
+  def best_of(self, evals):
+    """The evaluation of highest ROUGE-L (of lowest validation loss without ROUGE)."""
+    if not evals:
+      return {}
+    if "rougeL" in evals[0]:
+      best = max(evals, key=lambda e: e["rougeL"])
+    else:
+      best = min(evals, key=lambda e: e["val_loss"])
+    return {
+      "rouge1": best.get("rouge1"),
+      "rouge2": best.get("rouge2"),
+      "rougeL": best.get("rougeL"),
+      "rougeLsum": best.get("rougeLsum"),
+      "val_loss": best["val_loss"],
+      "best_step": best["step"],
+    }
+
+  def train_summary(self, mean_train_loss):
+    finite = math.isfinite(mean_train_loss)
+    return {"train_perplexity": math.exp(mean_train_loss) if finite else None}
+
   def forward_flops_per_example(self) -> float:
-    from models.t5 import t5_forward_flops
+    from models.flops import t5_forward_flops
 
     src = self.train_arrays["input_ids"].shape[1]
     tgt = self.train_arrays["labels"].shape[1]
     return float(t5_forward_flops(self.config, 1, src, tgt))
 
-  def generation_metrics(
+  def rouge(
     self, model, *, examples: int, batch_size: int, max_new_tokens: int
   ) -> dict[str, float]:
     """ROUGE-1/2/L/Lsum (percent) of greedy summaries of the first ``examples`` validation
@@ -275,3 +444,6 @@ class Seq2Seq(Task):
       )
     scores = rouge_scores(predictions, references)
     return {k: float(v) for k, v in scores.items()} | {"rouge_examples": n}
+
+
+TASKS: dict[str, type[Task]] = {"resnet": ImageClassification, "t5": Seq2Seq}

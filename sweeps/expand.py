@@ -5,14 +5,15 @@
 prints one line per job: its run dir, learning rate and where that lr came from (configs/best_lr/
 or the optimizer config's default). The expansion is Hydra's own: the sweep config's
 ``hydra.sweeper.params`` plus the command line's overrides (the command line wins for a key in
-both), through the basic sweeper's Cartesian product; each job is then composed exactly as
-``train.py -m`` composes it, so the run dirs are the ones it writes. sweeps/gpu_pool.py and
-tests/test_sweeps.py use the functions here.
+both), through the basic sweeper's Cartesian product (:func:`cartesian`); each job is then
+composed exactly as ``train.py -m`` composes it, so the run dirs are the ones it writes.
+sweeps/gpu_pool.py and tests/test_sweeps.py use the functions here.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,21 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from hydra import initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+
+from training import run_record  # also registers the run_name resolver of the run-dir templates
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
 CONFIG_NAME = "config"
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
-
-# train.py registers this resolver (used by the run-dir templates) when it is imported; the same
-# definition here lets the dirs be computed without importing train.py (and JAX).
-if not OmegaConf.has_resolver("run_name"):
-  OmegaConf.register_new_resolver("run_name", lambda overrides: overrides or "default")
 
 
 @dataclass(frozen=True)
@@ -48,21 +46,8 @@ class Job:
 
   @property
   def run(self) -> dict[str, Any]:
-    """The fields of summary.json's "run" block that a sweep varies."""
-    c = self.config
-    return {
-      "experiment": c["name"],
-      "optimizer": c["optimizer"]["name"],
-      "tau": c["tau"],
-      "alpha": c["alpha"],
-      "rho": c["rho"],
-      "block": c["block"],
-      "lr": c["lr"],
-      "seed": c["seed"],
-      "model": c["model"]["name"],
-      "dataset": c["data"]["name"],
-      "sweep": c["sweep"],
-    }
+    """summary.json's "run" block of this job (training/run_record.py)."""
+    return run_record.identity(self.config)
 
 
 _active: list[Path] = []  # config dirs of the hydra_context()s in progress (innermost last)
@@ -111,8 +96,23 @@ def job_overrides(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR)
     params = OmegaConf.to_container(sweeper.get("params") or {}, resolve=True)
     lines = [f"{k}={v}" for k, v in params.items()] + task
     parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(lines)
-    jobs = BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
-  return [list(job) + hydra_overrides for job in jobs]
+  return [job + hydra_overrides for job in cartesian(parsed)]
+
+
+def cartesian(parsed: Sequence[Override]) -> list[list[str]]:
+  """The basic sweeper's jobs: one list per key (a later override of a key replaces an
+  earlier one, in the earlier one's place), then their Cartesian product, the last key
+  varying fastest (``hydra._internal``'s BasicSweeper.split_arguments, with public types)."""
+  per_key: dict[str, list[str]] = {}
+  for override in parsed:
+    key = override.get_key_element()
+    if not override.is_sweep_override():
+      per_key[key] = [f"{key}={override.get_value_element_as_str()}"]
+    elif override.is_discrete_sweep():
+      per_key[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+    else:
+      raise ValueError(f"the basic sweeper sweeps only lists (a,b,c), got {override.input_line}")
+  return [list(job) for job in itertools.product(*per_key.values())]
 
 
 def compose_job(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR) -> Job:

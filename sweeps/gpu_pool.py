@@ -14,8 +14,9 @@ CUDA_VISIBLE_DEVICES once, at start-up).
 - Devices: ``--devices`` (comma-separated ids or UUIDs), else $CUDA_VISIBLE_DEVICES, else every
   GPU that ``nvidia-smi`` lists; with none of these (a CPU machine) the jobs run one at a time
   with the environment left as it is.
-- Each job is a separate process, so a diverging run (train.py exits 1) does not stop the others
-  (in ``train.py -m`` it currently ends the whole sweep: see sweeps/README.md).
+- Each job is a separate process with its own device, so a failing job (train.py exits 1) does
+  not touch the others (``train.py -m`` also runs every job, one at a time, and exits 1 with
+  a list of the failed ones).
 - Jobs whose run dir already holds a completed summary.json of the same resolved config are
   skipped (``--rerun`` runs them anyway; train.py then resumes from the last checkpoint).
 - Each job's output goes to ``<run dir>/train.log`` (appended); the pool prints one line per start
@@ -29,7 +30,6 @@ CUDA_VISIBLE_DEVICES once, at start-up).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import shlex
@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sweeps.expand import ROOT, Job, expand
+from training import run_record
 
 DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
 
@@ -66,21 +67,13 @@ def detect_devices() -> list[str]:
 
 def is_completed(job: Job) -> bool:
   """Whether the job's run dir holds a completed summary.json of exactly this config."""
-  try:
-    summary = json.loads((ROOT / job.run_dir / "summary.json").read_text())
-  except (OSError, ValueError):
-    return False
-  return summary.get("status") == "completed" and summary.get("config") == job.config
+  return run_record.status(ROOT / job.run_dir, job.config) == "completed"
 
 
 def diverged_run(job: Job) -> bool:
   """Whether the job stopped because its loss became NaN/Inf (train.py then writes a
   summary.json with status "failed"): a result of the sweep, not a broken job."""
-  try:
-    summary = json.loads((ROOT / job.run_dir / "summary.json").read_text())
-  except (OSError, ValueError):
-    return False
-  return summary.get("status") == "failed" and summary.get("config") == job.config
+  return run_record.status(ROOT / job.run_dir, job.config) == "failed"
 
 
 def run_pool(

@@ -13,9 +13,9 @@ from models.flops import (
   conv2d_macs,
   count_macs,
   dense_macs,
-  resnet_forward_flops_per_example,
+  optimizer_update_flops,
   resnet_forward_macs,
-  resnet_train_flops_per_example,
+  train_step_flops,
 )
 from models.resnet import ARCHS, build_resnet, count_params
 
@@ -201,8 +201,24 @@ def test_resnet18_macs():
   macs = resnet_forward_macs("resnet18", 100)
   assert abs(macs - 0.5555e9) / 0.5555e9 < 0.01
   assert macs == _hand_count("basic", [2, 2, 2, 2], 100)[1] == 555_468_800
-  assert resnet_forward_flops_per_example("resnet18", 100) == 2 * macs  # 1.111 GFLOPs
-  assert resnet_train_flops_per_example("resnet18", 100) == 6 * macs
+  forward = 2 * macs  # 1.111 GFLOPs per example
+  assert train_step_flops(forward, fisher_forward=None) == 6 * macs  # forward + backward
+  assert train_step_flops(forward, fisher_forward="shared") == 10 * macs  # + a backward
+  assert train_step_flops(forward, fisher_forward="eval") == 12 * macs  # + forward, backward
+
+
+def test_optimizer_update_flops():
+  sizes = [1000, 10]
+  assert optimizer_update_flops("adam", sizes) == 10 * 1010
+  assert optimizer_update_flops("qng", sizes, tau=2) == 10 * 1010 + 3 * 2 * 4 * 1010
+  # Ginger per block, rank k = min(tau, n): 2 (4nk + nk(k+1) + 2nk) + 9 (k+1)^3
+  per_block = lambda n, k: 2 * (4 * n * k + n * k * (k + 1) + 2 * n * k) + 9 * (k + 1) ** 3
+  assert optimizer_update_flops("ginger", sizes, tau=4, block="per_tensor") == (
+    10 * 1010 + per_block(1000, 4) + per_block(10, 4)
+  )
+  assert optimizer_update_flops("ginger", sizes, tau=4, block="global") == (
+    10 * 1010 + per_block(1010, 4)
+  )
 
 
 def test_resnet50_macs():

@@ -200,6 +200,33 @@ def test_sweeps_never_share_run_dirs(cfg_dir, table1, table34, ablation):
   ]
 
 
+def test_cartesian_is_the_basic_sweepers(cfg_dir):
+  from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+  from hydra.core.override_parser.overrides_parser import OverridesParser
+
+  from sweeps.expand import cartesian
+
+  lines = ["tau=1,2", "seed=0", "alpha=0.9,0.99,0.999", "tau=4,8", "+x=a,b"]
+  parsed = OverridesParser.create().parse_overrides(lines)
+  assert cartesian(parsed) == BasicSweeper.split_arguments(parsed, max_batch_size=None)[0]
+
+
+def test_job_run_is_the_run_record_identity(cfg_dir, table1):
+  """sweeps and train.py write and read one "run" block (training/run_record.py)."""
+  from training import run_record
+
+  ginger = next(j for j in table1 if j.run["optimizer"] == "ginger")
+  assert ginger.run == run_record.identity(ginger.config)
+  assert ginger.run["gamma"] == ginger.config["gamma"] and ginger.run["fisher"] == "sampled"
+  assert ginger.run["setting"] is None  # no fine-tuning setting for a ResNet
+  adam = next(j for j in table1 if j.run["optimizer"] == "adam")
+  assert adam.run["gamma"] is None and adam.run["fisher"] is None
+  lora = compose_job(
+    ["+sweep=table2", "+sweep/exp=full/xsum_t5_lora", "+sweep/arm=ginger_tau4"], cfg_dir
+  )
+  assert lora.run["setting"] == "lora"
+
+
 # ----------------------------------------------------------------------------- best lr
 
 

@@ -1,9 +1,12 @@
 """train.py / evaluate.py end to end on tiny shapes: every experiment config, resume,
-NaN handling, clear errors, the Hydra CLI."""
+NaN handling, clear errors, run-dir fingerprints, SIGTERM, the Hydra CLI."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -14,8 +17,11 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 import evaluate
-import train
 from data.images import DatasetUnavailableError
+from training import loop as train
+from training import run_record
+from training.checkpoints import Checkpointer, CheckpointError
+from training.errors import Interrupted, NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["logger=none", "max_steps=2", "eval_every=2", "log_every=1", "checkpoint_every=2"]
@@ -132,10 +138,16 @@ def test_resume_is_bit_for_bit(tmp_path):
   straight = tmp_path / "straight"
   train.train(config(*base, "max_steps=6"), straight)
   resumed = tmp_path / "resumed"
-  train.train(config(*base, "max_steps=3"), resumed)  # "killed" after step 3
-  train.train(config(*base, "max_steps=6"), resumed)  # same dir: continues from step 3
-  from training.checkpoints import Checkpointer
-
+  # Preempted after step 4 (not a checkpoint step): it saves a checkpoint there and stops.
+  with pytest.raises(Interrupted, match="stopped by SIGTERM at step 4 of 6"):
+    train.train(
+      config(*base, "max_steps=6"),
+      resumed,
+      stop=lambda step: signal.SIGTERM if step == 4 else None,
+    )
+  assert Checkpointer(resumed).latest_step() == 4
+  assert run_record.read_summary(resumed)["status"] == "interrupted"
+  train.train(config(*base, "max_steps=6"), resumed)  # same dir: continues from step 4
   setup = train.build(config(*base, "max_steps=6"))
   a = Checkpointer(straight).restore(setup.state, 6)
   b = Checkpointer(resumed).restore(setup.state, 6)
@@ -161,24 +173,29 @@ def test_nan_loss_stops_with_clear_error_and_keeps_checkpoint(tmp_path):
     "log_every=1",
     "eval_every=100",
   )
-  with pytest.raises(train.NonFiniteLossError, match="NaN/Inf.*last good checkpoint"):
+  with pytest.raises(NonFiniteLossError, match="NaN/Inf.*last good checkpoint") as e:
     train.train(cfg, tmp_path)
+  assert "gamma" not in str(e.value)  # Momentum has none: lower lr or clip
+  assert "lower lr (now 1000000000000.0), or clip the gradient (grad_clip=1.0)" in str(e.value)
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["status"] == "failed"
-  from training.checkpoints import Checkpointer
-
   last = Checkpointer(tmp_path).latest_step()
   state = Checkpointer(tmp_path).restore(train.build(cfg).state, last)
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.trainable))
 
 
-def test_evaluate_reloads_checkpoint(tmp_path):
+def test_evaluate_reloads_checkpoint(tmp_path, monkeypatch):
   cfg = config("experiment=demo", "optimizer=adam", *FAST)
   summary = train.train(cfg, tmp_path)
   (tmp_path / ".hydra").mkdir()
   from omegaconf import OmegaConf
 
   OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")
+  # A step without a checkpoint: said at once, with the steps there are (nothing is built).
+  monkeypatch.setattr(train, "build", lambda *a, **k: pytest.fail("built before the check"))
+  with pytest.raises(CheckpointError, match=r"no checkpoint 1 in .*; available: \[2\]"):
+    evaluate.evaluate_run(tmp_path, step=1)
+  monkeypatch.undo()
   result = evaluate.evaluate_run(tmp_path)
   assert result["step"] == 2
   last_eval = [
@@ -196,8 +213,6 @@ def test_evaluate_errors(tmp_path):
   from omegaconf import OmegaConf
 
   OmegaConf.save(config("experiment=demo"), tmp_path / ".hydra" / "config.yaml")
-  from training.checkpoints import CheckpointError
-
   with pytest.raises(CheckpointError, match="no checkpoint"):
     evaluate.evaluate_run(tmp_path)
 
@@ -205,12 +220,12 @@ def test_evaluate_errors(tmp_path):
 @pytest.mark.parametrize(
   "override, error, match",
   [
-    ("tau=0", ValueError, "tau must be >= 1"),
-    ("alpha=1.5", ValueError, "alpha must lie in the open interval"),
-    ("gamma=-1", ValueError, "gamma must be a finite number > 0"),
-    ("block=rows", ValueError, "block must be one of"),
-    ("schedule=linear", ValueError, "schedule must be one of"),
-    ("fisher_forward=both", ValueError, "fisher_forward must be"),
+    ("tau=0", ValueError, "tau=0: must be an integer >= 1"),
+    ("alpha=1.5", ValueError, r"alpha=1.5 .*: must be a number in \(0, 1\)"),
+    ("gamma=-1", ValueError, "gamma=-1: must be a finite number > 0"),
+    ("block=rows", ValueError, "block='rows': must be one of"),
+    ("schedule=linear", ValueError, "schedule='linear': must be one of"),
+    ("fisher_forward=both", ValueError, "fisher_forward='both': must be one of"),
     ("batch_size=100000", ValueError, "larger than the training set"),
   ],
 )
@@ -266,5 +281,176 @@ def test_cli_help_and_multirun_dirs(tmp_path):
     capture_output=True,
     text=True,
   )
-  assert bad.returncode == 1 and "tau must be >= 1" in bad.stdout + bad.stderr
+  assert bad.returncode == 1 and "tau=0: must be an integer >= 1" in bad.stdout + bad.stderr
   assert "Traceback" not in bad.stdout + bad.stderr
+
+
+# ----------------------------------------------------------------------------- run dirs
+
+
+def _hydra_writes(run_dir, cfg):
+  """What Hydra does before main(): (over)writes the run dir's .hydra/config.yaml."""
+  from omegaconf import OmegaConf
+
+  (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+  OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+
+
+def _files(run_dir):
+  return {
+    p.relative_to(run_dir): p.read_bytes()
+    for p in sorted(run_dir.rglob("*"))
+    if p.is_file() and "checkpoints" not in p.parts
+  }
+
+
+@pytest.mark.parametrize(
+  "changed, named",
+  [
+    (["data.source=hf"], "data.source: 'local' -> 'hf'"),
+    (["max_steps=3"], "max_steps: 2 -> 3"),
+    (["lr=0.01"], "lr: 0.001 -> 0.01"),
+    (["optimizer=adam"], "optimizer.name: 'ginger' -> 'adam'"),
+    (["tau=8"], "tau: 4 -> 8"),
+  ],
+)
+def test_rerun_with_another_config_is_refused_and_changes_nothing(
+  tmp_path, monkeypatch, changed, named
+):
+  base = ["experiment=demo", "optimizer=ginger", "lr=0.001", *FAST]
+  first = config(*base)
+  _hydra_writes(tmp_path, first)
+  train.train(first, tmp_path)
+  (tmp_path / "eval_step2_test.json").write_text("{}")  # what evaluate.py would have written
+  before = _files(tmp_path)
+  assert json.loads((tmp_path / "run.json").read_text())["fingerprint"] == (
+    run_record.fingerprint(first)
+  )
+
+  other = config(*base, *changed)
+  _hydra_writes(tmp_path, other)  # Hydra overwrites .hydra/config.yaml before main() runs
+  monkeypatch.setattr(train, "build", lambda *a, **k: pytest.fail("built before the check"))
+  with pytest.raises(run_record.RunDirError, match="holds another run") as e:
+    train.train(other, tmp_path)
+  assert named in str(e.value) and "hydra.run.dir=" in str(e.value)
+  assert _files(tmp_path) == before  # .hydra/config.yaml restored; summary, evals, log kept
+
+
+def test_rerun_with_other_logging_continues(tmp_path):
+  base = ["experiment=demo", "optimizer=adam", *FAST]
+  summary = train.train(config(*base), tmp_path)
+  again = train.train(
+    config(*base, "log_every=2", "checkpoint_every=5", "spectrum_every=0"), tmp_path
+  )
+  assert again == summary  # complete: the same run, its summary kept
+
+
+def test_run_dir_from_before_fingerprints(tmp_path):
+  cfg = config("experiment=demo", "optimizer=adam", *FAST)
+  train.train(cfg, tmp_path)
+  (tmp_path / "run.json").unlink()  # as a run dir written before run.json existed
+  with pytest.raises(run_record.RunDirError, match="max_steps: 2 -> 3"):
+    train.train(config("experiment=demo", "optimizer=adam", *FAST, "max_steps=3"), tmp_path)
+  assert not (tmp_path / "run.json").exists()
+  assert train.train(cfg, tmp_path)["steps"] == 2  # same config: adopted, complete
+  assert (tmp_path / "run.json").exists()
+
+
+def test_resume_false_discards_the_old_run(tmp_path):
+  train.train(config("experiment=demo", "optimizer=adam", *FAST), tmp_path)
+  summary = train.train(
+    config("experiment=demo", "optimizer=momentum", *FAST, "resume=false"), tmp_path
+  )
+  assert summary["run"]["optimizer"] == "momentum" and summary["steps"] == 2
+
+
+def test_nan_before_any_checkpoint_says_so(tmp_path):
+  cfg = config(
+    "experiment=demo",
+    "optimizer=ginger",
+    "rho=null",
+    "lr=1e12",
+    "logger=none",
+    "max_steps=20",
+    "checkpoint_every=100",
+    "log_every=1",
+    "eval_every=100",
+  )
+  with pytest.raises(NonFiniteLossError, match="No checkpoint was saved before it") as e:
+    train.train(cfg, tmp_path)
+  assert "raise gamma (now 1e-05) or clip the update (rho=1)" in str(e.value)
+  assert "last good checkpoint" not in str(e.value)
+
+
+def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
+  """A real process, preempted with SIGTERM mid-run: it saves a checkpoint at the step it
+  reached, writes summary.json (status "interrupted") and exits 143; rerunning the command
+  finishes the run exactly as an uninterrupted one."""
+  args = [
+    "experiment=demo",
+    "optimizer=ginger",
+    "block=global",
+    "logger=none",
+    "max_steps=150",
+    "eval_every=1000",
+    "log_every=1",
+    "checkpoint_every=1000",
+    "spectrum_every=0",
+  ]
+  run_dir = tmp_path / "run"
+  command = [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"]
+  proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  metrics = run_dir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while not (metrics.exists() and metrics.read_text().strip()):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  out = proc.communicate(timeout=300)[0].decode()
+  assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+  stopped = Checkpointer(run_dir).latest_step()
+  assert stopped is not None and 0 < stopped < 150, out[-3000:]
+  summary = run_record.read_summary(run_dir)
+  assert summary["status"] == "interrupted" and summary["steps"] == stopped
+  assert "Traceback" not in out and f"stopped by SIGTERM at step {stopped}" in out
+
+  rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+  assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+  assert run_record.read_summary(run_dir)["status"] == "completed"
+
+  cfg = config(*args)
+  straight = tmp_path / "straight"
+  train.train(cfg, straight)
+  like = train.build(cfg).state
+  a, b = (Checkpointer(d).restore(like, 150) for d in (straight, run_dir))
+  leaves = lambda s: jax.tree.leaves((s.trainable, s.rest, s.opt_state, s.stats))
+  for x, y in zip(leaves(a), leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_array_equal(jax.random.key_data(a.rng), jax.random.key_data(b.rng))
+  losses = [
+    [(e["step"], e["train_loss"]) for e in run_record.read_events(d) if e["event"] == "train"]
+    for d in (straight, run_dir)
+  ]
+  assert losses[0] == losses[1]
+
+
+def test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list(tmp_path):
+  out = subprocess.run(
+    [
+      sys.executable,
+      "train.py",
+      "-m",
+      "experiment=demo",
+      "optimizer=ginger",
+      "tau=0,-1",
+      f"hydra.sweep.dir={tmp_path}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
+  text = out.stdout + out.stderr
+  assert out.returncode == 1, text[-3000:]
+  assert "2 of 2 jobs failed" in text and "tau=0" in text and "tau=-1" in text
+  assert "Traceback" not in text

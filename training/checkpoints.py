@@ -7,8 +7,10 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from training.errors import TrainingError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(TrainingError):
   """A checkpoint that is missing or cannot be read."""
 
 
@@ -44,6 +46,22 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def steps(self) -> list[int]:
+    """The steps that have a checkpoint, ascending."""
+    return sorted(self.manager.all_steps())
+
+  def check_step(self, step: int | None) -> int:
+    """``step`` (default: the latest) if it has a checkpoint, else a :class:`CheckpointError`
+    listing those that exist, before anything is built or read."""
+    steps = self.steps()
+    if not steps:
+      raise CheckpointError(f"no checkpoint in {self.directory}: was the run started?")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise CheckpointError(f"no checkpoint {step} in {self.directory}; available: {steps}")
+    return step
+
   def save(self, step: int, state) -> None:
     self.manager.save(step, args=ocp.args.StandardSave(_to_saveable(state)), force=True)
 
@@ -52,9 +70,7 @@ class Checkpointer:
 
   def restore(self, like, step: int | None = None):
     """Restores the checkpoint at ``step`` (default: latest) into the structure of ``like``."""
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise CheckpointError(f"no checkpoint in {self.directory}")
+    step = self.check_step(step)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_saveable(like))
     try:
       saved = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))

@@ -61,24 +61,12 @@ def build_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformati
   return optax.with_extra_args_support(tx)
 
 
-def optimizer_flops(cfg, sizes: list[int]) -> float:
-  """Analytic FLOPs of one optimizer update (the curvature part dominates).
-
-  Ginger per block of size n, rank k: U^T v and its re-orthogonalisation (4 n k multiply-adds),
-  the rotation [U p] V (n k (k+1)), preconditioning (2 n k), plus the (k+1)^3 eigensolve
-  (~9 (k+1)^3 FLOPs for a symmetric tridiagonal QR). QNG: 3 tau sequential rank-one
-  applications of 2 n each. Element-wise work (momentum, Adam) is ~10 FLOPs per parameter.
-  """
-  d = sum(sizes)
-  elementwise = 10.0 * d
-  if cfg.optimizer.name == "ginger":
-    tau = int(cfg.tau)
-    blocks = [d] if cfg.block == "global" else sizes
-    total = 0.0
-    for n in blocks:
-      k = min(tau, n)
-      total += 2.0 * (4 * n * k + n * k * (k + 1) + 2 * n * k) + 9.0 * (k + 1) ** 3
-    return elementwise + total
-  if cfg.optimizer.name == "qng":
-    return elementwise + 3 * int(cfg.tau) * 4.0 * d
-  return elementwise
+def divergence_advice(cfg) -> str:
+  """What to change when the loss of this optimizer's run became NaN/Inf."""
+  name = cfg.optimizer.name
+  clip = "" if cfg.grad_clip else ", or clip the gradient (grad_clip=1.0)"
+  if name == "ginger":
+    # Unclipped, directions outside span U are scaled by 1/gamma.
+    rho = " or clip the update (rho=1)" if cfg.rho is None else ""
+    return f"lower lr (now {cfg.lr}), raise gamma (now {cfg.gamma}){rho}{clip}"
+  return f"lower lr (now {cfg.lr}){clip}"

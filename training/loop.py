@@ -1,0 +1,565 @@
+"""The training loop, for any task of models/tasks.py and any optimizer of training/optimizers.py.
+
+:func:`train` runs (or resumes) one run in a run dir; :func:`build` makes everything a run
+needs from its config (evaluate.py uses it too); :func:`evaluate` scores a state on the task's
+evaluation split. The loop knows nothing of the task's kind: the task loads its data, orders
+the examples of an epoch, forms batches, scores evaluations (generation included), says which
+evaluation is the best and counts its forward FLOPs.
+
+A run stops early in three ways, each leaving a summary.json: a NaN/Inf loss (status
+"failed", :class:`NonFiniteLossError`), SIGTERM or SIGINT (a checkpoint at the current step,
+status "interrupted", :class:`Interrupted`; a rerun continues bit for bit), or a bug (raised
+as is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import shutil
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from omegaconf import DictConfig, OmegaConf
+
+import ginger
+from models import flops
+from models.tasks import Task, build_task
+from training import logs, run_record, sharding
+from training.checkpoints import Checkpointer
+from training.config_check import ConfigError, check_config
+from training.errors import Interrupted, NonFiniteLossError
+from training.optimizers import CURVATURE, build_optimizer, divergence_advice, learning_rate
+
+log = logging.getLogger("train")
+
+# A stop request: called with the number of steps done, returns the signal that asks the run
+# to stop (checkpoint and exit), or None to go on.
+StopRequest = Callable[[int], "int | None"]
+
+
+class TrainState(NamedTuple):
+  step: jax.Array
+  trainable: Any  # what the optimizer updates (all params, or the LoRA adapters)
+  rest: Any  # non-parameter model state: BatchNorm statistics, dropout RNG counts
+  opt_state: Any
+  rng: jax.Array
+  stats: dict  # device-side running loss statistics (no host sync per step)
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def initial_stats():
+  return {
+    "loss_min": jnp.asarray(jnp.inf, jnp.float32),
+    "loss_sum": jnp.zeros([], jnp.float32),
+    "loss_count": jnp.zeros([], jnp.int32),
+    "nonfinite": jnp.zeros([], bool),
+    "last_loss": jnp.zeros([], jnp.float32),
+    "grad_norm": jnp.zeros([], jnp.float32),
+  }
+
+
+def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan, state_shardings):
+  """The jitted training and evaluation steps, written once for any number of devices: the
+  batch indices are split along the mesh's ``data`` axis, the state is placed as
+  ``state_shardings`` says, and XLA (GSPMD) adds the collectives."""
+  from ginger.fisher import cross_entropy, value_grad_and_fisher
+
+  needs_fisher = cfg.optimizer.name in CURVATURE
+  clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
+  separate_d_pass = cfg.fisher_forward == "eval"
+
+  def apply(graphdef, trainable, frozen, rest, inputs):
+    model = nnx.merge(graphdef, task.full_params(trainable, frozen), rest, copy=True)
+    logits = task.forward(model, inputs)
+    return logits, nnx.split(model, nnx.Param, ...)[2]
+
+  def train_step(state: TrainState, frozen, arrays, idx):
+    rng, batch_key, fisher_key = jax.random.split(state.rng, 3)
+    inputs, labels, mask = task.train_batch(arrays, idx, batch_key)
+    forward = lambda p: apply(graphdef_train, p, frozen, state.rest, inputs)
+    extra = {}
+    if needs_fisher and not separate_d_pass:
+      # One forward pass, two cotangents: loss gradient and sampled-Fisher vector d_t.
+      (loss, rest), grads, extra["fisher_grads"] = value_grad_and_fisher(
+        forward, state.trainable, labels, fisher_key, mask=mask, has_aux=True, fisher=cfg.fisher
+      )
+    else:
+
+      def loss_fn(p):
+        logits, rest = forward(p)
+        return cross_entropy(logits, labels, mask), rest
+
+      (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.trainable)
+      if needs_fisher:
+        # The authors' d-pass: its own forward in inference mode (BatchNorm running stats).
+        eval_forward = lambda p: apply(graphdef_eval, p, frozen, state.rest, inputs)[0]
+        _, _, extra["fisher_grads"] = value_grad_and_fisher(
+          eval_forward, state.trainable, labels, fisher_key, mask=mask, fisher=cfg.fisher
+        )
+    # Pin gradients (and d_t) replicated: otherwise GSPMD propagates the sharded optimizer
+    # state's layout back into the model's backward pass (hundreds of small all-gathers).
+    grads, extra = jax.lax.with_sharding_constraint((grads, extra), plan.replicated)
+    grad_norm = optax.global_norm(grads)
+    if clip is not None:
+      grads, _ = clip.update(grads, clip.init(grads))
+    updates, opt_state = tx.update(grads, state.opt_state, state.trainable, **extra)
+    trainable = optax.apply_updates(state.trainable, updates)
+    stats = {
+      "loss_min": jnp.minimum(state.stats["loss_min"], loss),
+      "loss_sum": state.stats["loss_sum"] + loss,
+      "loss_count": state.stats["loss_count"] + 1,
+      "nonfinite": state.stats["nonfinite"] | ~jnp.isfinite(loss),
+      "last_loss": loss,
+      "grad_norm": grad_norm,
+    }
+    return TrainState(state.step + 1, trainable, rest, opt_state, rng, stats)
+
+  def eval_step(trainable, frozen, rest, arrays, idx):
+    model = nnx.merge(graphdef_eval, task.full_params(trainable, frozen), rest, copy=True)
+    return task.eval_sums(model, arrays, idx)
+
+  replicated = plan.replicated
+  train_step = jax.jit(
+    train_step,
+    donate_argnums=0,
+    in_shardings=(state_shardings, replicated, replicated, plan.batch),
+    out_shardings=state_shardings,
+  )
+  eval_on_mesh = jax.jit(eval_step, out_shardings=replicated)
+
+  def eval_step_on_host_indices(trainable, frozen, rest, arrays, idx):
+    # `arrays` are placed once by the caller (replicated); only the indices move per batch.
+    return eval_on_mesh(trainable, frozen, rest, arrays, plan.indices(idx))
+
+  return train_step, eval_step_on_host_indices
+
+
+# ----------------------------------------------------------------------------- building
+
+
+class Setup(NamedTuple):
+  """Everything built from a config before the first step (shared with evaluate.py)."""
+
+  task: Task
+  state: TrainState  # the initial state: also the template for restoring checkpoints
+  frozen: Any  # frozen parameters (LoRA's base model), never checkpointed
+  train_step: Any
+  eval_step: Any
+  schedule: optax.Schedule
+  steps_per_epoch: int
+  total_steps: int
+  sizes: list[int]  # sizes of the trained leaves
+  n_model: int  # all model parameters
+  plan: sharding.Plan  # the device mesh and where arrays live on it
+
+
+def check(cfg: DictConfig) -> sharding.Plan:
+  """Everything about ``cfg`` that can be checked without data or compiling; the mesh."""
+  sharding.initialize_distributed(cfg.get("distributed", "auto"))  # before any JAX work
+  check_config(cfg)
+  build_optimizer(cfg, learning_rate(cfg, 1, 1))  # the library's own checks of its arguments
+  plan = sharding.plan_from_config(cfg.get("mesh"))
+  if int(cfg.batch_size) % plan.data_size:
+    raise ConfigError(
+      f"batch_size {cfg.batch_size} must be divisible by the {plan.data_size} "
+      "devices of the mesh's data axis (mesh.data)."
+    )
+  return plan
+
+
+def build(cfg: DictConfig, plan: sharding.Plan | None = None) -> Setup:
+  """Checks ``cfg``, loads the task's data, builds model, optimizer and the jitted steps."""
+  plan = check(cfg) if plan is None else plan
+  task = build_task(cfg)
+  model = task.model
+  model.train()
+  graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
+  model.eval()
+  graphdef_eval = nnx.split(model, nnx.Param, ...)[0]
+  model.train()
+  trainable = task.trainable_params(params)
+  sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(trainable)]
+  n_model = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+  steps_per_epoch = task.num_train // int(cfg.batch_size)
+  if steps_per_epoch < 1:
+    raise ConfigError(
+      f"batch_size {cfg.batch_size} is larger than the training set ({task.num_train})."
+    )
+  total_steps = int(cfg.max_steps) if cfg.max_steps else int(cfg.epochs) * steps_per_epoch
+  schedule = learning_rate(cfg, steps_per_epoch, total_steps)
+  tx = build_optimizer(cfg, schedule)
+  state = TrainState(
+    jnp.zeros([], jnp.int32),
+    trainable,
+    rest,
+    tx.init(trainable),
+    jax.random.key(int(cfg.seed)),
+    initial_stats(),
+  )
+  state_shardings = plan.state(state)
+  state = sharding.put(state, state_shardings)
+  frozen = sharding.put(task.frozen_params(params), plan.replicated)
+  train_step, eval_step = make_steps(
+    task, graphdef_train, graphdef_eval, tx, cfg, plan, state_shardings
+  )
+  return Setup(
+    task,
+    state,
+    frozen,
+    train_step,
+    eval_step,
+    schedule,
+    steps_per_epoch,
+    total_steps,
+    sizes,
+    n_model,
+    plan,
+  )
+
+
+def analytic_flops(task: Task, cfg, sizes: list[int]) -> float:
+  """One training step: the task's forward FLOPs times the step's passes, plus the update."""
+  curvature = cfg.optimizer.name in CURVATURE
+  forward = task.forward_flops_per_example() * int(cfg.batch_size)
+  return flops.train_step_flops(
+    forward, fisher_forward=cfg.fisher_forward if curvature else None
+  ) + flops.optimizer_update_flops(cfg.optimizer.name, sizes, tau=cfg.tau, block=cfg.block)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def evaluate(task: Task, eval_step, state: TrainState, frozen, arrays, cfg) -> dict:
+  """The task's metrics of ``state`` on its evaluation split (``arrays``, placed on the
+  devices), in batches of ``cfg.eval_batch_size``; generation-based metrics included."""
+  batch_size = int(cfg.eval_batch_size)
+  sums: dict[str, float] = {}
+  for start in range(0, task.num_val, batch_size):
+    idx = np.arange(start, min(start + batch_size, task.num_val))
+    batch = jax.device_get(eval_step(state.trainable, frozen, state.rest, arrays, idx))
+    for k, v in batch.items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+  metrics = {k: float(v) for k, v in task.eval_metrics(sums).items()}
+  model = functools.partial(task.model_with, state.trainable, frozen, state.rest)
+  return metrics | task.generation_metrics(model)
+
+
+# ------------------------------------------------------------------------------ stopping
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> Iterator[StopRequest]:
+  """A stop request that SIGTERM or SIGINT sets (the first one; a second one stops at once).
+
+  Clusters preempt with SIGTERM: the run then saves a checkpoint after the step in flight and
+  exits, and a rerun continues it. Outside the main thread (where Python cannot install
+  handlers) nothing is installed and the request never fires.
+  """
+  received: list[int] = []
+  if threading.current_thread() is not threading.main_thread():
+    yield lambda step: None
+    return
+
+  def handler(signum, frame):
+    del frame
+    if received:  # asked twice: stop now, as if no handler were installed
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
+      return
+    received.append(signum)
+    log.warning(
+      "%s: saving a checkpoint after this step, then stopping (send it again to stop at once)",
+      signal.Signals(signum).name,
+    )
+
+  previous = {s: signal.signal(s, handler) for s in signals}
+  try:
+    yield lambda step: received[0] if received else None
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
+def _agreed(signum: int | None) -> int | None:
+  """The stop request of any process (all must stop at the same step of a multi-host run)."""
+  if jax.process_count() == 1:
+    return signum
+  from jax.experimental import multihost_utils
+
+  every = multihost_utils.process_allgather(np.int32(signum or 0))
+  return next((int(s) for s in np.ravel(every) if s), None)
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def claim_run_dir(run_dir: Path, cfg: DictConfig) -> None:
+  """Records ``cfg`` as the run of ``run_dir``, or refuses (a run of another config is there)."""
+  outcome = run_record.claim(run_dir, cfg, fresh=not cfg.resume, write=jax.process_index() == 0)
+  if outcome == "adopted":
+    log.warning(
+      "%s predates run fingerprints: taking it as a run of this configuration (%s)",
+      run_dir,
+      run_record.RECORD,
+    )
+
+
+def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) -> dict[str, Any]:
+  """Runs (or resumes) one training run in ``run_dir``; returns its summary.
+
+  ``stop`` is asked after every step whether to stop early (default: on SIGTERM/SIGINT).
+  """
+  if stop is None:
+    with stop_on_signals() as on_signal:
+      return train(cfg, run_dir, stop=on_signal)
+  run_dir = Path(run_dir)
+  plan = check(cfg)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  claim_run_dir(run_dir, cfg)
+  setup = build(cfg, plan)
+  state = setup.state
+  log.info(
+    "model %s: %s parameters (%s trained)",
+    cfg.model.name,
+    f"{setup.n_model:,}",
+    f"{sum(setup.sizes):,}",
+  )
+  checkpointer = Checkpointer(run_dir)
+  start = 0
+  if checkpointer.latest_step() is not None:
+    if cfg.resume:
+      state = checkpointer.restore(state)
+      start = int(state.step)
+      log.info("resumed from %s at step %d", checkpointer.directory, start)
+      finished = run_record.finished_summary(run_dir, start, setup.total_steps)
+      if finished is not None:
+        log.info("run already complete (%d steps): keeping its summary.json", start)
+        return finished
+    else:
+      log.info("resume=false: removing old checkpoints in %s", checkpointer.directory)
+      if jax.process_index() == 0:
+        shutil.rmtree(checkpointer.directory)
+      sharding.sync("removed old checkpoints")
+      checkpointer = Checkpointer(run_dir)
+  config = OmegaConf.to_container(cfg, resolve=True)
+  metrics = logs.MetricsLog(run_dir, cfg.logger, config, resume_step=start if start else None)
+  try:
+    return _run(cfg, run_dir, setup, state, start, checkpointer, metrics, config, stop)
+  finally:
+    metrics.close()
+
+
+def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config, stop):
+  task, frozen, plan, schedule = setup.task, setup.frozen, setup.plan, setup.schedule
+  steps_per_epoch, total_steps = setup.steps_per_epoch, setup.total_steps
+  batch_size = int(cfg.batch_size)
+  eval_every = steps_per_epoch if cfg.eval_every == "epoch" else int(cfg.eval_every)
+  evals = (
+    [e for e in run_record.read_events(run_dir, strict=True) if e["event"] == "eval"]
+    if metrics.writer
+    else []
+  )
+
+  # The whole dataset on every device; each step gathers its batch by index on the devices.
+  train_arrays = sharding.put(task.train_arrays, plan.replicated)
+  val_arrays = sharding.put(task.val_arrays, plan.replicated)
+  # One shuffle per epoch, not per step (the order is a pure function of seed and epoch).
+  order = functools.lru_cache(maxsize=2)(lambda epoch: task.batch_order(int(cfg.seed), epoch))
+
+  def batch_indices(step):
+    epoch, i = divmod(step, steps_per_epoch)
+    return plan.indices(order(epoch)[i * batch_size : (i + 1) * batch_size])  # split on `data`
+
+  # Compile once, ahead of time: the same executable gives XLA's cost/memory analysis and
+  # runs every step (calling the jitted function would compile a second time).
+  compiled = setup.train_step.lower(state, frozen, train_arrays, batch_indices(start)).compile()
+  flops_per_iter = {"analytic": analytic_flops(task, cfg, setup.sizes), "xla": _xla_flops(compiled)}
+  summary_base = {
+    "run": run_record.identity(config),
+    "config": config,
+    "versions": logs.versions(),
+    "device": logs.device_info(),
+    "mesh": plan.describe(),
+    "git_commit": logs.git_commit(),
+    "parameters": setup.n_model,
+    "trained_parameters": sum(setup.sizes),
+    "optimizer_state_bytes_per_device": sharding.bytes_per_device(state.opt_state),
+    "steps_per_epoch": steps_per_epoch,
+    "flops_per_iter": flops_per_iter,
+    "flops_method": {
+      "analytic": "conv/dense (or transformer matmul) count: 3x forward "
+      "for loss grad, +2x (shared) or +3x (eval) forward for the "
+      "d-pass, plus the optimizer's own update",
+      "xla": "compiled train step cost_analysis(); unreliable on GPU",
+    },
+    "xla_memory_analysis": _xla_memory(compiled),
+  }
+  log.info(
+    "%d steps (%d per epoch), batch %d; FLOPs/iter analytic %.3g, XLA %s",
+    total_steps,
+    steps_per_epoch,
+    batch_size,
+    flops_per_iter["analytic"],
+    flops_per_iter["xla"],
+  )
+
+  progress = logs.Progress(total_steps, start)
+  step_times: list[float] = []
+  interval_start, interval_steps = time.perf_counter(), 0
+  last_good = checkpointer.latest_step()  # None: no checkpoint yet
+  status, error, stopped_by = "completed", None, _agreed(stop(start))
+  single = jax.process_count() == 1
+  try:
+    for step in range(start, total_steps if stopped_by is None else start):
+      state = compiled(state, frozen, train_arrays, batch_indices(step))
+      interval_steps += 1
+      done = step + 1
+      at_eval = done % eval_every == 0 or done == total_steps
+      at_ckpt = done % int(cfg.checkpoint_every) == 0 or done == total_steps
+      at_log = done % int(cfg.log_every) == 0 or at_eval or at_ckpt
+      if done < total_steps and (single or at_log):  # multi-host: agree at the log steps
+        stopped_by = _agreed(stop(done))
+      if at_log or stopped_by:
+        stats = jax.device_get(state.stats)
+        if stats["nonfinite"]:
+          raise NonFiniteLossError(_nonfinite_message(cfg, done, stats, last_good, checkpointer))
+      if at_log:
+        elapsed = time.perf_counter() - interval_start
+        if interval_steps and step + 1 - interval_steps > start:  # skip the compile interval
+          step_times.append(elapsed / interval_steps)
+        metrics.write(
+          "train",
+          done,
+          train_loss=stats["last_loss"],
+          min_train_loss=stats["loss_min"],
+          grad_norm=stats["grad_norm"],
+          lr=schedule(done - 1),
+          epoch=done / steps_per_epoch,
+          step_time_s=elapsed / max(interval_steps, 1),
+          examples_per_s=batch_size * interval_steps / max(elapsed, 1e-9),
+        )
+        progress.update(done, loss=float(stats["last_loss"]))
+        if cfg.spectrum_every and done % int(cfg.spectrum_every) == 0:
+          spectrum = jax.device_get(ginger.curvature_spectrum(state.opt_state))
+          if spectrum:
+            metrics.write("spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()})
+      if at_eval:
+        result = evaluate(task, setup.eval_step, state, frozen, val_arrays, cfg)
+        epoch_mean = float(stats["loss_sum"] / max(int(stats["loss_count"]), 1))
+        record = metrics.write("eval", done, **result, train_loss_mean=epoch_mean)
+        evals.append(record)
+        progress.line(
+          f"step {done}/{total_steps} "
+          + " ".join(f"{k}={v:.4g}" for k, v in result.items() if isinstance(v, float))
+        )
+      if at_ckpt or stopped_by:
+        checkpointer.save(done, state)
+        last_good = done
+      if stopped_by:
+        break
+      if at_log:
+        interval_start, interval_steps = time.perf_counter(), 0
+  except NonFiniteLossError as e:
+    status, error = "failed", str(e)
+  finally:
+    progress.close()
+    checkpointer.wait()
+  if stopped_by:
+    status = "interrupted"
+    error = (
+      f"stopped by {signal.Signals(stopped_by).name} at step {int(state.step)} of {total_steps}"
+      + (
+        f"; checkpoint saved in {checkpointer.directory}"
+        if last_good is not None
+        else " (no checkpoint yet)"
+      )
+      + ". Rerun the same command to continue."
+    )
+
+  stats = jax.device_get(state.stats)
+  mean_loss = float(stats["loss_sum"] / max(int(stats["loss_count"]), 1))
+  summary = (
+    summary_base
+    | {
+      "status": status,
+      "error": error,
+      "steps": int(state.step),
+      "total_steps": total_steps,
+      "min_train_loss": _finite(stats["loss_min"]),
+      "final_train_loss": _finite(stats["last_loss"]),
+      "step_time_s": statistics.median(step_times) if step_times else None,
+      "examples_per_s": batch_size / statistics.median(step_times) if step_times else None,
+      "peak_memory_bytes": logs.peak_memory_bytes(),
+      "peak_memory_method": "device memory_stats()['peak_bytes_in_use'] of this process "
+      "(includes compilation/autotuning); null where not reported",
+    }
+    | task.best_of(evals)
+    | task.train_summary(mean_loss)
+  )
+  if jax.process_index() == 0:
+    run_record.write_summary(run_dir, summary)
+  if stopped_by:
+    raise Interrupted(error, stopped_by)
+  if error:
+    raise NonFiniteLossError(error)
+  return summary
+
+
+def _nonfinite_message(cfg, done: int, stats, last_good: int | None, checkpointer) -> str:
+  where = (
+    f"The last good checkpoint is step {last_good} in {checkpointer.directory}."
+    if last_good is not None
+    else f"No checkpoint was saved before it (checkpoint_every={cfg.checkpoint_every})."
+  )
+  return (
+    f"the training loss became NaN/Inf at or before step {done} (last loss "
+    f"{stats['last_loss']}); {divergence_advice(cfg)}. {where}"
+  )
+
+
+def _xla_flops(compiled) -> float | None:
+  try:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]) if cost and "flops" in cost else None
+  except Exception:  # noqa: BLE001 - backends differ in what they report
+    return None
+
+
+def _xla_memory(compiled) -> dict[str, int] | None:
+  try:
+    mem = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001
+    return None
+  if mem is None:
+    return None
+  keys = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "temp_size_in_bytes",
+    "generated_code_size_in_bytes",
+    "alias_size_in_bytes",
+  )
+  return {k: int(getattr(mem, k)) for k in keys if hasattr(mem, k)}
+
+
+def _finite(x) -> float | None:
+  x = float(x)
+  return x if math.isfinite(x) else None

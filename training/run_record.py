@@ -1,0 +1,298 @@
+"""The run record: what a run dir says about its run, written and read in one place.
+
+A run dir (``outputs/<name>/<overrides>/``) holds
+
+- ``run.json``: the fingerprint of everything that changes the run's result (below), the
+  configuration it was taken from, and the ``.hydra/`` files of the attempt that started it;
+- ``summary.json``: the run's identity (``"run"``), config, status and results;
+- ``metrics.jsonl``: one JSON object per train/eval/spectrum event;
+- ``checkpoints/`` (training/checkpoints.py) and ``.hydra/`` (written by Hydra).
+
+train.py, sweeps/ and results/ read and write these through the functions here. Nothing here
+imports JAX, so sweeps and tables stay light.
+
+**Fingerprint.** A rerun in an existing run dir continues that run, so it must be the same run:
+the resolved config minus the keys that change only how a run is watched or where it runs
+(:data:`NOT_FINGERPRINTED`: logging and checkpoint cadence, resume, the logger, the device mesh;
+a checkpoint resumes on another mesh), hashed. Data source and path, epochs and max_steps are
+part of it. A different fingerprint refuses before anything is loaded or compiled
+(:func:`claim`), and leaves the dir as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from training.errors import TrainingError
+
+RECORD = "run.json"
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+HYDRA_DIR = ".hydra"
+HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")
+RECORD_VERSION = 1
+
+# Top-level keys that do not change what a run computes (dotted paths).
+NOT_FINGERPRINTED = frozenset(
+  {
+    "logger",
+    "log_every",
+    "checkpoint_every",
+    "spectrum_every",
+    "resume",
+    "mesh",  # results agree across meshes to float rounding; checkpoints move between them
+    "distributed",
+    "eval_batch_size",  # the same sums in other batches
+    "lr_from",  # provenance of the lr (the lr itself is fingerprinted)
+    "best_lr",  # the tuned-lr table a sweep reads (only this run's lr matters)
+  }
+)
+
+# The paper-notation hyperparameters each optimizer reads (the others are not its identity).
+OPTIMIZER_KEYS = {
+  "ginger": ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward"),
+  "qng": ("tau", "alpha", "block", "fisher", "fisher_forward"),
+  "adam": (),
+  "momentum": (),
+}
+IDENTITY_HYPERPARAMETERS = ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward")
+
+
+class RunDirError(TrainingError):
+  """A run dir that holds another run, or lacks what is asked of it."""
+
+
+def _run_name(overrides: str) -> str:
+  return overrides or "default"
+
+
+def register_resolvers() -> None:
+  """``${run_name:...}`` of configs/config.yaml: the override string, or "default"."""
+  if not OmegaConf.has_resolver("run_name"):
+    OmegaConf.register_new_resolver("run_name", _run_name)
+
+
+register_resolvers()
+
+
+def plain(config: Mapping | DictConfig) -> dict[str, Any]:
+  """The resolved config as plain Python (without Hydra's own ``hydra`` node)."""
+  if isinstance(config, DictConfig):
+    config = OmegaConf.to_container(config, resolve=True)
+  return {k: v for k, v in dict(config).items() if k != "hydra"}
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def identity(config: Mapping | DictConfig) -> dict[str, Any]:
+  """summary.json's ``"run"`` block: what a run is, for tables and sweeps.
+
+  Hyperparameters the optimizer does not read are None. ``setting`` is the fine-tuning setting
+  of models that have one (``model.lora`` present: "lora" or "full"), else None.
+  """
+  c = plain(config)
+  name = c["optimizer"]["name"]
+  used = OPTIMIZER_KEYS.get(name, ())
+  model = c["model"]
+  setting = ("lora" if model.get("lora") else "full") if "lora" in model else None
+  return {
+    "experiment": c["name"],
+    "optimizer": name,
+    **{k: c.get(k) if k in used else None for k in IDENTITY_HYPERPARAMETERS[:5]},
+    "lr": float(c["lr"]),
+    "seed": int(c["seed"]),
+    "model": model["name"],
+    "dataset": c["data"]["name"],
+    "setting": setting,
+    "sweep": c.get("sweep"),
+    **{k: c.get(k) if k in used else None for k in IDENTITY_HYPERPARAMETERS[5:]},
+  }
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+
+def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
+  """The part of the resolved config that determines the run's result."""
+  return {k: v for k, v in plain(config).items() if k not in NOT_FINGERPRINTED}
+
+
+def fingerprint(config: Mapping | DictConfig) -> str:
+  """sha256 of the fingerprinted config (canonical JSON: sorted keys, 4 == 4.0)."""
+  text = json.dumps(_canonical(fingerprinted(config)), sort_keys=True, separators=(",", ":"))
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _canonical(x):
+  if isinstance(x, dict):
+    return {str(k): _canonical(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_canonical(v) for v in x]
+  if isinstance(x, float) and math.isfinite(x) and x == int(x):
+    return int(x)
+  return x
+
+
+def differences(old: Mapping, new: Mapping, prefix: str = "") -> list[str]:
+  """``key: old -> new`` for every dotted key whose value differs."""
+  out = []
+  for key in sorted(set(old) | set(new), key=str):
+    a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += differences(a, b, f"{prefix}{key}.")
+    elif _canonical(a) != _canonical(b):
+      out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+  return out
+
+
+def read_record(run_dir: str | Path) -> dict[str, Any] | None:
+  path = Path(run_dir) / RECORD
+  if not path.exists():
+    return None
+  try:
+    return json.loads(path.read_text())
+  except ValueError as e:
+    raise RunDirError(f"{path} cannot be read ({e}); move it away to adopt the run dir") from e
+
+
+def has_run(run_dir: str | Path) -> bool:
+  """Whether the dir holds (part of) a run: checkpoints, a summary or metrics."""
+  run_dir = Path(run_dir)
+  checkpoints = run_dir / "checkpoints"
+  return (
+    (run_dir / SUMMARY).exists()
+    or (run_dir / METRICS).exists()
+    or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+  )
+
+
+def claim(run_dir: str | Path, config: Mapping | DictConfig, *, fresh: bool, write: bool) -> str:
+  """Checks that ``config`` is the run of ``run_dir`` and records it there.
+
+  Returns what happened: "new" (an empty dir), "same" (the recorded fingerprint matches),
+  "adopted" (a run dir from before fingerprints: its summary.json's config matches, or it has
+  none), or "fresh" (``fresh=True``: the caller discards the old run). On a mismatch it raises
+  :class:`RunDirError` naming the keys that differ, after putting back the ``.hydra/`` files
+  that Hydra overwrote for this attempt, so the dir is as the run left it. Only the process
+  that writes (``write``) touches files.
+  """
+  run_dir = Path(run_dir)
+  config = plain(config)
+  record = read_record(run_dir)
+  if fresh:
+    outcome = "fresh"
+  elif record is not None:
+    if record.get("fingerprint") == fingerprint(config):
+      return "same"
+    _refuse(run_dir, record.get("config") or {}, config, record.get("hydra") or {}, write)
+  elif not has_run(run_dir):
+    outcome = "new"
+  else:
+    summary = read_summary(run_dir)
+    old = (summary or {}).get("config")
+    if old is not None and fingerprint(old) != fingerprint(config):
+      hydra = {"config.yaml": OmegaConf.to_yaml(OmegaConf.create(old))}
+      _refuse(run_dir, fingerprinted(old), config, hydra, write)
+    outcome = "adopted"
+  if write:
+    hydra_dir = run_dir / HYDRA_DIR
+    hydra = {n: (hydra_dir / n).read_text() for n in HYDRA_FILES if (hydra_dir / n).exists()}
+    _write_json(
+      run_dir / RECORD,
+      {
+        "version": RECORD_VERSION,
+        "fingerprint": fingerprint(config),
+        "config": fingerprinted(config),
+        "hydra": hydra,
+      },
+    )
+  return outcome
+
+
+def _refuse(run_dir: Path, old: Mapping, config: Mapping, hydra: Mapping, write: bool) -> None:
+  if write and (run_dir / HYDRA_DIR).is_dir():
+    for name, text in hydra.items():  # undo what Hydra wrote before this attempt started
+      (run_dir / HYDRA_DIR / name).write_text(text)
+  changed = differences(old, fingerprinted(config))
+  raise RunDirError(
+    f"{run_dir} holds another run; rerunning there would mix two runs. Its configuration differs "
+    f"in: {'; '.join(changed) or 'the fingerprint'}. Nothing in the dir was changed. To start "
+    "a new run, give it its own dir (hydra.run.dir=<new dir>, or a new name=...), or pass "
+    "resume=false to discard this run and start over in this dir."
+  )
+
+
+# ----------------------------------------------------------------------------- summary.json
+
+
+def _write_json(path: Path, data: Any) -> None:
+  """Writes via a temporary file and a rename, so a reader never sees half a file."""
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(data, indent=2, default=str))
+  os.replace(tmp, path)
+
+
+def write_summary(run_dir: str | Path, summary: Mapping) -> Path:
+  path = Path(run_dir) / SUMMARY
+  _write_json(path, dict(summary))
+  return path
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
+  """The run's summary.json; None if absent, unreadable or not a JSON object."""
+  try:
+    data = json.loads((Path(run_dir) / SUMMARY).read_text())
+  except (OSError, ValueError):
+    return None
+  return data if isinstance(data, dict) else None
+
+
+def status(run_dir: str | Path, config: Mapping | None = None) -> str | None:
+  """summary.json's status ("completed", "failed", "interrupted"), or None if there is none;
+  with ``config``, None also when the summary is of another config."""
+  summary = read_summary(run_dir)
+  if summary is None or (config is not None and summary.get("config") != plain(config)):
+    return None
+  return summary.get("status")
+
+
+def finished_summary(run_dir: str | Path, step: int, total_steps: int) -> dict | None:
+  """The summary of a run that already reached ``total_steps`` (a rerun then changes nothing)."""
+  summary = read_summary(run_dir) if step >= total_steps else None
+  return summary if summary is not None and summary.get("status") == "completed" else None
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+
+def read_events(run_dir: str | Path, *, strict: bool = False) -> Iterator[dict[str, Any]]:
+  """The JSON objects of metrics.jsonl, in order. Lenient (default): a missing file, malformed
+  lines and non-objects are skipped (a run killed mid-write). Strict: raises
+  :class:`RunDirError` naming the file and line."""
+  path = Path(run_dir) / METRICS
+  try:
+    lines = path.read_text().splitlines()
+  except OSError:
+    if strict and path.exists():
+      raise
+    return
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      event = json.loads(line)
+    except ValueError as e:
+      if strict:
+        raise RunDirError(f"{path}, line {number}: not JSON ({e})") from e
+      continue
+    if isinstance(event, dict):
+      yield event
