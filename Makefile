@@ -42,47 +42,77 @@ lint: $(STAMP)
 
 # ------------------------------------------------------------------------------ paper sweeps
 # The Hydra multiruns of configs/sweep/ (every command, its cost and the lr protocol:
-# sweeps/README.md). Knobs: SCALE=full (the paper's settings) or smoke (embedded data and tiny
-# models, minutes on a CPU); SEEDS=0,1,2 (a sweep axis; results/tables.py averages seeds);
-# GPUS=0,1,2,3 (default: every GPU nvidia-smi lists, or one job at a time without GPUs);
-# SWEEP_ARGS="max_steps=2 ..." (more overrides). Jobs run through sweeps/gpu_pool.py: one process
-# per job, one job per GPU, completed runs skipped, a diverging run does not stop the sweep.
+# sweeps/README.md). Knobs: SCALE=full (the paper's settings), standin (the paper's protocol on
+# the real data these machines can have, shortened: CIFAR-10 for 30 epochs, t5-small shapes
+# from random init on 1,000 XSUM documents; DATA=<folder with cifar10-jpeg.tar.xz and
+# xsum-1000.jsonl>, default .data) or smoke (embedded data and tiny models, minutes on a CPU);
+# SEEDS=0,1,2 (a sweep axis; results/tables.py averages seeds); GPUS=0,1,2,3 (default: every
+# GPU nvidia-smi lists, or one job at a time without GPUs); SWEEP_ARGS="max_steps=2 ..." (more
+# overrides). Jobs run through sweeps/gpu_pool.py: one process per job, one job per GPU,
+# completed runs skipped, a diverging run does not stop the sweep.
 # `python train.py -m +sweep=table1 scale=smoke seed=0,1` runs the same jobs in one process.
 SCALE ?= full
 SEEDS ?= 0
 GPUS ?=
 SWEEP_ARGS ?=
-# Smoke sweeps run on the CPU; full-scale ones on whatever JAX finds (the GPU), unless
+DATA ?=
+ifneq ($(DATA),)
+export GINGER_DATA := $(DATA)
+endif
+# Smoke sweeps run on the CPU; the others on whatever JAX finds (the GPU), unless
 # JAX_PLATFORMS is set in the environment or on the command line.
 SWEEP_PLATFORMS = $(if $(JAX_PLATFORMS),$(JAX_PLATFORMS),$(if $(filter smoke,$(SCALE)),cpu,))
-SMOKE_PREFIX = $(if $(filter smoke,$(SCALE)),smoke_,)
 SWEEP_RUN = JAX_PLATFORMS=$(SWEEP_PLATFORMS) $(PY) -m sweeps.gpu_pool $(if $(GPUS),--devices $(GPUS)) --
 SWEEP_OVERRIDES = scale=$(SCALE) seed=$(SEEDS) $(SWEEP_ARGS)
 BEST_LR = $(PY) -m sweeps.best_lr --experiments
+# The experiment names of each scale (what configs/best_lr/ files are named after).
+R18_full := cifar100_resnet18
+R50_full := cifar100_resnet50
+LORA_full := xsum_t5_lora
+FULL_full := xsum_t5_full
+R18_smoke := smoke_cifar100_resnet18
+R50_smoke := smoke_cifar100_resnet50
+LORA_smoke := smoke_xsum_t5_lora
+FULL_smoke := smoke_xsum_t5_full
+R18_standin := cifar10_resnet18_30ep
+# ResNet-50 reuses ResNet-18's lr at the stand-in scale (configs/sweep/exp/standin/).
+R50_standin := cifar10_resnet18_30ep
+LORA_standin := xsum1000_t5_small_random_lora
+FULL_standin := xsum1000_t5_small_random_full
+# lr_tune at the stand-in scale tunes ResNet-18 only (8 epochs on 5,000 held-out images).
+LR_TUNE_standin := +sweep/exp=standin/cifar100_resnet18
+ifeq ($(filter $(SCALE),full smoke standin),)
+$(error SCALE=$(SCALE): allowed are full, standin, smoke)
+endif
 
 .PHONY: lr_tune ablation
 
 lr_tune: $(STAMP)
-	$(SWEEP_RUN) +sweep=lr_tune $(SWEEP_OVERRIDES)
+	$(SWEEP_RUN) +sweep=lr_tune $(LR_TUNE_$(SCALE)) $(SWEEP_OVERRIDES)
 	$(PY) -m sweeps.best_lr
 
 table1: $(STAMP)
-	$(BEST_LR) $(SMOKE_PREFIX)cifar100_resnet18 $(SMOKE_PREFIX)cifar100_resnet50
+	$(BEST_LR) $(R18_$(SCALE)) $(R50_$(SCALE))
 	$(SWEEP_RUN) +sweep=table1 $(SWEEP_OVERRIDES)
 
 table2: $(STAMP)
-	$(BEST_LR) $(SMOKE_PREFIX)xsum_t5_lora $(SMOKE_PREFIX)xsum_t5_full
+	$(BEST_LR) $(LORA_$(SCALE)) $(FULL_$(SCALE))
 	$(SWEEP_RUN) +sweep=table2 $(SWEEP_OVERRIDES)
 
 # Tables 3 and 4 are two views of the same 9 runs per seed (sweep=table34): either target runs
 # them, and the second finds them completed.
 table3 table4: $(STAMP)
-	$(BEST_LR) $(SMOKE_PREFIX)cifar100_resnet18
+	$(BEST_LR) $(R18_$(SCALE))
 	$(SWEEP_RUN) +sweep=table34 $(SWEEP_OVERRIDES)
 
 ablation: $(STAMP)
-	$(BEST_LR) $(SMOKE_PREFIX)cifar100_resnet18
+	$(BEST_LR) $(R18_$(SCALE))
 	$(SWEEP_RUN) +sweep=ablation $(SWEEP_OVERRIDES)
 
+# Every table and plot: your runs (outputs/, multirun/: the paper's tables, and stand-in tables
+# for any other set of runs), and the committed stand-in campaign (results/cifar10/runs/),
+# regenerated from run records alone, offline.
 tables: $(STAMP)
 	$(PY) -m results.tables
+	$(PY) -m results.tables results/cifar10/runs --out results/cifar10 --standin-only
+	$(PY) -m results.plots results/cifar10/runs --out results/cifar10/plots

@@ -5,8 +5,13 @@
 Writes PNGs (matplotlib, Agg backend):
 - `curves_<experiment>.png`: validation accuracy (or ROUGE-L) and training loss against steps and
   against wall-clock seconds, one colour per optimizer configuration (seeds share the colour);
-- `tau_<dataset>.png`: final metric against tau, Ginger vs QNG (mean ± std over seeds), one panel
-  per model (or XSUM setting), Adam/Momentum as horizontal lines, the paper's numbers dashed;
+- `tau_<dataset>[_<length>].png`: final metric against tau, Ginger vs QNG (mean ± std over
+  seeds), one panel per model (or XSUM setting), Adam/Momentum as horizontal lines; the paper's
+  numbers dashed only for runs of the paper's protocol, every other set (a stand-in dataset or
+  schedule: the run length in the file name) titled NOT COMPARABLE;
+- `time_to_accuracy_<experiment>.png` and `.md`: for each optimizer configuration of a table
+  sweep (mean over seeds), the wall-clock seconds from the run's start (compilation and
+  evaluations included) until the validation accuracy first reached each level;
 - `spectrum_<run>.png`: Ginger's curvature eigenvalues sigma (one line per index, log y) against
   step for a few parameter blocks of a run, from the "spectrum" events of metrics.jsonl.
 Missing files, keys or events only leave a panel (or a figure) out.
@@ -15,7 +20,6 @@ Missing files, keys or events only leave a panel (or a figure) out.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -31,10 +35,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from results import tables  # noqa: E402
+from training import run_record  # noqa: E402
 
 DEFAULT_OUT = "results/plots"
 LABEL_KEYS = ("optimizer", "tau", "alpha", "rho", "block", "gamma", "lr")
-GROUP_KEYS = ("experiment", "dataset", "model", "setting")
+GROUP_KEYS = ("sweep", "experiment", "dataset", "model", "setting", "length")
 VAL_METRICS = ("val_accuracy", "rougeL")
 METRIC_NAMES = {"val_accuracy": "val. accuracy (%)", "rougeL": "ROUGE-L (%)"}
 
@@ -65,18 +70,8 @@ def slug(text: str) -> str:
 
 
 def read_events(run_dir: str | Path) -> Iterable[dict[str, Any]]:
-  """The JSON objects of metrics.jsonl; unreadable files and malformed lines are skipped."""
-  try:
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-      for line in f:
-        try:
-          event = json.loads(line)
-        except ValueError:
-          continue
-        if isinstance(event, dict):
-          yield event
-  except OSError:
-    return
+  """metrics.jsonl's events (lenient: a run killed mid-write still plots)."""
+  return run_record.read_events(run_dir)
 
 
 def _num(x: Any) -> float:
@@ -237,19 +232,20 @@ def _final_metric(dataset: str) -> tuple[str, str, str]:
   return "best_val_accuracy", "acc", "best val. accuracy (%)"
 
 
-def _panels(runs: Sequence[tables.Run], dataset: str) -> list[tuple[str, dict[str, Any]]]:
+def _panels(runs: Sequence[tables.Run], protocol: dict[str, Any]) -> list[tuple[str, dict]]:
   """(title, criteria) per panel: one per model, or per setting for XSUM."""
-  mine = [r for r in runs if tables.rfield(r, "dataset") == dataset]
-  key = "setting" if dataset == "xsum" else "model"
+  mine = [r for r in runs if tables._matches(r, protocol)]
+  key = "setting" if protocol["dataset"] == "xsum" else "model"
   values = sorted({tables.rfield(r, key) for r in mine}, key=tables.sort_key)
-  return [(f"{key} {v}", {"dataset": dataset, key: v}) for v in values]
+  return [(f"{key} {v}", {**protocol, key: v}) for v in values]
 
 
 def _paper_points(dataset: str, crit: dict[str, Any], optimizer: str) -> dict[int, float]:
-  """The paper's numbers by tau for this panel (empty when the paper has none)."""
-  if dataset == "cifar100":
+  """The paper's numbers by tau for this panel (empty unless its runs follow the paper's
+  protocol: dataset, model and run length)."""
+  if tables._comparable(crit, tables.PAPER_IMAGE):
     rows, keys = tables.load_paper("table1_cifar100"), {"model": crit.get("model")}
-  elif dataset == "xsum":
+  elif tables._comparable(crit, tables.PAPER_TEXT):
     rows, keys = tables.load_paper("table2_xsum"), {"setting": crit.get("setting")}
   else:
     return {}
@@ -307,12 +303,25 @@ def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dic
   return drawn
 
 
+def _protocols(runs: Sequence[tables.Run]) -> list[dict[str, Any]]:
+  """The sets of tabulated runs: (dataset, run length), and the model for XSUM."""
+  found = set()
+  for r in tables._tabulated(runs):
+    dataset = tables.rfield(r, "dataset")
+    model = tables.rfield(r, "model") if dataset == "xsum" else None
+    found.add((dataset, model, tables.rfield(r, "length")))
+  return [
+    {"dataset": d, "length": n} | ({"model": m} if m is not None else {})
+    for d, m, n in sorted(found, key=tables._tuple_key)
+  ]
+
+
 def plot_final_vs_tau(runs: Sequence[tables.Run], out: Path) -> list[Path]:
-  """One tau_<dataset>.png per dataset with completed runs; returns the files written."""
+  """One tau_<dataset>[_<length>].png per set of runs; returns the files written."""
   written = []
-  datasets = {tables.rfield(r, "dataset") for r in runs if tables.is_done(r)} - {None}
-  for dataset in sorted(map(str, datasets)):
-    panels = _panels(runs, dataset)
+  for protocol in _protocols(runs):
+    dataset = str(protocol["dataset"])
+    panels = _panels(runs, protocol)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     drawn = [
       _draw_tau_panel(ax, runs, dataset, crit)
@@ -324,12 +333,118 @@ def plot_final_vs_tau(runs: Sequence[tables.Run], out: Path) -> list[Path]:
     for ax, (title, _) in zip(axes[0], panels, strict=True):
       ax.set(title=title, xlabel="τ", ylabel=_final_metric(dataset)[2])
       ax.legend(fontsize="small")
-    fig.suptitle(f"{dataset}: final metric against τ")
+    paper = tables._comparable(protocol, tables.PAPER_IMAGE) or tables._comparable(
+      protocol, tables.PAPER_TEXT
+    )
+    what = ", ".join(
+      str(x) for x in (dataset, protocol.get("model"), tables.length_text(protocol["length"])) if x
+    )
+    fig.suptitle(
+      f"{what}: final metric against τ" + ("" if paper else " - NOT COMPARABLE with the paper")
+    )
     fig.tight_layout()
-    path = out / f"tau_{slug(dataset)}.png"
+    name = slug(dataset) if paper else "_".join(slug(str(v)) for v in protocol.values() if v)
+    path = out / f"tau_{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)
+  return written
+
+
+# ----------------------------------------------------------------------------- time to accuracy
+
+TABLE_SWEEPS = ("table1", "table2", "table34", "ablation")
+
+
+def first_time_at(series: Series, level: float) -> float:
+  """Wall-clock seconds at the first eval whose metric reached `level` (NaN if never)."""
+  value, wall = series.eval.get("value"), series.eval.get("wall")
+  if value is None or not value.size:
+    return math.nan
+  hit = np.flatnonzero(np.nan_to_num(value, nan=-np.inf) >= level)
+  return float(wall[hit[0]]) if hit.size else math.nan
+
+
+def time_to_accuracy(
+  infos: Sequence[RunInfo], levels: Sequence[float] = (80.0, 85.0)
+) -> dict[str, list[dict[str, Any]]]:
+  """Per experiment of the table sweeps: one row per optimizer configuration (mean over the
+  seeds that reached each level, and how many did)."""
+  groups: dict[str, list[RunInfo]] = {}
+  for info in infos:
+    if info.meta.get("sweep") in TABLE_SWEEPS and info.summary and tables.is_done(info.summary):
+      groups.setdefault(group_name(info), []).append(info)
+  report = {}
+  for name, members in sorted(groups.items()):
+    labels = config_labels([m.meta for m in members])
+    rows: dict[str, dict[str, list[float]]] = {}
+    for info, label in zip(members, labels, strict=True):
+      series = read_series(info.path)
+      if series.eval_metric != "val_accuracy":
+        continue
+      row = rows.setdefault(label, {"best": [], "to_best": [], **{str(v): [] for v in levels}})
+      best = float(np.nanmax(series.eval["value"]))
+      row["best"].append(best)
+      row["to_best"].append(first_time_at(series, best))
+      for level in levels:
+        row[str(level)].append(first_time_at(series, level))
+    if rows:
+      report[name] = [{"config": label, **values} for label, values in rows.items()]
+  return report
+
+
+def _mean_cell(values: Sequence[float], fmt: str) -> str:
+  ok = [v for v in values if math.isfinite(v)]
+  if not ok:
+    return "never"
+  text = format(sum(ok) / len(ok), fmt)
+  return text if len(ok) == len(values) else f"{text} ({len(ok)}/{len(values)} seeds)"
+
+
+def plot_time_to_accuracy(
+  infos: Sequence[RunInfo], out: Path, levels: Sequence[float] = (80.0, 85.0)
+) -> list[Path]:
+  """time_to_accuracy_<experiment>.png (seconds to reach each accuracy level, one line per
+  configuration) and .md (the same numbers at `levels`, and the time to each run's best)."""
+  written = []
+  for name, rows in time_to_accuracy(infos, levels).items():
+    grid = np.arange(50.0, 100.0, 0.5)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    members = [i for i in infos if group_name(i) == name]
+    labels = config_labels([m.meta for m in members])
+    for k, row in enumerate(rows):
+      runs = [m for m, lab in zip(members, labels, strict=True) if lab == row["config"]]
+      series = [read_series(m.path) for m in runs]
+      times = np.array([[first_time_at(s, g) for g in grid] for s in series])
+      mean = np.where(np.isfinite(times).all(axis=0), times.mean(axis=0), np.nan)
+      _plot_xy(ax, grid, mean, label=row["config"], color=plt.cm.tab20(k % 20))
+    ax.set(
+      xlabel="validation accuracy reached (%)",
+      ylabel="wall-clock seconds from the run's start",
+      title=f"{name}: time to accuracy (mean over seeds)",
+    )
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = out / f"time_to_accuracy_{slug(name)}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    lines = [
+      f"## {name}: wall-clock seconds to reach a validation accuracy",
+      "",
+      "Seconds from the run's start (compilation and evaluations included) to the first "
+      "evaluation at or above the level; mean over the seeds that reached it. Regenerate with "
+      "`python -m results.plots`.",
+      "",
+      "| config | best acc | s to best | " + " | ".join(f"s to {v:g}%" for v in levels) + " |",
+      "|---|---:|---:|" + "---:|" * len(levels),
+    ]
+    for row in rows:
+      cells = [_mean_cell(row["best"], ".2f"), _mean_cell(row["to_best"], ".0f")]
+      cells += [_mean_cell(row[str(v)], ".0f") for v in levels]
+      lines.append(f"| {row['config']} | " + " | ".join(cells) + " |")
+    md = out / f"time_to_accuracy_{slug(name)}.md"
+    md.write_text("\n".join(lines) + "\n")
+    written += [path, md]
   return written
 
 
@@ -396,9 +511,11 @@ def plot_spectrum(
 
 
 def default_spectrum_runs(infos: Sequence[RunInfo], limit: int) -> list[Path]:
-  """The first `limit` Ginger runs (by path) whose metrics.jsonl holds spectrum events."""
+  """The first `limit` Ginger runs whose metrics.jsonl holds spectrum events (table sweeps
+  first, then by path)."""
   chosen = []
-  for info in infos:
+  # Runs of the table sweeps first (they are what the tables show), then the rest.
+  for info in sorted(infos, key=lambda i: i.meta.get("sweep") not in TABLE_SWEEPS):
     if len(chosen) >= limit:
       break
     if info.meta.get("optimizer") in ("ginger", None) and read_series(info.path).spectrum:
@@ -450,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   infos = load_runs(roots)
   written = plot_curves(infos, out)
   written += plot_final_vs_tau([i.summary for i in infos if i.summary], out)
+  written += plot_time_to_accuracy(infos, out)
   spectrum_runs = args.spectrum_run or default_spectrum_runs(infos, args.max_spectrum)
   for run_dir in spectrum_runs:
     path = plot_spectrum(run_dir, out, args.param or None)

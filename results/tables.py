@@ -9,6 +9,12 @@ train.py) and writes `table1.md/.tex` ... `table4.md/.tex` and `table_ablation.m
 Each metric gets three columns: ours (mean ± sample std over seeds; no std for one seed), the
 paper's number (verbatim from `results/paper/*.csv`) and the difference ours - paper. Cells with
 no completed run are blank. See `results/README.md` for units and how runs are chosen.
+
+Only runs of the paper's protocol (its dataset, model and run length: CIFAR-100 for 200 epochs;
+pretrained t5-small on XSUM for 1 epoch) fill the paper's tables. Every other set of runs (a
+stand-in dataset, a random-init model, a shorter schedule) gets its own tables, one set per
+(dataset, run length), named after both (``table1_cifar10_30ep.md``) and titled NOT COMPARABLE.
+Runs of different lengths never share a cell.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from training import run_record
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
 DEFAULT_ROOTS = ("outputs", "multirun")
@@ -47,7 +55,12 @@ CONFIG_KEYS = (
   "rho",
   "block",
   "lr",
+  "length",
 )
+# The paper's protocols: only runs matching one fill the paper's tables.
+PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
+PAPER_TEXT = {"dataset": "xsum", "model": "t5-small", "length": "1ep"}
+DATASET_NAMES = {"cifar100": "CIFAR-100", "cifar10": "CIFAR-10", "xsum": "XSUM"}
 OPTIMIZER_NAMES = {"momentum": "Momentum", "adam": "Adam", "qng": "QNG", "ginger": "Ginger"}
 MODEL_NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
 FLOPS_SOURCES = ("analytic", "xla")
@@ -77,17 +90,34 @@ def find_run_dirs(roots: Iterable[str | Path]) -> list[Path]:
   return sorted(found)
 
 
+def run_length(summary: dict[str, Any]) -> str | None:
+  """How long the run was configured to train: "<max_steps>steps", else "<epochs>ep"
+  (None without a recorded config)."""
+  config = summary.get("config")
+  if not isinstance(config, dict):
+    return None
+  if config.get("max_steps") is not None:
+    return f"{config['max_steps']}steps"
+  return f"{config['epochs']}ep" if config.get("epochs") is not None else None
+
+
+def length_text(length: str | None) -> str:
+  """ "30ep" -> "30 epochs", "450steps" -> "450 steps"."""
+  if length is None:
+    return "any length"
+  number, unit = re.fullmatch(r"(\d+)(ep|steps)", length).groups()
+  return f"{number} {'epoch' if unit == 'ep' else 'step'}{'' if number == '1' else 's'}"
+
+
 def load_summary(run_dir: str | Path) -> Run | None:
-  """The run's summary.json plus "path" and "mtime"; None if absent, unreadable or no "run"."""
-  path = Path(run_dir) / "summary.json"
-  try:
-    data = json.loads(path.read_text())
-    mtime = path.stat().st_mtime
-  except (OSError, ValueError):
+  """The run's summary.json plus "path", "mtime" and the derived ``run["length"]``; None if
+  absent, unreadable or without a "run" block."""
+  data = run_record.read_summary(run_dir)
+  if data is None or not isinstance(data.get("run"), dict):
     return None
-  if not isinstance(data, dict) or not isinstance(data.get("run"), dict):
-    return None
-  data["path"], data["mtime"] = str(run_dir), mtime
+  data["path"] = str(run_dir)
+  data["mtime"] = (Path(run_dir) / run_record.SUMMARY).stat().st_mtime
+  data["run"]["length"] = run_length(data)
   return data
 
 
@@ -502,8 +532,10 @@ def _optimizer_table(
   order: Sequence[str],
   paper: list[dict],
   sweeps: Sequence[str],
+  paper_keys: Sequence[str],
 ) -> Table:
-  """Fill a Table 1/2-style table: rows (optimizer, tau), column groups from `groups`."""
+  """Fill a Table 1/2-style table: rows (optimizer, tau), column groups from `groups`; the
+  paper's row is looked up by optimizer, tau and the group's `paper_keys`."""
   found: set[tuple[str, Any]] = set()
   for _, base in groups:
     found |= _found(runs, **base)
@@ -513,10 +545,8 @@ def _optimizer_table(
     cells: list[str] = []
     for name, base in groups:
       sel = select_runs(runs, cell_criteria(optimizer, tau, **base), sweeps)
-      paper_keys = {k: v for k, v in base.items() if k in ("model", "setting")}
-      cells += group_cells(
-        sel, metrics, paper_row(paper, optimizer=optimizer, tau=tau, **paper_keys)
-      )
+      keys = {k: base[k] for k in paper_keys}
+      cells += group_cells(sel, metrics, paper_row(paper, optimizer=optimizer, tau=tau, **keys))
       used += sel.runs
       if sel.note:
         notes.append(f"{name} / {label}: {sel.note}.")
@@ -525,23 +555,52 @@ def _optimizer_table(
   return _finish(table, used, notes)
 
 
+def image_protocol(dataset: str = "cifar100", length: str | None = None) -> dict[str, Any]:
+  """Criteria of an image-table set: the dataset and run length (the paper's length for the
+  paper's dataset when not given; any length otherwise)."""
+  if length is None and dataset == PAPER_IMAGE["dataset"]:
+    length = PAPER_IMAGE["length"]
+  return {"dataset": dataset} | ({"length": length} if length is not None else {})
+
+
+def _comparable(protocol: dict[str, Any], paper: dict[str, Any]) -> bool:
+  return all(protocol.get(k) == v for k, v in paper.items())
+
+
+def _not_comparable(protocol: dict[str, Any], paper_text: str) -> str:
+  """ "CIFAR-10, 30 epochs - NOT COMPARABLE with the paper (paper: ...)"."""
+  dataset = protocol.get("dataset")
+  what = ", ".join(
+    str(x)
+    for x in (
+      DATASET_NAMES.get(dataset, dataset),
+      protocol.get("model"),
+      protocol.get("length") and length_text(protocol["length"]),
+    )
+    if x
+  )
+  return f"{what} - NOT COMPARABLE with the paper (paper: {paper_text})"
+
+
 def build_table1(
   runs: Sequence[Run],
   dataset: str = "cifar100",
   models: Sequence[str] = ("resnet18", "resnet50"),
   flops: str = "analytic",
+  length: str | None = None,
 ) -> Table:
-  """Table 1: CIFAR-100, one row per optimizer (and tau), a column group per model."""
+  """Table 1: one row per optimizer (and tau), a column group per model."""
+  protocol = image_protocol(dataset, length)
   metrics = image_metrics(flops)
-  groups = [(MODEL_NAMES.get(m, m), {"dataset": dataset, "model": m}) for m in models]
+  groups = [(MODEL_NAMES.get(m, m), {**protocol, "model": m}) for m in models]
   caption = (
     f"Best validation accuracy (%), validation loss at that eval, minimum training "
     f"loss (x1e-6, like the paper), FLOPs per iteration ({flops} count), peak memory "
     f"(GB = bytes/1e9). {UNITS}"
   )
-  title = "Table 1: CIFAR-100 (paper Table 1)"
-  if dataset != "cifar100":
-    title = f"Table 1: {dataset} runs - NOT COMPARABLE with the paper (paper columns are CIFAR-100)"
+  title = "Table 1: CIFAR-100, 200 epochs (paper Table 1)"
+  if not _comparable(protocol, PAPER_IMAGE):
+    title = "Table 1: " + _not_comparable(protocol, "CIFAR-100, 200 epochs")
   columns = [c for name, _ in groups for c in group_columns(name, metrics)]
   table = Table("table1", title, caption, "Optimizer", columns)
   return _optimizer_table(
@@ -552,22 +611,34 @@ def build_table1(
     ("momentum", "adam", "qng", "ginger"),
     load_paper("table1_cifar100"),
     TABLE_SWEEPS["table1"],
+    ("model",),
   )
 
 
-def build_table2(runs: Sequence[Run], flops: str = "analytic") -> Table:
+def text_protocol(model: str = "t5-small", length: str | None = "1ep") -> dict[str, Any]:
+  """Criteria of a Table 2 set: XSUM, the model (by name) and the run length."""
+  return {"dataset": "xsum", "model": model} | ({"length": length} if length is not None else {})
+
+
+def build_table2(
+  runs: Sequence[Run], flops: str = "analytic", model: str = "t5-small", length: str | None = "1ep"
+) -> Table:
   """Table 2: XSUM, one row per optimizer (and tau), column groups LoRA and Full."""
+  protocol = text_protocol(model, length)
   metrics = xsum_metrics(flops)
   groups = [
-    ("LoRA", {"dataset": "xsum", "setting": "lora"}),
-    ("Full", {"dataset": "xsum", "setting": "full"}),
+    ("LoRA", {**protocol, "setting": "lora"}),
+    ("Full", {**protocol, "setting": "full"}),
   ]
   caption = (
     f"ROUGE-1/2/L (%), training perplexity, FLOPs per iteration ({flops} count), "
     f"peak memory (GB = bytes/1e9). {UNITS}"
   )
+  title = "Table 2: XSUM, pretrained t5-small, 1 epoch (paper Table 2)"
+  if not _comparable(protocol, PAPER_TEXT):
+    title = "Table 2: " + _not_comparable(protocol, "XSUM, pretrained t5-small, 1 epoch")
   columns = [c for name, _ in groups for c in group_columns(name, metrics)]
-  table = Table("table2", "Table 2: XSUM, T5 (paper Table 2)", caption, "Optimizer", columns)
+  table = Table("table2", title, caption, "Optimizer", columns)
   return _optimizer_table(
     table,
     runs,
@@ -576,22 +647,29 @@ def build_table2(runs: Sequence[Run], flops: str = "analytic") -> Table:
     ("adam", "momentum", "qng", "ginger"),
     load_paper("table2_xsum"),
     TABLE_SWEEPS["table2"],
+    ("setting",),
   )
 
 
 def _sensitivity(
-  runs: Sequence[Run], name: str, metric: Metric, dataset: str, model: str = "resnet18"
+  runs: Sequence[Run],
+  name: str,
+  metric: Metric,
+  dataset: str,
+  model: str = "resnet18",
+  length: str | None = None,
 ) -> Table:
   """Tables 3/4: Ginger on ResNet-18, rows alpha, column groups tau."""
+  protocol = image_protocol(dataset, length)
   what = "best validation accuracy (%)" if name == "table3" else "minimum training loss (x1e-6)"
   number = name[-1]
   title = (
-    f"Table {number}: Ginger sensitivity, {what}, ResNet-18 / CIFAR-100 (paper Table {number})"
+    f"Table {number}: Ginger sensitivity, {what}, ResNet-18 / CIFAR-100, 200 epochs "
+    f"(paper Table {number})"
   )
-  if dataset != "cifar100" or model != "resnet18":
-    title = (
-      f"Table {number}: {dataset} / {model} runs - NOT COMPARABLE with the paper "
-      f"(paper columns are ResNet-18 / CIFAR-100)"
+  if not _comparable(protocol, PAPER_IMAGE) or model != "resnet18":
+    title = f"Table {number}: Ginger sensitivity, {what}, " + _not_comparable(
+      {**protocol, "model": model}, "ResNet-18 / CIFAR-100, 200 epochs"
     )
   columns = [c for t in SENSITIVITY_TAUS for c in group_columns(f"τ={t}", [metric])]
   table = Table(name, title, f"Ginger, {what}, rows alpha, columns tau. {UNITS}", "α \\ τ", columns)
@@ -599,7 +677,7 @@ def _sensitivity(
   for alpha in SENSITIVITY_ALPHAS:
     cells: list[str] = []
     for tau in SENSITIVITY_TAUS:
-      crit = {"dataset": dataset, "model": model, "optimizer": "ginger", "tau": tau, "alpha": alpha}
+      crit = {**protocol, "model": model, "optimizer": "ginger", "tau": tau, "alpha": alpha}
       sel = select_runs(runs, crit, TABLE_SWEEPS[name])
       cells += group_cells(sel, [metric], paper_row(paper, alpha=alpha, tau=tau))
       used += sel.runs
@@ -609,21 +687,25 @@ def _sensitivity(
   return _finish(table, used, notes)
 
 
-def build_table3(runs: Sequence[Run], dataset: str = "cifar100", model: str = "resnet18") -> Table:
+def build_table3(
+  runs: Sequence[Run], dataset: str = "cifar100", model: str = "resnet18", length: str | None = None
+) -> Table:
   """Table 3 (paper: "Validation accuracy"): best val accuracy over alpha x tau."""
   metric = Metric("Acc", _get("best_val_accuracy"), "val_acc", "f2")
-  return _sensitivity(runs, "table3", metric, dataset, model)
+  return _sensitivity(runs, "table3", metric, dataset, model, length)
 
 
-def build_table4(runs: Sequence[Run], dataset: str = "cifar100", model: str = "resnet18") -> Table:
+def build_table4(
+  runs: Sequence[Run], dataset: str = "cifar100", model: str = "resnet18", length: str | None = None
+) -> Table:
   """Table 4 (paper: "Training loss"): min training loss (x1e-6) over alpha x tau."""
   metric = Metric("Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2")
-  return _sensitivity(runs, "table4", metric, dataset, model)
+  return _sensitivity(runs, "table4", metric, dataset, model, length)
 
 
 # ----------------------------------------------------------------------------- ablation
 
-ABLATION_BASE = ("dataset", "model", "setting", "tau", "alpha")
+ABLATION_BASE = ("dataset", "model", "setting", "length", "tau", "alpha")
 ABLATION_VARIANT = ("rho", "block", "lr", "gamma")
 
 
@@ -644,11 +726,11 @@ def ablation_metrics(dataset: Any) -> list[Metric]:
 
 def _ablation_paper(base: dict[str, Any]) -> dict[str, str] | None:
   """The paper's Ginger row at the same model/setting and tau, if the paper has one."""
-  if base["dataset"] == "cifar100":
+  if _comparable(base, PAPER_IMAGE):
     return paper_row(
       load_paper("table1_cifar100"), optimizer="ginger", tau=base["tau"], model=base["model"]
     )
-  if base["dataset"] == "xsum":
+  if _comparable(base, PAPER_TEXT):
     return paper_row(
       load_paper("table2_xsum"), optimizer="ginger", tau=base["tau"], setting=base["setting"]
     )
@@ -669,16 +751,29 @@ def _ablation_groups(runs: Iterable[Run]) -> dict[tuple, dict[tuple, list[Run]]]
   return groups
 
 
+def _matches(run: Run, criteria: dict[str, Any]) -> bool:
+  return all(_accepts(rfield(run, k), v) for k, v in criteria.items())
+
+
 def _tuple_key(values: tuple) -> tuple:
   return tuple(sort_key(v) for v in values)
 
 
-def build_ablation(runs: Sequence[Run]) -> Table:
+def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) -> Table:
   """Ginger with vs without the element-wise clip rho, per-tensor vs global block.
 
   One row per variant (rho, block, lr, gamma) of every base setting (dataset, model, setting,
-  tau, alpha) that has at least two variants among completed Ginger runs.
+  length, tau, alpha) that has at least two variants among completed Ginger runs: runs of the
+  paper's protocols (``protocol=None``), or of one stand-in ``protocol`` (then NOT COMPARABLE).
   """
+  if protocol is None:
+    runs = [r for r in runs if _matches(r, PAPER_IMAGE) or _matches(r, PAPER_TEXT)]
+    title = "Ablation: Ginger clip (rho) and block (paper protocols)"
+  else:
+    runs = [r for r in runs if _matches(r, protocol)]
+    title = "Ablation: Ginger clip (rho) and block, " + _not_comparable(
+      protocol, "the paper's Ginger numbers"
+    )
   columns = [Column("", h) for h in ("ρ", "block", "lr", "γ")]
   columns += group_columns("", ablation_metrics("cifar100"))
   caption = (
@@ -688,9 +783,7 @@ def build_ablation(runs: Sequence[Run]) -> Table:
     "code clips with rho=1, per tensor). Acc / R-L = best val. accuracy (%) or "
     "ROUGE-L; Step s = median step time; Mem GB = bytes/1e9. " + UNITS
   )
-  table = Table(
-    "table_ablation", "Ablation: Ginger clip (rho) and block", caption, "Setting", columns
-  )
+  table = Table("table_ablation", title, caption, "Setting", columns)
   used: list[Run] = []
   for base_values, variants in sorted(
     _ablation_groups(runs).items(), key=lambda kv: _tuple_key(kv[0])
@@ -698,7 +791,7 @@ def build_ablation(runs: Sequence[Run]) -> Table:
     if len(variants) < 2:
       continue
     base = dict(zip(ABLATION_BASE, base_values, strict=True))
-    label = " ".join(str(base[k]) for k in ("dataset", "model", "setting") if base[k])
+    label = " ".join(str(base[k]) for k in ("dataset", "model", "setting", "length") if base[k])
     label += f" τ={base['tau']} α={base['alpha']}"
     metrics, paper = ablation_metrics(base["dataset"]), _ablation_paper(base)
     for i, (variant, vruns) in enumerate(
@@ -719,15 +812,72 @@ def build_all(
   dataset: str = "cifar100",
   flops: str = "analytic",
   models: Sequence[str] = ("resnet18", "resnet50"),
+  length: str | None = None,
 ) -> list[Table]:
-  """All five tables; Tables 3/4 use the first of ``models``."""
+  """The paper's five tables for one image protocol; Tables 3/4 use the first of ``models``."""
   return [
-    build_table1(runs, dataset, models=models, flops=flops),
+    build_table1(runs, dataset, models=models, flops=flops, length=length),
     build_table2(runs, flops=flops),
-    build_table3(runs, dataset, models[0]),
-    build_table4(runs, dataset, models[0]),
+    build_table3(runs, dataset, models[0], length),
+    build_table4(runs, dataset, models[0], length),
     build_ablation(runs),
   ]
+
+
+def _tabulated(runs: Iterable[Run]) -> list[Run]:
+  return [r for r in runs if is_done(r) and rfield(r, "sweep") not in EXCLUDED_SWEEPS]
+
+
+def _models_in(runs: Iterable[Run]) -> list[str]:
+  """The models of `runs`, the paper's first (ResNet-18, ResNet-50), then by name."""
+  found = {rfield(r, "model") for r in runs} - {None}
+  paper = [m for m in ("resnet18", "resnet50") if m in found]
+  return paper + sorted(found - set(paper))
+
+
+def standin_tables(runs: Sequence[Run], flops: str = "analytic") -> list[tuple[str, Table]]:
+  """(file name, table) for every set of runs outside the paper's protocols.
+
+  Image runs are grouped by (dataset, run length), XSUM-style runs (those with a fine-tuning
+  setting) by (model, run length); each set gets Tables 1, 3, 4 and the ablation (images) or
+  Table 2 and the ablation (text), named ``<table>_<dataset or model>_<length>``.
+  """
+  done = _tabulated(runs)
+  out: list[tuple[str, Table]] = []
+  images = {
+    (rfield(r, "dataset"), rfield(r, "length"))
+    for r in done
+    if rfield(r, "setting") is None and not _matches(r, PAPER_IMAGE)
+  }
+  for dataset, length in sorted(images, key=_tuple_key):
+    protocol = {"dataset": dataset, "length": length}
+    members = [r for r in done if _matches(r, protocol) and rfield(r, "setting") is None]
+    models = _models_in(members)
+    suffix = f"_{slug(dataset)}_{slug(length)}"
+    out += [
+      ("table1" + suffix, build_table1(runs, dataset, models, flops, length)),
+      ("table3" + suffix, build_table3(runs, dataset, models[0], length)),
+      ("table4" + suffix, build_table4(runs, dataset, models[0], length)),
+      ("table_ablation" + suffix, build_ablation(runs, protocol)),
+    ]
+  texts = {
+    (rfield(r, "model"), rfield(r, "length"))
+    for r in done
+    if rfield(r, "setting") is not None and not _matches(r, PAPER_TEXT)
+  }
+  for model, length in sorted(texts, key=_tuple_key):
+    suffix = f"_{slug(model)}_{slug(length)}"
+    protocol = {"model": model, "length": length}
+    out += [
+      ("table2" + suffix, build_table2(runs, flops, model, length)),
+      ("table_ablation" + suffix, build_ablation(runs, protocol)),
+    ]
+  return out
+
+
+def slug(value: Any) -> str:
+  """A file-name-safe form of a dataset, model or length: "t5-small-random" -> "t5_small_random"."""
+  return re.sub(r"[^A-Za-z0-9]+", "_", str(value)).strip("_")
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -858,17 +1008,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
   parser.add_argument("--out", default="results", help="where to write the tables")
   parser.add_argument(
-    "--dataset",
-    default="cifar100",
-    help="dataset for Tables 1, 3, 4 (e.g. cifar10 stand-in runs; such "
-    "tables are labelled not comparable and get a _<dataset> suffix)",
+    "--standin-only",
+    action="store_true",
+    help="write only the stand-in tables found (not the paper's, which would be blank)",
   )
+  parser.add_argument(
+    "--dataset",
+    default=None,
+    help="write only Tables 1, 3, 4 of this dataset (with --length, of that run length), "
+    "named table<N>_<dataset>[_<length>]",
+  )
+  parser.add_argument("--length", default=None, help="with --dataset: e.g. 30ep or 450steps")
   parser.add_argument(
     "--models",
     nargs="+",
-    default=["resnet18", "resnet50"],
-    help="models of Table 1's column groups; Tables 3/4 use the first "
-    "(e.g. --dataset digits --models resnet_tiny for smoke sweeps)",
+    default=None,
+    help="with --dataset: models of Table 1's column groups; Tables 3/4 use the first "
+    "(default: the models found)",
   )
   parser.add_argument(
     "--flops",
@@ -891,17 +1047,31 @@ def run_report(roots: Sequence[str], runs: Sequence[Run]) -> str:
   return f"{len(dirs)} run dirs under {', '.join(roots)}: " + ", ".join(parts)
 
 
+def tables_to_write(args: argparse.Namespace, runs: Sequence[Run]) -> list[tuple[str, Table]]:
+  """(file name, table) pairs that the command line asks for."""
+  if args.dataset is not None:
+    protocol = image_protocol(args.dataset, args.length)
+    members = [r for r in _tabulated(runs) if _matches(r, protocol)]
+    models = args.models or _models_in(members) or ["resnet18", "resnet50"]
+    suffix = "".join(f"_{slug(x)}" for x in (args.dataset, args.length) if x)
+    return [
+      ("table1" + suffix, build_table1(runs, args.dataset, models, args.flops, args.length)),
+      ("table3" + suffix, build_table3(runs, args.dataset, models[0], args.length)),
+      ("table4" + suffix, build_table4(runs, args.dataset, models[0], args.length)),
+    ]
+  paper = [] if args.standin_only else [(t.name, t) for t in build_all(runs, flops=args.flops)]
+  return paper + standin_tables(runs, args.flops)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  """Scan the roots, build every table and write <out>/<name>.md and .tex."""
+  """Scan the roots, build the tables and write <out>/<name>.md and .tex."""
   args = parse_args(argv)
   roots = args.roots or list(DEFAULT_ROOTS)
   runs = collect_runs(roots)
   print(run_report(roots, runs), file=sys.stderr)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  suffix = "" if args.dataset == "cifar100" else f"_{args.dataset}"
-  for table in build_all(runs, args.dataset, args.flops, args.models):
-    name = table.name + (suffix if table.name in ("table1", "table3", "table4") else "")
+  for name, table in tables_to_write(args, runs):
     (out / f"{name}.md").write_text(to_markdown(table))
     (out / f"{name}.tex").write_text(to_latex(table))
     print(f"wrote {out / name}.md and .tex", file=sys.stderr)

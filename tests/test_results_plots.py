@@ -138,3 +138,26 @@ def test_nothing_to_plot(tmp_path: Path) -> None:
   out = tmp_path / "plots"
   assert plots.main([str(tmp_path / "missing"), "--out", str(out)]) == 0
   assert list(out.iterdir()) == []
+
+
+def test_time_to_accuracy(tmp_path: Path) -> None:
+  """Seconds to the first eval at or above each level, mean over seeds; 'never' when not
+  reached; only table-sweep runs count."""
+  root = tmp_path / "runs"
+  for seed, offset in ((0, 0.0), (1, 1.0)):
+    evs = [
+      {"event": "eval", "step": s, "wall_time_s": 10.0 * s + offset, "val_accuracy": 20.0 * s}
+      for s in range(1, 5)
+    ]  # 20, 40, 60, 80 % at 10, 20, 30, 40 s (+1 s for seed 1)
+    write_run(root, f"a{seed}", {"optimizer": "adam", "seed": seed, "sweep": "table1"}, evs)
+  write_run(root, "tune", {"optimizer": "adam", "sweep": "lr_tune"}, evs)
+  infos = plots.load_runs([root])
+  (rows,) = plots.time_to_accuracy(infos, levels=(60.0, 85.0)).values()
+  (row,) = rows
+  assert row["60.0"] == [30.0, 31.0] and row["best"] == [80.0, 80.0]
+  assert all(v != v for v in row["85.0"])  # NaN: never reached
+  (tmp_path / "out").mkdir()
+  written = plots.plot_time_to_accuracy(infos, tmp_path / "out", levels=(60.0, 85.0))
+  md = next(p for p in written if p.suffix == ".md").read_text()
+  assert "| adam | 80.00 | 40 | 30 | never |" in md
+  assert is_png(next(p for p in written if p.suffix == ".png"))

@@ -40,8 +40,12 @@ def make_run(
   run_dir = root / name
   run_dir.mkdir(parents=True)
   if run is not None:
+    run = {**BASE_RUN, **run}
+    # The paper's run length unless a test says otherwise (summary["config"] sets a run's length).
+    epochs = 1 if run["dataset"] == "xsum" else 200
     body = {
-      "run": {**BASE_RUN, **run},
+      "run": run,
+      "config": {"epochs": epochs, "max_steps": None},
       "status": status,
       "device": "NVIDIA H100",
       "versions": {"jax": "0.7.0"},
@@ -120,7 +124,7 @@ def test_table1_markdown_rows(runs_root: Path) -> None:
   assert ginger4 in lines
   assert qng2 in lines  # the killed run (no summary.json) leaves its row blank
   assert any(line.startswith("| Ginger (τ=8) |  |  | 72.89 |") for line in lines)  # failed
-  assert lines[0] == "## Table 1: CIFAR-100 (paper Table 1)"
+  assert lines[0] == "## Table 1: CIFAR-100, 200 epochs (paper Table 1)"
   assert len([ln for ln in lines if ln.startswith("| ")]) == 1 + 14  # header + paper rows
   assert "NVIDIA H100 (3)" in md and "jax: 0.7.0 (3)" in md
 
@@ -135,7 +139,7 @@ def test_table1_latex(runs_root: Path) -> None:
   assert r"\cmidrule(lr){2-17} \cmidrule(lr){18-33}" in tex
   assert r" &  & \multicolumn{3}{c}{Acc} & \multicolumn{3}{c}{Val loss} & " in tex
   assert "    Optimizer & n & ours & paper & $\\Delta$ & ours & paper & $\\Delta$ & " in tex
-  assert r"\caption{CIFAR-100 (paper Table 1). Best validation accuracy (\%)" in tex
+  assert r"\caption{CIFAR-100, 200 epochs (paper Table 1). Best validation accuracy (\%)" in tex
   assert "\\midrule\n    Ginger ($\\tau$=1) &" in tex  # rule between baselines and Ginger
   assert tex.count(r"\begin{tabular}") == 1 and tex.rstrip().endswith("(3); git: abc1234def (3).")
 
@@ -145,7 +149,7 @@ def test_table1_dataset_override_and_extra_tau(tmp_path: Path) -> None:
   make_run(tmp_path, "a", extra, **image(90.0, 0.3, 1e-6, 1e9, 10**9))
   runs = tables.collect_runs([tmp_path])
   table = tables.build_table1(runs, dataset="cifar10")
-  assert table.title.startswith("Table 1: cifar10 runs - NOT COMPARABLE with the paper")
+  assert table.title.startswith("Table 1: CIFAR-10 - NOT COMPARABLE with the paper")
   row = next(r for r in table.rows if r.label == "Ginger (τ=64)")
   assert row.cells[:4] == ["1", "90.00", "", ""]  # no paper number, so no difference
   assert all(r.label != "Ginger (τ=64)" for r in tables.build_table1(runs).rows)
@@ -271,11 +275,11 @@ def test_ablation_rows(tmp_path: Path) -> None:
   table = tables.build_ablation(tables.collect_runs([tmp_path]))
   md = tables.to_markdown(table).splitlines()
   assert (
-    "| cifar100 resnet18 τ=4 α=0.99 | 1.0 | per_tensor | 0.0002 | 1e-05 | 1 | 72.00 "
+    "| cifar100 resnet18 200ep τ=4 α=0.99 | 1.0 | per_tensor | 0.0002 | 1e-05 | 1 | 72.00 "
     "| 72.90 | -0.90 |  | 1.263 |  |  | 13.37 |  | 0.050 |  |"
   ) in md
   assert (
-    "| cifar100 resnet18 τ=4 α=0.99 | none | per_tensor | 0.0002 | 1e-05 | 1 | 70.00 "
+    "| cifar100 resnet18 200ep τ=4 α=0.99 | none | per_tensor | 0.0002 | 1e-05 | 1 | 70.00 "
     "| 72.90 | -2.90 |  | 1.263 |  |  | 13.37 |  |  |  |"
   ) in md
   assert len(table.rows) == 2  # tau=8 has a single variant: no ablation
@@ -301,3 +305,64 @@ def test_cli_writes_files(runs_root: Path, tmp_path: Path) -> None:
   assert tables.main([str(runs_root), "--out", str(out), "--dataset", "cifar10"]) == 0
   assert "NOT COMPARABLE" in (out / "table1_cifar10.md").read_text()
   assert "NOT COMPARABLE" not in (out / "table1.md").read_text()
+
+
+def test_only_the_papers_protocol_fills_paper_cells(tmp_path: Path) -> None:
+  """A toy XSUM run (random t5, 2 epochs) and a 20-epoch CIFAR-100 run stay out of the paper's
+  tables; each lands in a stand-in table named and titled after its dataset/model and length."""
+  toy = {"dataset": "xsum", "model": "t5-small-random", "setting": "full", "sweep": "table2"}
+  make_run(
+    tmp_path,
+    "toy",
+    {**toy, "optimizer": "ginger", "tau": 4},
+    rougeL=7.97,
+    **{"config": {"epochs": 2, "max_steps": None}},
+  )
+  short = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "sweep": "table34"}
+  make_run(
+    tmp_path, "short", short, best_val_accuracy=50.0, config={"epochs": 20, "max_steps": None}
+  )
+  runs = tables.collect_runs([tmp_path])
+  assert "| Ginger (τ=4) |  |  |" in tables.to_markdown(tables.build_table2(runs))
+  assert "50.00" not in tables.to_markdown(tables.build_table3(runs))
+  written = dict(tables.standin_tables(runs))
+  assert set(written) == {
+    "table2_t5_small_random_2ep",
+    "table_ablation_t5_small_random_2ep",
+    "table1_cifar100_20ep",
+    "table3_cifar100_20ep",
+    "table4_cifar100_20ep",
+    "table_ablation_cifar100_20ep",
+  }
+  t2 = tables.to_markdown(written["table2_t5_small_random_2ep"])
+  assert t2.startswith("## Table 2: XSUM, t5-small-random, 2 epochs - NOT COMPARABLE")
+  assert "7.97" in t2
+  t3 = tables.to_markdown(written["table3_cifar100_20ep"])
+  assert "CIFAR-100, resnet18, 20 epochs - NOT COMPARABLE" in t3 and "50.00" in t3
+
+
+def test_runs_of_different_lengths_never_share_a_cell(tmp_path: Path) -> None:
+  """A newer 20-step run does not replace an 88-step run of the same settings (issue: it did)."""
+  base = {"dataset": "digits", "model": "resnet_tiny", "optimizer": "ginger", "tau": 4}
+  base |= {"alpha": 0.99, "sweep": "table34"}
+  make_run(tmp_path, "long", base, best_val_accuracy=90.0, config={"epochs": 2, "max_steps": 88})
+  newer = make_run(
+    tmp_path, "short", base, best_val_accuracy=40.0, config={"epochs": 2, "max_steps": 20}
+  )
+  os.utime(newer / "summary.json", (2e9, 2e9))
+  written = dict(tables.standin_tables(tables.collect_runs([tmp_path])))
+  long_t3 = tables.to_markdown(written["table3_digits_88steps"])
+  short_t3 = tables.to_markdown(written["table3_digits_20steps"])
+  assert "90.00" in long_t3 and "40.00" not in long_t3
+  assert "40.00" in short_t3 and "90.00" not in short_t3
+  assert "88 steps - NOT COMPARABLE" in long_t3
+
+
+def test_committed_standin_tables_regenerate_from_committed_records(tmp_path: Path) -> None:
+  """results/cifar10/'s tables are exactly what its committed run records give (make tables)."""
+  committed = Path(__file__).resolve().parents[1] / "results" / "cifar10"
+  assert tables.main([str(committed / "runs"), "--out", str(tmp_path), "--standin-only"]) == 0
+  regenerated = sorted(p.name for p in tmp_path.iterdir())
+  assert regenerated, "no tables from the committed records"
+  for name in regenerated:
+    assert (tmp_path / name).read_text() == (committed / name).read_text(), name
