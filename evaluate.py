@@ -66,6 +66,9 @@ def main(argv: list[str]) -> int:
   if "run_dir" not in args:
     print(__doc__)
     return 2
+  if not args.get("step", "0").isdigit():
+    log.error("step=%s: must be a checkpoint's step number (an integer >= 0).", args["step"])
+    return 2
   from training.errors import user_errors
 
   try:

@@ -460,6 +460,8 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
           spectrum = jax.device_get(ginger.curvature_spectrum(state.opt_state))
           if spectrum:
             metrics.write("spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()})
+      elif progress.due():  # no terminal, log steps far apart: a line with rate and ETA
+        progress.update(done, loss=float(jax.device_get(state.stats["last_loss"])))
       if at_eval:
         result = evaluate(task, setup.eval_step, state, frozen, val_arrays, cfg)
         epoch_mean = float(stats["loss_sum"] / max(int(stats["loss_count"]), 1))
