@@ -525,7 +525,9 @@ def _found(runs: Iterable[Run], **base: Any) -> set[tuple[str, Any]]:
 
 
 def _optimizer_table(
-  table: Table,
+  name: str,
+  title: str,
+  caption: str,
   runs: Sequence[Run],
   groups: Sequence[tuple[str, dict]],
   metrics: Sequence[Metric],
@@ -534,8 +536,10 @@ def _optimizer_table(
   sweeps: Sequence[str],
   paper_keys: Sequence[str],
 ) -> Table:
-  """Fill a Table 1/2-style table: rows (optimizer, tau), column groups from `groups`; the
-  paper's row is looked up by optimizer, tau and the group's `paper_keys`."""
+  """A Table 1/2-style table: rows (optimizer, tau), column groups from `groups`; the paper's
+  row is looked up by optimizer, tau and the group's `paper_keys`."""
+  columns = [c for group, _ in groups for c in group_columns(group, metrics)]
+  table = Table(name, title, caption, "Optimizer", columns)
   found: set[tuple[str, Any]] = set()
   for _, base in groups:
     found |= _found(runs, **base)
@@ -601,10 +605,10 @@ def build_table1(
   title = "Table 1: CIFAR-100, 200 epochs (paper Table 1)"
   if not _comparable(protocol, PAPER_IMAGE):
     title = "Table 1: " + _not_comparable(protocol, "CIFAR-100, 200 epochs")
-  columns = [c for name, _ in groups for c in group_columns(name, metrics)]
-  table = Table("table1", title, caption, "Optimizer", columns)
   return _optimizer_table(
-    table,
+    "table1",
+    title,
+    caption,
     runs,
     groups,
     metrics,
@@ -637,10 +641,10 @@ def build_table2(
   title = "Table 2: XSUM, pretrained t5-small, 1 epoch (paper Table 2)"
   if not _comparable(protocol, PAPER_TEXT):
     title = "Table 2: " + _not_comparable(protocol, "XSUM, pretrained t5-small, 1 epoch")
-  columns = [c for name, _ in groups for c in group_columns(name, metrics)]
-  table = Table("table2", title, caption, "Optimizer", columns)
   return _optimizer_table(
-    table,
+    "table2",
+    title,
+    caption,
     runs,
     groups,
     metrics,
