@@ -27,11 +27,15 @@ train: $(STAMP)
 	$(OFFLINE) $(PY) train.py -m experiment=demo optimizer=adam,ginger
 	$(PY) -m results.compare multirun/demo
 
+# A test running longer than TEST_TIMEOUT seconds fails (pytest-timeout); tests/conftest.py
+# keeps XLA's compilations in .cache/jax (shared by the tests, their subprocesses and reruns).
+TEST_TIMEOUT ?= 900
+
 test: $(STAMP)
-	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow" tests
+	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow" --timeout=$(TEST_TIMEOUT) tests
 
 test-all: $(STAMP)
-	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q tests
+	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) tests
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step

@@ -1,14 +1,30 @@
-"""Test-wide settings: CPU only, offline, and an opt-in float64 fixture for dense references."""
+"""Test-wide settings: CPU only, offline, one persistent compilation cache for the whole suite
+(and the subprocesses it starts), and an opt-in float64 fixture for dense references."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# Many tests build the same models and steps (in this process and in the train.py / sweep
+# subprocesses they start, which inherit these variables): XLA compiles each program once and
+# later builds read it from disk, also in the next run. Every compilation is stored (the
+# default keeps only those over 1 s); JAX_COMPILATION_CACHE_DIR= (empty) turns the cache off.
+CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "jax"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# JAX reads the variables when it is first imported; a plugin may have imported it earlier.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
+jax.config.update(
+  "jax_persistent_cache_min_compile_time_secs",
+  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
 
 
 @pytest.fixture
