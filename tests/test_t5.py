@@ -274,7 +274,7 @@ def test_state_dict_errors_list_keys(hf_model):
 def test_offline_hub_name_fails_fast(monkeypatch, tmp_path):
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   start = time.monotonic()
-  with pytest.raises(ModelUnavailableError, match="model.path="):
+  with pytest.raises(ModelUnavailableError, match="model.pretrained="):
     load_t5("t5-small", cache_dir=str(tmp_path))
   assert time.monotonic() - start < 10
   with pytest.raises(ModelUnavailableError):
