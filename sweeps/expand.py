@@ -135,11 +135,6 @@ def expand(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR) -> lis
     return [compose_job(job, config_dir) for job in job_overrides(overrides, config_dir)]
 
 
-def job_config(job: Job) -> DictConfig:
-  """The job's config as train.train takes it."""
-  return OmegaConf.create(job.config)
-
-
 def describe(jobs: Sequence[Job]) -> str:
   """One line per job: run dir, lr and its source; then the count."""
   lines = []
