@@ -6,12 +6,14 @@ python -m results.compare multirun/demo
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from training import run_record
 
 COLUMNS = [
   ("optimizer", "optimizer"),
   ("tau", "tau"),
+  ("alpha", "alpha"),
   ("lr", "lr"),
   ("best_val_accuracy", "best val acc %"),
   ("val_loss_at_best", "val loss @best"),
@@ -32,9 +34,10 @@ def _fmt(value) -> str:
 
 def rows(root: Path) -> list[dict]:
   out = []
-  for path in sorted(root.rglob("summary.json")):
-    summary = json.loads(path.read_text())
-    out.append(summary.get("run", {}) | summary | {"dir": str(path.parent)})
+  for path in sorted(root.rglob(run_record.SUMMARY)):
+    summary = run_record.read_summary(path.parent)
+    if summary is not None:  # a torn or foreign file is skipped, not a crash
+      out.append(summary.get("run", {}) | summary | {"dir": str(path.parent)})
   return out
 
 

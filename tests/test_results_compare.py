@@ -1,0 +1,31 @@
+"""results.compare (what `make train` prints): one row per run, alpha shown, torn files skipped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from results import compare
+
+
+def test_compare_shows_alpha_and_skips_a_torn_summary(
+  tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+  for name, run in {
+    "adam": {"optimizer": "adam", "tau": None, "alpha": None, "lr": 1e-3},
+    "ginger": {"optimizer": "ginger", "tau": 4, "alpha": 0.9, "lr": 2e-4},
+  }.items():
+    (tmp_path / name).mkdir()
+    summary = {"run": run, "best_val_accuracy": 97.5, "steps": 88}
+    (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+  (tmp_path / "torn").mkdir()
+  (tmp_path / "torn" / "summary.json").write_text('{"run": {"optim')
+  compare.main([str(tmp_path)])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == "| optimizer | tau | alpha | lr | best val acc % | steps |"
+  assert lines[2:] == [
+    "| adam |  |  | 0.001 | 97.5 | 88 |",
+    "| ginger | 4 | 0.9 | 0.0002 | 97.5 | 88 |",
+  ]
