@@ -7,8 +7,16 @@
 
 so that ``A_{t+1} A_{t+1}^T = alpha G_{t-1} + (1 - alpha) d_t d_t^T`` exactly (``G_0 = I``).
 Only the last ``tau`` factors are kept (older ones are dropped, i.e. replaced by ``I``), so
-the result is exact while ``tau >= t``. ``G^{-1} g = A^{-T} A^{-1} g`` applies each
-``K^{-1}`` by Sherman-Morrison in O(d), O(d tau) in all.
+the result is exact while ``tau >= t``.
+
+The ``tau`` inverse factors are applied at once, in the compact WY form (Schreiber and Van
+Loan 1989) rather than as a chain of ``tau`` rank-one updates: with ``H_j = I - kappa_j qhat_j
+qhat_j^T`` (below), ``A^{-1} = c H_newest ... H_oldest = c (I - Q T Q^T)`` with ``c`` the
+product of the factors' ``1/sqrt(alpha)`` and ``T`` a small triangular matrix from
+``Q^T Q``, so ``G^{-1} g = A^{-T} A^{-1} g = c^2 (g - Q (T + T^T - T^T Q^T Q T) Q^T g)``. A
+step is three passes over ``Q`` (``Q^T [Q d g]``; writing ``q_t``; ``Q`` times a
+``tau``-vector), each two tall-skinny products at most, plus ``tau x tau`` algebra; the new
+factor's row of ``Q^T Q`` comes from the first pass's sums.
 
 Each factor is stored as a unit vector ``qhat = q / ||q||`` and ``kappa = 1 - sqrt(alpha)/a``
 with ``a = sqrt(alpha + (1 - alpha)||q||^2)``, because then
@@ -26,6 +34,8 @@ import jax.numpy as jnp
 import optax
 
 from ginger import _common, lowrank
+
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class ScaleByQNGState(NamedTuple):
@@ -85,57 +95,96 @@ def scale_by_qng(
     gs, _ = _common.flat_vectors(updates, state_dtype)
     vs = _common.fisher_vectors(updates, fisher_grads, state_dtype)
     qs, q_def = jax.tree.flatten(state.qhat)
-    blocks = _common.blocks_of(len(gs), block)
-    # Chronological slot order, oldest first: empty slots (identity) come first.
-    order = (state.count + jnp.arange(tau)) % tau
     slot = state.count % tau
-
-    q_blocks = [[qs[i] for i in idx] for idx in blocks]
-    new_q, new_kappa, new_scale = [], [], []
-    for b, (idx, q_pieces) in enumerate(zip(blocks, q_blocks, strict=True)):
-      # q_t = A_t^{-1} d_t: apply K_j^{-1} oldest first.
-      q = _apply_inverse([vs[i] for i in idx], q_pieces, state.kappa[b], state.scale[b], order)
+    count = optax.safe_increment(state.count)
+    sqrt_a = jnp.sqrt(jnp.asarray(alpha, state_dtype))
+    out, q_flat = [None] * len(gs), [None] * len(gs)
+    new_kappa, new_scale = [], []
+    for b, idx in enumerate(_common.blocks_of(len(gs), block)):
+      pieces, g, v = [qs[i] for i in idx], [gs[i] for i in idx], [vs[i] for i in idx]
+      kappa, scale = state.kappa[b], state.scale[b]
+      # Pass 1 (reads Q): Q^T Q, Q^T d, Q^T g.
+      gram, q_d, q_g = _project(pieces, v, g)
+      # q_t = A_t^{-1} d_t = c (d - Q T Q^T d)  (pass 2, writes q_t into the oldest slot).
+      t_old = _wy_factor(gram, kappa, _newest_first(state.count, tau))
+      coef = lowrank.small_matvec(t_old, q_d)
+      c_old = jnp.prod(scale)
+      q = [c_old * (x - _cols(p, coef)) for x, p in zip(v, pieces, strict=True)]
       n = lowrank.norm(q)
       safe_n = jnp.where(n > 0, n, 1.0)
-      sqrt_a = jnp.sqrt(jnp.asarray(alpha, state_dtype))
       a = jnp.hypot(sqrt_a, jnp.sqrt(1.0 - jnp.asarray(alpha, state_dtype)) * n)
       # kappa = 1 - sqrt(alpha)/a, written without cancellation for small ||q||.
-      kappa = ((1.0 - alpha) * n / a) * (n / (a + sqrt_a))
-      qhat = [jnp.where(n > 0, p / safe_n, 0.0) for p in q]
-      new_q.append([piece.at[:, slot].set(h) for piece, h in zip(q_pieces, qhat, strict=True)])
-      new_kappa.append(state.kappa[b].at[slot].set(kappa.astype(state_dtype)))
-      new_scale.append(state.scale[b].at[slot].set(1.0 / sqrt_a))
-    kappa = jnp.stack(new_kappa) if new_kappa else state.kappa
-    scale = jnp.stack(new_scale) if new_scale else state.scale
-    count = optax.safe_increment(state.count)
-    order = (count + jnp.arange(tau)) % tau
-
-    out = [None] * len(gs)
-    q_flat = [None] * len(gs)
-    for b, (idx, q_pieces) in enumerate(zip(blocks, new_q, strict=True)):
-      # G^{-1} g = A^{-T} (A^{-1} g): oldest-first inverse, then newest-first inverse.
-      x = _apply_inverse([gs[i] for i in idx], q_pieces, kappa[b], scale[b], order)
-      x = _apply_inverse(x, q_pieces, kappa[b], scale[b], order[::-1])
-      for i, piece, y in zip(idx, q_pieces, x, strict=True):
-        q_flat[i], out[i] = piece, y
+      kappa_t = (((1.0 - alpha) * n / a) * (n / (a + sqrt_a))).astype(state_dtype)
+      qhat = [jnp.where(n > 0, x / safe_n, 0.0) for x in q]
+      pieces = [p.at[:, slot].set(h) for p, h in zip(pieces, qhat, strict=True)]
+      # The new factor's row of Q^T Q and entry of Q^T g, from pass-1 sums (no extra pass):
+      # Q^T q_t = c (Q^T d - (Q^T Q) T Q^T d).
+      q_q = jnp.where(n > 0, c_old * (q_d - lowrank.small_matvec(gram, coef)) / safe_n, 0.0)
+      q_q = q_q.at[slot].set(jnp.where(n > 0, 1.0, 0.0))
+      gram = gram.at[slot, :].set(q_q).at[:, slot].set(q_q)
+      q_g = q_g.at[slot].set(lowrank.dot(qhat, g))
+      kappa = kappa.at[slot].set(kappa_t)
+      scale = scale.at[slot].set(1.0 / sqrt_a)
+      # G^{-1} g = A^{-T} A^{-1} g = c^2 (g - Q (T + T^T - T^T Q^T Q T) Q^T g)  (pass 3).
+      t_new = _wy_factor(gram, kappa, _newest_first(count, tau))
+      inner = t_new + t_new.T - _mm(t_new.T, _mm(gram, t_new))
+      coef = lowrank.small_matvec(inner, q_g)
+      c_new = jnp.prod(scale)
+      for i, p, x in zip(idx, pieces, g, strict=True):
+        q_flat[i], out[i] = p, c_new * c_new * (x - _cols(p, coef))
+      new_kappa.append(kappa)
+      new_scale.append(scale)
     new_state = ScaleByQNGState(
-      count=count, qhat=jax.tree.unflatten(q_def, q_flat), kappa=kappa, scale=scale
+      count=count,
+      qhat=jax.tree.unflatten(q_def, q_flat),
+      kappa=jnp.stack(new_kappa) if new_kappa else state.kappa,
+      scale=jnp.stack(new_scale) if new_scale else state.scale,
     )
     return _common.unflatten_like(out, updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _apply_inverse(xs, q_pieces, kappa, scale, order):
-  """Applies ``K_j^{-1} x = scale_j (x - kappa_j qhat_j qhat_j^T x)`` for j in ``order``."""
+def _project(pieces, v, g):
+  """``Q^T Q``, ``Q^T v`` and ``Q^T g`` of a block given as row pieces: one read of ``Q``."""
+  sums = sum(
+    jnp.einsum("nk,nj->kj", p, jnp.concatenate([p, x[:, None], y[:, None]], -1), precision=HIGHEST)
+    for p, x, y in zip(pieces, v, g, strict=True)
+  )
+  tau = pieces[0].shape[-1]
+  return sums[:, :tau], sums[:, tau], sums[:, tau + 1]
 
-  def body(j, xs):
-    slot = order[j]
-    cols = [q[:, slot] for q in q_pieces]
-    coef = kappa[slot] * lowrank.dot(cols, xs)
-    return [scale[slot] * (x - coef * c) for x, c in zip(xs, cols, strict=True)]
 
-  return jax.lax.fori_loop(0, order.shape[0], body, list(xs))
+def _cols(q: jax.Array, coef: jax.Array) -> jax.Array:
+  """``Q coef`` as multiply-adds (full precision, fusible into the pass)."""
+  return lowrank.rowdot(q, coef)
+
+
+def _mm(a, b):
+  return jnp.matmul(a, b, precision=HIGHEST)
+
+
+def _newest_first(count, tau: int) -> jax.Array:
+  """Slots from the newest factor to the oldest when ``count`` factors have been taken."""
+  return (count - 1 - jnp.arange(tau)) % tau
+
+
+def _wy_factor(gram, kappa, order):
+  """``T`` (in slot coordinates) with ``H_1 H_2 ... H_m = I - Q T Q^T`` for the factors
+  ``H_j = I - kappa_j qhat_j qhat_j^T`` taken in ``order`` (newest first).
+
+  The compact WY representation (Schreiber and Van Loan 1989): in the order of the product,
+  ``T^{-1} = diag(1/kappa) + triu(Q^T Q, 1)``, upper triangular. An empty slot (``kappa = 0``,
+  ``qhat = 0``) gets ``1/kappa := 1``: its column of ``Q`` is zero, so its ``T`` entries
+  multiply nothing.
+  """
+  perm = (order[:, None] == jnp.arange(order.shape[0])[None, :]).astype(gram.dtype)
+  gram_o, kappa_o = _mm(perm, _mm(gram, perm.T)), _mm(perm, kappa[:, None])[:, 0]
+  inv_k = jnp.where(kappa_o > 0, 1.0 / jnp.where(kappa_o > 0, kappa_o, 1.0), 1.0)
+  t_inv = jnp.diag(inv_k) + jnp.triu(gram_o, 1)
+  eye = jnp.eye(order.shape[0], dtype=gram.dtype)
+  t = jax.scipy.linalg.solve_triangular(t_inv, eye, lower=False)
+  return _mm(perm.T, _mm(t, perm))
 
 
 def qng(

@@ -89,3 +89,30 @@ def hard_fisher_vectors(rng, sizes, steps, scale, noise=0.1):
       ds.append((scale * v).astype(np.float32))
       gs.append(rng.normal(size=n).astype(np.float32))
     yield ds, gs
+
+
+class TruncatedQNG:
+  """QNG's truncated product by its definition, densely: ``A = K_{t-tau+1} ... K_t`` (the
+  last ``tau`` factors), ``K = sqrt(alpha) I + beta q q^T`` with ``q = A^{-1} d`` from the
+  product before the step, ``G^{-1} g = (A A^T)^{-1} g`` by dense solves."""
+
+  def __init__(self, n, tau, alpha):
+    self.factors, self.n, self.tau, self.alpha = [], n, tau, alpha
+
+  def product(self):
+    a = np.eye(self.n)
+    for k in self.factors:
+      a = a @ k
+    return a
+
+  def step(self, d):
+    q = np.linalg.solve(self.product(), d)
+    qq = q @ q
+    beta = (np.sqrt(self.alpha + (1 - self.alpha) * qq) - np.sqrt(self.alpha)) / qq if qq else 0
+    self.factors = (self.factors + [np.sqrt(self.alpha) * np.eye(self.n) + beta * np.outer(q, q)])[
+      -self.tau :
+    ]
+
+  def direction(self, g):
+    a = self.product()
+    return np.linalg.solve(a @ a.T, g)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import SubspaceQNG, block_vectors, hard_fisher_vectors, qng_step
+from reference import SubspaceQNG, TruncatedQNG, block_vectors, hard_fisher_vectors, qng_step
 
 import ginger
 
@@ -75,6 +75,28 @@ def test_truncation_keeps_only_tau_factors(x64):
   assert np.isfinite(err)
   assert int(state.count) == 10
   assert np.all(np.asarray(state.kappa) >= 0) and np.all(np.asarray(state.kappa) < 1)
+
+
+@pytest.mark.parametrize("block", ["global", "per_tensor"])
+@pytest.mark.parametrize("tau", [1, 3])
+def test_truncated_product_matches_its_definition(x64, block, tau):
+  """Past tau steps: the last tau factors, each from the truncated product before it."""
+  rng = np.random.default_rng(tau)
+  shapes = ((4, 3), (5,))
+  params = [jnp.zeros(s, jnp.float64) for s in shapes]
+  tx = ginger.scale_by_qng(tau, 0.9, block, state_dtype="float64")
+  state, update = tx.init(params), jax.jit(tx.update)
+  blocks = [[0, 1]] if block == "global" else [[0], [1]]
+  refs = [TruncatedQNG(len(v), tau, 0.9) for v in block_vectors(params, blocks)]
+  for _ in range(3 * tau + 2):
+    g = [jnp.asarray(rng.normal(size=s)) for s in shapes]
+    d = [jnp.asarray(rng.normal(size=s)) for s in shapes]
+    out, state = update(g, state, fisher_grads=d)
+    for ref, gv, dv, ov in zip(
+      refs, block_vectors(g, blocks), block_vectors(d, blocks), block_vectors(out, blocks)
+    ):
+      ref.step(dv)
+      np.testing.assert_allclose(ov, ref.direction(gv), rtol=1e-9)
 
 
 def test_float32_extreme_scales_stay_finite():
