@@ -65,13 +65,15 @@ SIZES = {
 
 
 def make_optimizer(name: str, tau: int | None, block: str | None):
+  """``name`` is an optimizer, or ``ginger/<eigensolver>`` for a non-default Ginger solver."""
   if name == "adam":
     return optax.adam(1e-3)
   if name == "momentum":
     return optax.sgd(1e-2, momentum=0.9)
   if name == "qng":
     return ginger.qng(1e-2, tau=tau, block=block)
-  return ginger.ginger(1e-3, tau=tau, block=block)
+  name, _, solver = name.partition("/")
+  return ginger.ginger(1e-3, tau=tau, block=block, eigensolver=solver or "secular")
 
 
 def time_update(
@@ -153,6 +155,13 @@ def main(argv=None) -> None:
   parser.add_argument("--taus", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
   parser.add_argument("--qng-taus", nargs="+", type=int, default=[8])
   parser.add_argument("--blocks", nargs="+", default=["per_tensor", "global"])
+  parser.add_argument(
+    "--eigensolvers",
+    nargs="+",
+    default=["secular"],
+    choices=["secular", "dense"],
+    help="Ginger's Brand-core solvers to time (rows 'ginger/dense' for the dense eigh)",
+  )
   parser.add_argument("--scan", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument(
@@ -189,7 +198,12 @@ def main(argv=None) -> None:
     if "qng" in args.optimizers:
       configs += [("qng", t, b) for t in args.qng_taus for b in args.blocks]
     if "ginger" in args.optimizers:
-      configs += [("ginger", t, b) for t in args.taus for b in args.blocks]
+      configs += [
+        ("ginger" if e == "secular" else f"ginger/{e}", t, b)
+        for t in args.taus
+        for b in args.blocks
+        for e in args.eigensolvers
+      ]
     adam_s = None
     for name, tau, block in configs:
       seconds, compile_s, report = time_update(
@@ -197,13 +211,13 @@ def main(argv=None) -> None:
         shapes,
         args.scan,
         args.repeats,
-        args.kernels if name == "ginger" else 0,
+        args.kernels if name.startswith("ginger") else 0,
       )
       if report:
         reports.append(f"{size} {name} tau={tau} {block}:\n{report}")
       adam_s = adam_s or seconds
       floor = ratio = ""
-      if name == "ginger" and bandwidth:
+      if name.startswith("ginger") and bandwidth:
         floor_s = 2 * d * tau * 4 / bandwidth
         floor, ratio = f"{1e3 * floor_s:.3f}", f"{seconds / floor_s:.1f}"
       print(

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 BLOCKS = ("per_tensor", "global")
+EIGENSOLVERS = ("secular", "dense")
 
 
 def _concrete(x) -> float | None:
@@ -53,6 +54,25 @@ def check_block(block: str) -> str:
   if block not in BLOCKS:
     raise ValueError(f"block must be one of {BLOCKS}, got {block!r}.")
   return block
+
+
+def check_every(name: str, value) -> int:
+  """A step period that decides what is traced: a Python int >= 1, or None for 1 (None so
+  that ``optax.inject_hyperparams`` leaves the default static)."""
+  if value is None:
+    return 1
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(
+      f"{name} must be a Python int >= 1 or None (it fixes what a step computes, so under "
+      f"optax.inject_hyperparams pass it in static_args), got {value!r}."
+    )
+  return int(value)
+
+
+def check_eigensolver(name) -> str:
+  if name not in EIGENSOLVERS:
+    raise ValueError(f"eigensolver must be one of {EIGENSOLVERS}, got {name!r}.")
+  return name
 
 
 def check_dtype(name) -> jnp.dtype:

@@ -97,6 +97,8 @@ def scale_by_ginger(
   *,
   state_dtype: str = "float32",
   reorthonormalise_every: int = 1000,
+  eigensolver: str = "secular",
+  curvature_every: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Preconditions updates by Ginger's damped low-rank curvature model.
 
@@ -108,7 +110,8 @@ def scale_by_ginger(
 
   Cost per step: written as three passes over ``U`` (two reads, one read-and-write; see
   :mod:`ginger.lowrank`), each one kernel per bucket of equal-rank blocks, plus one batched
-  ``(k+1) x (k+1)`` ``eigh`` per rank; bench/RESULTS.md has what a GPU actually runs.
+  ``(k+1) x (k+1)`` eigenproblem per rank (``eigensolver``); bench/RESULTS.md has what a
+  GPU actually runs.
 
   Args:
     tau: rank of the curvature model (a Python int >= 1).
@@ -122,6 +125,19 @@ def scale_by_ginger(
       Updates are returned in the dtype of the incoming updates.
     reorthonormalise_every: every this many steps ``U`` is re-orthonormalised (Cholesky-QR,
       ``S`` unchanged) before the update, to remove float32 drift of ``U^T U`` over long runs.
+    eigensolver: how Brand's ``(k+1) x (k+1)`` core is diagonalised: ``"secular"`` (default)
+      solves it as the diagonal plus rank-one matrix it is (:mod:`ginger.secular`, O(k^2),
+      eigenvalues that are zero in exact arithmetic come out exactly zero); ``"dense"`` forms
+      it and calls ``eigh`` (the reference).
+    curvature_every: the caller folds in a new ``d_t`` only every this many steps (a Python
+      int >= 1, static; beyond the paper, like Shampoo's ``preconditioning_compute_steps``).
+      With ``None`` or ``1`` (the paper) ``fisher_grads=None`` means the empirical Fisher,
+      as above. With ``K > 1`` it means *no curvature update*: the update is
+      ``G^{-1} updates`` with the current ``G`` and the state is returned unchanged (two
+      reads of ``U``, no eigenproblem), so a training loop passes ``fisher_grads`` on every
+      K-th step only and skips the ``d_t`` backward pass on the others. Which steps get one
+      is the caller's choice (it is static under ``jit``: compile one step with and one
+      without ``fisher_grads``).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -131,6 +147,8 @@ def scale_by_ginger(
   _common.check_gamma(gamma)
   _common.check_block(block)
   state_dtype = _common.check_dtype(state_dtype)
+  _common.check_eigensolver(eigensolver)
+  curvature_every = _common.check_every("curvature_every", curvature_every)
   if _common._concrete(reorthonormalise_every) is not None and reorthonormalise_every < 1:
     raise ValueError(f"reorthonormalise_every must be >= 1, got {reorthonormalise_every}.")
 
@@ -152,6 +170,13 @@ def scale_by_ginger(
     del params, extra_args
     layout = state.u.layout
     gs = _common.gather(layout, _common.flat_vectors(updates, state_dtype)[0])
+    if fisher_grads is None and curvature_every > 1:  # no curvature update this step
+      sigmas = _sigma_stacks(layout, state.sigma, block)
+      outs = [
+        lowrank.precondition(u, s, g, gamma)
+        for u, s, g in zip(state.u.stacks, sigmas, gs, strict=True)
+      ]
+      return _common.unflatten_like(_common.scatter(layout, outs), updates), state
     vs = _common.gather(layout, _common.fisher_vectors(updates, fisher_grads, state_dtype))
     us = list(state.u.stacks)
     sigmas = _sigma_stacks(layout, state.sigma, block)
@@ -164,7 +189,7 @@ def scale_by_ginger(
       us,
       sigmas,
     )
-    new_us, outs, new_sigmas = brand_step(us, factors, vs, gs, alpha, gamma)
+    new_us, outs, new_sigmas = brand_step(us, factors, vs, gs, alpha, gamma, eigensolver)
     if block == "per_tensor":
       sigma = jax.tree.unflatten(
         jax.tree.structure(state.sigma), _per_leaf(layout, [s for st in new_sigmas for s in st])
@@ -177,14 +202,14 @@ def scale_by_ginger(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def brand_step(us, factors, vs, gs, alpha, gamma):
+def brand_step(us, factors, vs, gs, alpha, gamma, eigensolver="secular"):
   """One curvature update and preconditioning for every bucket.
 
   ``factors[b] = (Q, sigma)``: the step works with the orthonormal basis ``U Q`` (``Q = I``
   except on re-orthonormalisation steps), folded into the small matrices so that ``U Q`` is
   never formed. Per bucket: pass 1 gives ``c = U^T v`` and ``y = U^T g``; pass 2 the CGS2
   correction ``c2 = U^T p1`` and norms; then, for all blocks of one rank at once, Brand's core
-  and its ``eigh``; pass 3 writes ``U' = [U p] V[:, :k]`` and ``G'^{-1} g``, where
+  and its eigenpairs; pass 3 writes ``U' = [U p] V[:, :k]`` and ``G'^{-1} g``, where
   ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further pass. Returns
   ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
   """
@@ -197,7 +222,7 @@ def brand_step(us, factors, vs, gs, alpha, gamma):
   ]
   for s, (c2u, pp, pg, vv), (q, sigma) in zip(small, second, factors, strict=True):
     s.update(c2=lowrank.small_matvec(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
-  # Brand's cores of all blocks of one rank share one batched eigh (one solver launch).
+  # Brand's cores of all blocks of one rank share one batched solve.
   by_rank: dict[int, list[int]] = defaultdict(list)
   for b, u in enumerate(us):
     by_rank[u.shape[-1]].append(b)
@@ -206,7 +231,9 @@ def brand_step(us, factors, vs, gs, alpha, gamma):
     sizes = [us[b].shape[0] for b in members]
     joined = {key: jnp.concatenate([small[b][key] for b in members]) for key in small[members[0]]}
     joined["q"] = jnp.concatenate([qs[b] for b in members])
-    for b, part in zip(members, _split(_after_residual(joined, alpha, gamma), sizes), strict=True):
+    for b, part in zip(
+      members, _split(_after_residual(joined, alpha, gamma, eigensolver), sizes), strict=True
+    ):
       coefs[b] = part
   new_us, outs = [], []
   for u, v, g, s, co in zip(us, vs, gs, small, coefs, strict=True):
@@ -231,7 +258,7 @@ def _before_residual(cu, yu, l1, q):
   }
 
 
-def _after_residual(s, alpha, gamma):
+def _after_residual(s, alpha, gamma, eigensolver):
   """From the pass-1/2 sums to pass 3's coefficients (batched over blocks).
 
   With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``:
@@ -246,10 +273,9 @@ def _after_residual(s, alpha, gamma):
   p_norm = jnp.where(in_span, 0.0, p_norm)
   inv_p = jnp.where(in_span, 0.0, 1.0 / jnp.where(in_span, 1.0, p_norm))
   c = s["c"] + s["l1"][..., None] * s["c2"]
-  core, scale = lowrank.brand_core(
-    c, s["l1"] * p_norm, s["sigma"], s["l1"] * v_norm_l1, in_span, alpha
+  w, vecs, scale = lowrank.brand_eigh(
+    c, s["l1"] * p_norm, s["sigma"], s["l1"] * v_norm_l1, in_span, alpha, eigensolver
   )
-  w, vecs = lowrank.sorted_eigh(core)
   sigma = lowrank.rescale_sigma(w, scale, rank, lowrank.rank_after_update(s["sigma"]))
   top, b = vecs[..., :rank, :rank], vecs[..., rank, :rank]
   p_g = (s["pg"] - jnp.sum(s["c2"] * s["y"], -1)) * inv_p  # p^T g with p of unit norm
@@ -381,6 +407,8 @@ def ginger(
   *,
   state_dtype: str = "float32",
   reorthonormalise_every: int = 1000,
+  eigensolver: str = "secular",
+  curvature_every: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Ginger optimizer as the authors compose it.
 
@@ -389,31 +417,36 @@ def ginger(
 
   ``update(grads, state, params, *, fisher_grads=d_t)``: pass the sampled-Fisher vector
   (:func:`ginger.fisher.value_grad_and_fisher`); without it the raw gradient is used
-  (empirical Fisher). Defaults: ``tau=4, gamma=1e-5, b1=0.9, alpha=0.99`` are the authors'
+  (empirical Fisher), or, with ``curvature_every > 1``, the curvature is left as it is.
+  Defaults: ``tau=4, gamma=1e-5, b1=0.9, alpha=0.99`` are the authors'
   and the paper's; the authors also clip with ``rho=1`` (off here by default: with
   ``rho=1`` most entries are clipped and the method approaches sign-momentum).
 
   Args:
     learning_rate: a scalar or an optax schedule.
-    tau, alpha, gamma, block, state_dtype, reorthonormalise_every: see
+    tau, alpha, gamma, block, state_dtype, reorthonormalise_every, eigensolver,
+    curvature_every: see
       :func:`scale_by_ginger`.
     b1: momentum (EMA) decay of the gradient, bias-corrected.
     rho: if set, clip every update entry to ``[-rho, rho]`` before the learning rate.
   """
+  every = _common.check_every("curvature_every", curvature_every)
   if rho is not None and _common._concrete(rho) is not None and not float(rho) > 0:
     raise ValueError(f"rho must be > 0 or None (no clip), got {rho}.")
-  return _common.default_fisher_to_gradient(
-    optax.chain(
-      optax.ema(b1, debias=True),
-      scale_by_ginger(
-        tau,
-        alpha,
-        gamma,
-        block,
-        state_dtype=state_dtype,
-        reorthonormalise_every=reorthonormalise_every,
-      ),
-      optax.clip(rho) if rho is not None else optax.identity(),
-      optax.scale_by_learning_rate(learning_rate),
-    )
+  chain = optax.chain(
+    optax.ema(b1, debias=True),
+    scale_by_ginger(
+      tau,
+      alpha,
+      gamma,
+      block,
+      state_dtype=state_dtype,
+      reorthonormalise_every=reorthonormalise_every,
+      eigensolver=eigensolver,
+      curvature_every=curvature_every,
+    ),
+    optax.clip(rho) if rho is not None else optax.identity(),
+    optax.scale_by_learning_rate(learning_rate),
   )
+  # With curvature_every > 1 a missing d_t means "no curvature update", not the gradient.
+  return _common.default_fisher_to_gradient(chain) if every == 1 else chain

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from ginger import secular
+
 Pieces = Sequence[jax.Array]
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -132,46 +134,63 @@ def rotate_and_precondition(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
   return u_new, out
 
 
+def precondition(u, sigma, g, gamma):
+  """``G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma`` with ``U`` as it is
+  (a step without a curvature update): two reads of ``U``."""
+  z = sigma / (gamma + sigma) * row_sums(u, [g])[..., 0]
+  return (g - rowdot(u, z)) / gamma
+
+
 # ---- the (k+1) x (k+1) eigenproblem ----------------------------------------------------------
 
 
-def brand_core(c, r, sigma, v_norm, in_span, alpha):
-  """Brand's ``(k+1) x (k+1)`` matrix, batched over blocks, in units of ``s^2``.
+def brand_diag_rank_one(c, r, sigma, v_norm, in_span, alpha):
+  """Brand's ``(k+1) x (k+1)`` matrix as a diagonal plus a rank-one matrix, in units of ``s^2``.
 
   ``alpha U diag(sigma) U^T + (1-alpha) v v^T = [U p] C [U p]^T`` with ``c = U^T v``,
   ``r = ||v - U c||``, ``p = (v - U c) / r`` and::
 
-      C = [[alpha diag(sigma) + (1-alpha) c c^T,  (1-alpha) r c],
-           [(1-alpha) r c^T,                      (1-alpha) r^2]]
+      C = diag(alpha sigma, 0) + (1 - alpha) w w^T,   w = [c; r],
 
-  When ``v`` is in ``span U`` (``in_span``: ``p = 0``) the last diagonal entry is set to -1:
-  ``e_{k+1}`` is then an exact eigenvector that sorts last and is dropped, so the kept
-  eigenvectors never mix the zero vector ``p`` into ``U'`` (which would otherwise happen among
-  tied zero eigenvalues and break ``U^T U = I``). ``s = max(||v||, sqrt(max sigma))`` keeps
-  ``c c^T`` and ``r^2`` from overflowing. Returns ``(C / s^2, s)``.
+  i.e. ``[[alpha diag(sigma) + (1-alpha) c c^T, (1-alpha) r c], [(1-alpha) r c^T,
+  (1-alpha) r^2]]``. When ``v`` is in ``span U`` (``in_span``: ``p = 0``, ``r = 0``) the last
+  diagonal entry is set to -1: ``e_{k+1}`` is then an exact eigenvector that sorts last and is
+  dropped, so the kept eigenvectors never mix the zero vector ``p`` into ``U'`` (which would
+  otherwise happen among tied zero eigenvalues and break ``U^T U = I``).
+  ``s = max(||v||, sqrt(max sigma))`` keeps ``w w^T`` from overflowing.
+
+  Returns ``(diagonal / s^2, w / s, 1 - alpha, s)``.
   """
   dtype = sigma.dtype
-  k = sigma.shape[-1]
   s = jnp.maximum(
     jnp.maximum(v_norm, jnp.sqrt(jnp.max(sigma, axis=-1, initial=0.0))),
     jnp.sqrt(jnp.finfo(dtype).tiny),
   )
-  cs, rs = c / s[..., None], r / s
-  beta = 1.0 - alpha
-  top = (
-    alpha * (sigma / s[..., None] / s[..., None])[..., None] * jnp.eye(k, dtype=dtype)
-    + beta * cs[..., :, None] * cs[..., None, :]
+  diagonal = jnp.concatenate(
+    [alpha * (sigma / s[..., None] / s[..., None]), jnp.where(in_span, -1.0, 0.0)[..., None]], -1
   )
-  col = beta * rs[..., None] * cs
-  corner = jnp.where(in_span, -1.0, beta * rs * rs)
-  core = jnp.concatenate(
-    [
-      jnp.concatenate([top, col[..., :, None]], -1),
-      jnp.concatenate([col, corner[..., None]], -1)[..., None, :],
-    ],
-    -2,
-  )
-  return core.astype(dtype), s
+  w = jnp.concatenate([c / s[..., None], (r / s)[..., None]], -1)
+  return diagonal.astype(dtype), w.astype(dtype), jnp.asarray(1.0 - alpha, dtype), s
+
+
+def brand_core(c, r, sigma, v_norm, in_span, alpha):
+  """Brand's matrix ``C / s^2`` (see :func:`brand_diag_rank_one`) as a dense array, and ``s``."""
+  diagonal, w, beta, s = brand_diag_rank_one(c, r, sigma, v_norm, in_span, alpha)
+  core = diagonal[..., None] * jnp.eye(diagonal.shape[-1], dtype=diagonal.dtype)
+  return core + beta * w[..., :, None] * w[..., None, :], s
+
+
+def brand_eigh(c, r, sigma, v_norm, in_span, alpha, solver: str = "secular"):
+  """Eigenpairs of Brand's matrix in units of ``s^2``, descending: ``(w, vectors, s)``.
+
+  ``"secular"``: the diagonal-plus-rank-one solver (:mod:`ginger.secular`), O(k^2), exact
+  zeros for deflated entries; ``"dense"``: ``eigh`` of the formed matrix (the reference).
+  """
+  if solver == "dense":
+    core, s = brand_core(c, r, sigma, v_norm, in_span, alpha)
+    return *sorted_eigh(core), s
+  diagonal, w, beta, s = brand_diag_rank_one(c, r, sigma, v_norm, in_span, alpha)
+  return *secular.eigh_diag_plus_rank_one(diagonal, w, beta), s
 
 
 def sorted_eigh(core: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -12,12 +12,12 @@ stacked ``(members, rows, tau)`` buckets, params-shaped momenta): an array of at
 the last axis of a matrix (a basis's rank); everything else is replicated. For Ginger's bases
 that axis is the rows ``d``, so each device keeps ``d / n`` rows of ``U`` and the passes over
 ``U`` run on the local rows; the ``tau``-vectors ``U^T v`` they reduce to are summed across
-devices by XLA, and the small core and its ``eigh`` are computed redundantly on every device.
+devices by XLA, and the small core and its eigenpairs are computed redundantly on every device.
 Per-device optimizer memory falls ~n-fold.
 
 Results equal the unsharded ones up to float summation order. Note that Ginger amplifies any
 rounding difference (sharded or not, CPU or GPU) by about ``sigma_max / gamma``: float32
-``eigh`` resolves ``sigma`` only to ``eps * sigma_max``, and directions with ``sigma`` near
+eigensolvers resolve ``sigma`` only to about ``eps * sigma_max``, and directions with ``sigma`` near
 ``gamma`` are weighted by ``sigma / (gamma + sigma)``.
 """
 

@@ -37,20 +37,20 @@ def _blocks(n_leaves, block):
 
 
 @functools.cache
-def _jitted_ginger(block, tau):
+def _jitted_ginger(block, tau, eigensolver="secular"):
   """One compiled update per (block, tau): alpha and gamma are injected as state, so a
   sweep over them reuses the compilation (and exercises optax.inject_hyperparams)."""
   tx = optax.inject_hyperparams(ginger.scale_by_ginger, static_args=("tau", "block"))(
-    tau=tau, alpha=0.5, gamma=1.0, block=block, state_dtype="float64"
+    tau=tau, alpha=0.5, gamma=1.0, block=block, state_dtype="float64", eigensolver=eigensolver
   )
   return tx, jax.jit(tx.update)
 
 
-def _run_against_dense(shapes, block, tau, alpha, gamma, steps=10, seed=0):
+def _run_against_dense(shapes, block, tau, alpha, gamma, steps=10, seed=0, eigensolver="secular"):
   """Runs scale_by_ginger and the dense reference side by side; returns max relative error."""
   rng = np.random.default_rng(seed)
   params = _zeros(shapes)
-  tx, update = _jitted_ginger(block, tau)
+  tx, update = _jitted_ginger(block, tau, eigensolver)
   state = tx.init(params)
   state.hyperparams.update(alpha=jnp.float64(alpha), gamma=jnp.float64(gamma))
   blocks = _blocks(len(jax.tree.leaves(params)), block)
@@ -78,12 +78,15 @@ def test_matches_dense_reference_over_tau(x64, block, tree, tau):
 
 
 @pytest.mark.parametrize("block", ["per_tensor", "global"])
-def test_matches_dense_reference_over_alpha_gamma(x64, block):
+@pytest.mark.parametrize("eigensolver", ["secular", "dense"])
+def test_matches_dense_reference_over_alpha_gamma(x64, block, eigensolver):
   for alpha in (0.9, 0.99, 0.999):
     for gamma in (1e-8, 1e-6, 1e-4, 1e-2, 1.0):
       # G^{-1} has condition number sigma_max / gamma; the dense solve loses that much.
       tol = 1e-9 + 1e-13 * 400 / gamma
-      err = _run_against_dense(PYTREES["matrix+vectors"], block, 4, alpha, gamma)
+      err = _run_against_dense(
+        PYTREES["matrix+vectors"], block, 4, alpha, gamma, eigensolver=eigensolver
+      )
       assert err < tol, (alpha, gamma, err)
 
 
@@ -91,16 +94,18 @@ HARD_SIZES = (10, 37, 200, 1000, 5000)
 
 
 @functools.cache
-def _jitted_float32_ginger(block, tau):
+def _jitted_float32_ginger(block, tau, eigensolver):
   # Every 3rd step re-orthonormalises, so that path too must keep the exact zeros.
-  tx = ginger.scale_by_ginger(tau, 0.99, 1e-5, block, reorthonormalise_every=3)
+  tx = ginger.scale_by_ginger(
+    tau, 0.99, 1e-5, block, reorthonormalise_every=3, eigensolver=eigensolver
+  )
   return tx, jax.jit(tx.update)
 
 
 @pytest.mark.parametrize("block", ["per_tensor", "global"])
 @pytest.mark.parametrize("tau", [4, 8])
-@pytest.mark.parametrize("ratio", [1e5, 1e9])
-def test_float32_is_exact_from_the_first_step(block, tau, ratio):
+@pytest.mark.parametrize("ratio, eigensolver", [(1e5, "secular"), (1e9, "secular"), (1e9, "dense")])
+def test_float32_is_exact_from_the_first_step(block, tau, ratio, eigensolver):
   """float32 state against the float64 definition, every step from the first, with
   ``sigma_max / gamma`` from ``ratio`` at the first step to ~50 ``ratio`` (gamma = 1e-5,
   alpha = 0.99, leaves of 10..5000 entries).
@@ -115,7 +120,7 @@ def test_float32_is_exact_from_the_first_step(block, tau, ratio):
   condition number ``sigma_max / gamma`` itself does not enter.
   """
   gamma, alpha = 1e-5, 0.99
-  tx, update = _jitted_float32_ginger(block, tau)
+  tx, update = _jitted_float32_ginger(block, tau, eigensolver)
   state = tx.init([jnp.zeros(n) for n in HARD_SIZES])
   blocks = _blocks(len(HARD_SIZES), block)
   refs = [SubspaceGinger(sum(HARD_SIZES[i] for i in b), tau, alpha) for b in blocks]
@@ -281,6 +286,55 @@ def test_learning_rate_schedule():
   np.testing.assert_array_equal(out["w"], 0.0)  # lr(0) = 0
 
 
+# ---- curvature every K steps -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+def test_curvature_every_k_steps_matches_dense(x64, block):
+  """With ``curvature_every=3`` the caller passes ``d_t`` on every third step; the other steps
+  precondition with the current ``G`` and leave the state exactly as it was."""
+  rng = np.random.default_rng(8)
+  params = {"w": jnp.zeros((4, 3), jnp.float64), "b": jnp.zeros(5, jnp.float64)}
+  tx = ginger.scale_by_ginger(3, 0.9, 1e-2, block, state_dtype="float64", curvature_every=3)
+  state = tx.init(params)
+  with_d, without_d = jax.jit(tx.update), jax.jit(lambda g, s: tx.update(g, s))
+  blocks = _blocks(2, block)
+  dense = [
+    np.zeros((n, n)) for n in (len(v) for v in block_vectors(jax.tree.leaves(params), blocks))
+  ]
+  for t in range(9):
+    g = _random_like(rng, params)
+    if t % 3 == 0:
+      d = _random_like(rng, params)
+      out, state = with_d(g, state, fisher_grads=d)
+      ds = block_vectors(jax.tree.leaves(d), blocks)
+      dense = [ginger_step(m, x, 0.9, 3)[0] for m, x in zip(dense, ds, strict=True)]
+    else:
+      before = state
+      out, state = without_d(g, state)
+      jax.tree.map(np.testing.assert_array_equal, state, before)
+    gs = block_vectors(jax.tree.leaves(g), blocks)
+    outs = block_vectors(jax.tree.leaves(out), blocks)
+    for m, gv, ov in zip(dense, gs, outs, strict=True):
+      np.testing.assert_allclose(ov, ginger_direction(m, gv, 1e-2), rtol=1e-9)
+  assert int(state.count) == 3
+
+
+def test_curvature_every_makes_a_missing_fisher_mean_no_update(x64):
+  """In the composed optimizer too: without ``fisher_grads`` the curvature stays as it is
+  (here ``S = 0``, so ``G = gamma I``), where ``curvature_every=1`` uses the gradient."""
+  params = {"w": jnp.zeros(4, jnp.float64)}
+  g = {"w": jnp.asarray([1.0, -2.0, 3.0, 0.5])}
+  kwargs = dict(learning_rate=0.1, tau=2, gamma=1e-2, state_dtype="float64")
+  skip = ginger.ginger(curvature_every=4, **kwargs)
+  out, state = skip.update(g, skip.init(params), params)
+  np.testing.assert_allclose(out["w"], -0.1 * g["w"] / 1e-2, rtol=1e-12)  # m_hat = g
+  assert all(float(jnp.max(s)) == 0 for s in ginger.curvature_spectrum(state).values())
+  empirical = ginger.ginger(**kwargs)
+  _, state = empirical.update(g, empirical.init(params), params)
+  assert float(ginger.curvature_spectrum(state)["['w']"][0]) > 0
+
+
 # ---- clear errors ------------------------------------------------------------------------
 
 
@@ -297,6 +351,9 @@ def test_learning_rate_schedule():
     (dict(tau=2, gamma=-1e-3), "gamma must be a finite number > 0"),
     (dict(tau=2, gamma=float("nan")), "gamma must be a finite number > 0"),
     (dict(tau=2, block="diagonal"), "block must be one of"),
+    (dict(tau=2, eigensolver="jacobi"), "eigensolver must be one of"),
+    (dict(tau=2, curvature_every=0), "curvature_every must be a Python int >= 1 or None"),
+    (dict(tau=2, curvature_every=2.0), "curvature_every must be a Python int >= 1 or None"),
   ],
 )
 def test_bad_arguments(kwargs, match):
