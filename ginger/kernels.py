@@ -1,0 +1,546 @@
+"""The passes over the stacked bases ``U`` as fused Pallas kernels, with a jnp reference.
+
+A Ginger step reads the stacked bases ``u`` (``(blocks, rows, k)`` per bucket, see
+:mod:`ginger.lowrank`) three times; everything else is ``O(k^2)`` per block. Each pass is
+memory-bound (about ``2k`` flops per element of ``U`` read), so it should cost one read of
+``U`` (and one write for the rotation) and nothing more. This module writes each pass twice:
+
+* ``impl="jnp"``: the formulas of :mod:`ginger.lowrank` as they are (the reference, and the
+  CPU path): XLA decides what it fuses.
+* ``impl="pallas"``: one ``pl.pallas_call`` per pass (Triton lowering on GPUs, interpreted
+  elsewhere), each program owning a chunk of rows of one block: it streams ``tile x k`` tiles
+  of ``U`` (rows past the block masked, ``k`` padded to a power of two >= 16 as Triton
+  requires) and keeps the small ``(k,)`` / ``(k, k)`` operands of its block in registers.
+  Row reductions (``U^T x``) leave one partial sum per program, added up by a small jnp sum
+  over the chunks (no atomics: the result does not depend on the launch order).
+
+The passes (``a``, ``rot``, ``b``, ``z`` are per-block small operands, ``(blocks, k)`` or
+``(blocks, k, k)``; ``inv_l1``, ``inv_r``, ``gamma`` per-block scalars)::
+
+    project_pair:             U^T v, U^T g, sum |v|                       (reads U)
+    residual_sums:            p1 = (v - U a) inv_l1;
+                              U^T p1, ||p1||^2, p1 . g, ||v inv_l1||^2      (reads U)
+    rotate_and_precondition:  p = (p1 - U a2) inv_r;  U' = U rot + p b^T;
+                              (g - U' z) / gamma                            (reads U, writes U')
+    precondition:             (g - U diag(w) U^T g) / gamma                 (reads U twice)
+
+``rotate_and_precondition`` is row-local: its ``pallas`` kernel writes ``U'`` over ``U``
+(``input_output_aliases``), so with the state donated to the jitted step no second ``U`` is
+allocated. Passes 2 and 3 must use the same ``impl`` (and tiling): pass 2 measures the rounding
+of ``p1`` along ``U`` that pass 3 removes, which needs both to compute the same rounded ``p1``.
+
+Results of the two implementations differ by float summation order only; bounds are in
+tests/test_kernels.py. Inputs may have extra leading axes (flattened into ``blocks``); all
+arrays of one call share ``u``'s dtype (float32, bfloat16 -- computed in float32 inside the
+kernels -- or float64 in interpret mode).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLS = ("auto", "jnp", "pallas")
+HIGHEST = jax.lax.Precision.HIGHEST
+# Elements of one tile of U (tile rows x padded rank): 32 float32 registers a thread at 4 warps.
+TILE_ELEMENTS = 4096
+# Tiles a program streams through (its rows are STEPS * tile).
+STEPS = 4
+NUM_WARPS = 4
+
+
+# ---- arguments -------------------------------------------------------------------------------
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def resolve_impl(impl: str, interpret: bool | None) -> tuple[str, bool]:
+  """``(impl, interpret)`` with the defaults filled in.
+
+  ``"auto"`` is ``"pallas"`` on GPUs and ``"jnp"`` elsewhere (the interpreter is a test
+  harness, not a fast path); ``interpret=None`` interprets the kernels off-GPU.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
+  if impl == "auto":
+    impl = "pallas" if _on_gpu() else "jnp"
+  if interpret is None:
+    interpret = not _on_gpu()
+  return impl, bool(interpret)
+
+
+def _check(u, vectors: dict, smalls: dict | None = None, squares: dict | None = None):
+  """Shapes of one pass's operands against ``u`` (``(..., n, k)``), before anything is traced
+  into a kernel."""
+  if u.ndim < 3:
+    raise ValueError(f"u must have shape (blocks, rows, rank), got {u.shape}.")
+  lead, k = u.shape[:-2], u.shape[-1]
+  want = {"vector": u.shape[:-1], "small": lead + (k,), "square": lead + (k, k)}
+  for kind, arrays in (("vector", vectors), ("small", smalls or {}), ("square", squares or {})):
+    for name, x in arrays.items():
+      if x.shape != want[kind]:
+        raise ValueError(f"{name} must have shape {want[kind]} (u is {u.shape}), got {x.shape}.")
+  for name, x in {**vectors, **(smalls or {}), **(squares or {})}.items():
+    if x.dtype != u.dtype:
+      raise ValueError(f"{name} must have u's dtype {u.dtype}, got {x.dtype}.")
+
+
+def _scalar(name: str, x, u) -> jax.Array:
+  """A per-block scalar (``(...)`` like ``u``'s leading axes, or one for all) as ``(...)``."""
+  x = jnp.asarray(x, u.dtype)
+  lead = u.shape[:-2]
+  if x.shape not in ((), lead):
+    raise ValueError(f"{name} must be a scalar or have shape {lead}, got {x.shape}.")
+  return jnp.broadcast_to(x, lead)
+
+
+# ---- the jnp reference: the formulas of ginger.lowrank ----------------------------------------
+
+
+def _rowdot(u, a):
+  """``U a`` as ``k`` multiply-adds (lowrank.rowdot)."""
+  out = jnp.zeros(u.shape[:-1], u.dtype)
+  for j in range(u.shape[-1]):
+    out = out + u[..., j] * a[..., None, j]
+  return out
+
+
+def _rowmatmul(u, mat):
+  """``U M`` as multiply-adds (lowrank.rowmatmul)."""
+  out = jnp.zeros(u.shape[:-1] + mat.shape[-1:], u.dtype)
+  for j in range(u.shape[-1]):
+    out = out + u[..., j, None] * mat[..., None, j, :]
+  return out
+
+
+def _row_sums(u, xs):
+  """``U^T [x_1 ... x_j]`` (lowrank.row_sums)."""
+  return jnp.einsum("...nk,...nj->...kj", u, jnp.stack(xs, -1), precision=HIGHEST)
+
+
+def _first_residual(u, v, a, inv_l1):
+  return (v - _rowdot(u, a)) * inv_l1[..., None]
+
+
+def _project_pair_jnp(u, v, g):
+  cy = _row_sums(u, [v, g])
+  return cy[..., 0], cy[..., 1], jnp.sum(jnp.abs(v), axis=-1)
+
+
+def _residual_sums_jnp(u, v, g, a, inv_l1):
+  p1 = _first_residual(u, v, a, inv_l1)
+  vs = v * inv_l1[..., None]
+  return (
+    _row_sums(u, [p1])[..., 0],
+    jnp.sum(p1 * p1, -1),
+    jnp.sum(p1 * g, -1),
+    jnp.sum(vs * vs, -1),
+  )
+
+
+def _rotate_and_precondition_jnp(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
+  p = (_first_residual(u, v, a1, inv_l1) - _rowdot(u, a2)) * inv_r[..., None]
+  u_new = _rowmatmul(u, rot) + p[..., None] * b[..., None, :]
+  out = (g - jnp.sum(u_new * z[..., None, :], axis=-1)) / gamma[..., None]
+  return u_new, out
+
+
+def _precondition_jnp(u, sigma, g, gamma):
+  z = sigma / (gamma[..., None] + sigma) * _row_sums(u, [g])[..., 0]
+  return (g - _rowdot(u, z)) / gamma[..., None]
+
+
+# ---- Pallas: tiling and masked tile access ----------------------------------------------------
+
+
+def _pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def tiling(rows: int, rank: int, tile: int | None = None, steps: int | None = None):
+  """``(tile, chunk, padded rank)``: rows per tile, rows per program, rank padded to a power
+  of two >= 16 (Triton's block sizes are powers of two, and ``tl.dot`` needs >= 16)."""
+  kp = max(16, _pow2(rank))
+  tile = tile or min(256, max(16, TILE_ELEMENTS // kp))
+  if tile < 16 or tile & (tile - 1):
+    raise ValueError(f"tile must be a power of two >= 16, got {tile}.")
+  steps = steps or STEPS
+  if steps < 1:
+    raise ValueError(f"steps must be >= 1, got {steps}.")
+  chunk = tile * min(steps, pl.cdiv(rows, tile))
+  return tile, chunk, kp
+
+
+def _compute_dtype(dtype):
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+class _Tiles:
+  """Masked access to the tiles of one program's chunk of rows (static sizes)."""
+
+  def __init__(self, rows: int, rank: int, tile: int, chunk: int, kp: int, dtype):
+    self.rows, self.rank, self.tile, self.chunk, self.kp = rows, rank, tile, chunk, kp
+    self.steps = chunk // tile
+    self.dtype = _compute_dtype(dtype)
+
+  def rows_left(self):
+    """Rows of the block from this program's first row on (read at the kernel's top level:
+    the interpreter substitutes ``program_id`` only there, not inside loops)."""
+    return self.rows - pl.program_id(1) * self.chunk
+
+  def row_mask(self, left, step):
+    """Rows of tile ``step`` that exist (the last chunk of a block overruns it)."""
+    return step * self.tile + jnp.arange(self.tile) < left
+
+  def col_mask(self):
+    return jnp.arange(self.kp) < self.rank
+
+  def vector(self, ref, step, mask):
+    x = plgpu.load(ref.at[pl.ds(step * self.tile, self.tile)], mask=mask, other=0.0)
+    return x.astype(self.dtype)
+
+  def matrix(self, ref, step, mask):
+    """``(tile, kp)`` tile of ``U``, zero in masked rows and padded columns."""
+    full = mask[:, None] & self.col_mask()[None, :]
+    x = plgpu.load(
+      ref.at[pl.ds(step * self.tile, self.tile), pl.ds(0, self.kp)], mask=full, other=0.0
+    )
+    return x.astype(self.dtype)
+
+  def small(self, ref):
+    """A block's ``(k,)`` operand as ``(kp,)``, zero-padded."""
+    return plgpu.load(ref.at[pl.ds(0, self.kp)], mask=self.col_mask(), other=0.0).astype(self.dtype)
+
+  def square(self, ref):
+    """A block's ``(k, k)`` operand as ``(kp, kp)``, zero-padded."""
+    cols = self.col_mask()
+    x = plgpu.load(
+      ref.at[pl.ds(0, self.kp), pl.ds(0, self.kp)], mask=cols[:, None] & cols[None, :], other=0.0
+    )
+    return x.astype(self.dtype)
+
+  def scalar(self, ref):
+    return ref[...].astype(self.dtype)
+
+  def loop(self, body, init):
+    return jax.lax.fori_loop(0, self.steps, body, init)
+
+
+def _specs(rank: int, chunk: int):
+  """BlockSpecs of the operand kinds over the grid ``(block, chunk of rows)``."""
+  return {
+    "u": pl.BlockSpec((None, chunk, rank), lambda b, c: (b, c, 0)),
+    "vector": pl.BlockSpec((None, chunk), lambda b, c: (b, c)),
+    "small": pl.BlockSpec((None, rank), lambda b, c: (b, 0)),
+    "square": pl.BlockSpec((None, rank, rank), lambda b, c: (b, 0, 0)),
+    "scalar": pl.BlockSpec((None,), lambda b, c: (b,)),
+  }
+
+
+def _partial_spec(parts: int, kp: int):
+  return pl.BlockSpec((None, None, parts, kp), lambda b, c: (b, c, 0, 0))
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, aliases=None):
+  return pl.pallas_call(
+    kernel,
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    input_output_aliases=aliases or {},
+    interpret=interpret,
+    compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
+    name=name,
+  )
+
+
+def _flat(x, lead_ndim: int):
+  """Leading axes (all but the trailing ``x.ndim - lead_ndim``) flattened into one."""
+  return x.reshape((-1,) + x.shape[lead_ndim:])
+
+
+# ---- Pallas: U^T [x_1 .. x_j] (passes 1 and the first half of precondition) -------------------
+
+
+def _sums_kernel(t: _Tiles, count: int, l1: bool):
+  """Partial ``U^T x_i`` (rows ``i``) of one program, and ``sum |x_1|`` in row ``count``."""
+
+  def kernel(u_ref, *refs):
+    x_refs, out_ref = refs[:count], refs[count]
+    left = t.rows_left()
+
+    def body(step, acc):
+      mask = t.row_mask(left, step)
+      u = t.matrix(u_ref, step, mask)
+      xs = [t.vector(r, step, mask) for r in x_refs]
+      sums = tuple(a + u * x[:, None] for a, x in zip(acc[:count], xs, strict=True))
+      return sums + ((acc[count] + jnp.abs(xs[0]),) if l1 else ())
+
+    zero = jnp.zeros((t.tile, t.kp), t.dtype)
+    init = (zero,) * count + ((jnp.zeros((t.tile,), t.dtype),) if l1 else ())
+    acc = t.loop(body, init)
+    for i in range(count):
+      out_ref[i, :] = jnp.sum(acc[i], axis=0)
+    if l1:
+      total = jnp.sum(acc[count])
+      out_ref[count, :] = jnp.where(jnp.arange(t.kp) == 0, total, 0.0)
+
+  return kernel
+
+
+def _row_sums_pallas(u, xs, l1: bool, interpret: bool, tile=None, steps=None):
+  """``(U^T x_i for each i, sum |x_1| or None)`` in the compute dtype, one read of ``U``."""
+  m, n, k = u.shape
+  tile, chunk, kp = tiling(n, k, tile, steps)
+  t = _Tiles(n, k, tile, chunk, kp, u.dtype)
+  grid = (m, pl.cdiv(n, chunk))
+  specs = _specs(k, chunk)
+  parts = len(xs) + (1 if l1 else 0)
+  partial = _call(
+    _sums_kernel(t, len(xs), l1),
+    grid,
+    [specs["u"]] + [specs["vector"]] * len(xs),
+    _partial_spec(parts, kp),
+    jax.ShapeDtypeStruct(grid + (parts, kp), t.dtype),
+    interpret,
+    "ginger_row_sums",
+  )(u, *xs)
+  total = jnp.sum(partial, axis=1)
+  sums = [total[:, i, :k] for i in range(len(xs))]
+  return sums, (total[:, len(xs), 0] if l1 else None)
+
+
+# ---- Pallas: pass 2 --------------------------------------------------------------------------
+
+
+def _first_residual_tile(t: _Tiles, u, v, a, inv_l1):
+  """``p1 = (v - U a) inv_l1`` of a tile: one expression shared by passes 2 and 3, so that
+  both round it alike."""
+  return (v - jnp.sum(u * a[None, :], axis=1)) * inv_l1
+
+
+def _residual_kernel(t: _Tiles):
+  def kernel(u_ref, v_ref, g_ref, a_ref, inv_l1_ref, out_ref):
+    a, inv_l1 = t.small(a_ref), t.scalar(inv_l1_ref)
+    left = t.rows_left()
+
+    def body(step, acc):
+      c2, pp, pg, vv = acc
+      mask = t.row_mask(left, step)
+      u = t.matrix(u_ref, step, mask)
+      v, g = t.vector(v_ref, step, mask), t.vector(g_ref, step, mask)
+      p1 = _first_residual_tile(t, u, v, a, inv_l1)
+      vs = v * inv_l1
+      return c2 + u * p1[:, None], pp + p1 * p1, pg + p1 * g, vv + vs * vs
+
+    rows = jnp.zeros((t.tile,), t.dtype)
+    c2, pp, pg, vv = t.loop(body, (jnp.zeros((t.tile, t.kp), t.dtype), rows, rows, rows))
+    out_ref[0, :] = jnp.sum(c2, axis=0)
+    lane = jnp.arange(t.kp)
+    out_ref[1, :] = jnp.where(
+      lane == 0,
+      jnp.sum(pp),
+      jnp.where(lane == 1, jnp.sum(pg), jnp.where(lane == 2, jnp.sum(vv), 0)),
+    )
+
+  return kernel
+
+
+def _residual_sums_pallas(u, v, g, a, inv_l1, interpret, tile=None, steps=None):
+  m, n, k = u.shape
+  tile, chunk, kp = tiling(n, k, tile, steps)
+  t = _Tiles(n, k, tile, chunk, kp, u.dtype)
+  grid = (m, pl.cdiv(n, chunk))
+  s = _specs(k, chunk)
+  partial = _call(
+    _residual_kernel(t),
+    grid,
+    [s["u"], s["vector"], s["vector"], s["small"], s["scalar"]],
+    _partial_spec(2, kp),
+    jax.ShapeDtypeStruct(grid + (2, kp), t.dtype),
+    interpret,
+    "ginger_residual_sums",
+  )(u, v, g, a, inv_l1)
+  total = jnp.sum(partial, axis=1)
+  return total[:, 0, :k], total[:, 1, 0], total[:, 1, 1], total[:, 1, 2]
+
+
+# ---- Pallas: pass 3 (in place) and the preconditioning half of precondition -------------------
+
+
+def _rotate_kernel(t: _Tiles):
+  def kernel(
+    u_ref, v_ref, g_ref, a1_ref, inv_l1_ref, a2_ref, inv_r_ref, rot_ref, b_ref, z_ref, gamma_ref,
+    u_out_ref, out_ref,
+  ):  # fmt: skip
+    a1, a2, b, z = t.small(a1_ref), t.small(a2_ref), t.small(b_ref), t.small(z_ref)
+    inv_l1, inv_r, gamma = t.scalar(inv_l1_ref), t.scalar(inv_r_ref), t.scalar(gamma_ref)
+    rot = t.square(rot_ref)
+    left = t.rows_left()
+
+    @pl.loop(0, t.steps)
+    def _(step):
+      mask = t.row_mask(left, step)
+      u = t.matrix(u_ref, step, mask)
+      v, g = t.vector(v_ref, step, mask), t.vector(g_ref, step, mask)
+      p = (_first_residual_tile(t, u, v, a1, inv_l1) - jnp.sum(u * a2[None, :], axis=1)) * inv_r
+      # An fp32 dot at HIGHEST is Triton's "ieee" input precision (no TF32, which would break
+      # U^T U = I).
+      u_new = jnp.dot(u, rot, precision=HIGHEST, preferred_element_type=t.dtype)
+      u_new = u_new + p[:, None] * b[None, :]
+      out = (g - jnp.sum(u_new * z[None, :], axis=1)) / gamma
+      rows = pl.ds(step * t.tile, t.tile)
+      full = mask[:, None] & t.col_mask()[None, :]
+      plgpu.store(u_out_ref.at[rows, pl.ds(0, t.kp)], u_new.astype(u_out_ref.dtype), mask=full)
+      plgpu.store(out_ref.at[rows], out.astype(out_ref.dtype), mask=mask)
+
+  return kernel
+
+
+def _rotate_and_precondition_pallas(
+  u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma, interpret, tile=None, steps=None
+):
+  m, n, k = u.shape
+  tile, chunk, kp = tiling(n, k, tile, steps)
+  t = _Tiles(n, k, tile, chunk, kp, u.dtype)
+  s = _specs(k, chunk)
+  return _call(
+    _rotate_kernel(t),
+    (m, pl.cdiv(n, chunk)),
+    [s["u"], s["vector"], s["vector"], s["small"], s["scalar"], s["small"], s["scalar"]]
+    + [s["square"], s["small"], s["small"], s["scalar"]],
+    [s["u"], s["vector"]],
+    [jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    interpret,
+    "ginger_rotate_and_precondition",
+    aliases={0: 0},  # U' overwrites U: each program reads its rows before writing them
+  )(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma)
+
+
+def _correct_kernel(t: _Tiles):
+  def kernel(u_ref, g_ref, z_ref, gamma_ref, out_ref):
+    z, gamma = t.small(z_ref), t.scalar(gamma_ref)
+    left = t.rows_left()
+
+    @pl.loop(0, t.steps)
+    def _(step):
+      mask = t.row_mask(left, step)
+      u = t.matrix(u_ref, step, mask)
+      g = t.vector(g_ref, step, mask)
+      out = (g - jnp.sum(u * z[None, :], axis=1)) / gamma
+      plgpu.store(out_ref.at[pl.ds(step * t.tile, t.tile)], out.astype(out_ref.dtype), mask=mask)
+
+  return kernel
+
+
+def _precondition_pallas(u, sigma, g, gamma, interpret, tile=None, steps=None):
+  m, n, k = u.shape
+  (y,), _ = _row_sums_pallas(u, [g], False, interpret, tile, steps)
+  dtype = _compute_dtype(u.dtype)
+  z = (sigma.astype(dtype) / (gamma.astype(dtype)[:, None] + sigma.astype(dtype)) * y).astype(
+    u.dtype
+  )
+  tile, chunk, kp = tiling(n, k, tile, steps)
+  t = _Tiles(n, k, tile, chunk, kp, u.dtype)
+  s = _specs(k, chunk)
+  return _call(
+    _correct_kernel(t),
+    (m, pl.cdiv(n, chunk)),
+    [s["u"], s["vector"], s["small"], s["scalar"]],
+    s["vector"],
+    jax.ShapeDtypeStruct(g.shape, g.dtype),
+    interpret,
+    "ginger_precondition",
+  )(u, g, z, gamma)
+
+
+# ---- public API -------------------------------------------------------------------------------
+
+
+def _dispatch(jnp_fn, pallas_fn, u, arrays, impl, interpret, tile, steps):
+  """Runs ``jnp_fn(u, *arrays)`` or the kernel on ``(blocks, ...)``-flattened operands."""
+  impl, interpret = resolve_impl(impl, interpret)
+  if impl == "jnp":
+    return jnp_fn(u, *arrays)
+  lead = u.shape[:-2]
+  flat = [_flat(x, len(lead)) for x in (u, *arrays)]
+  outs = pallas_fn(*flat, interpret=interpret, tile=tile, steps=steps)
+  return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]).astype(u.dtype), outs)
+
+
+def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None):
+  """Pass 1 (reads ``U``): ``(U^T v, U^T g, sum |v|)`` per block.
+
+  ``u``: ``(..., n, k)``; ``v, g``: ``(..., n)``. Returns ``(..., k)``, ``(..., k)``, ``(...)``.
+  ``tile`` / ``steps`` (pallas only) override the rows per tile / tiles per program.
+  """
+  _check(u, {"v": v, "g": g})
+
+  def pallas_fn(u, v, g, **kw):
+    (cv, cg), l1 = _row_sums_pallas(u, [v, g], True, **kw)
+    return cv, cg, l1
+
+  return _dispatch(_project_pair_jnp, pallas_fn, u, (v, g), impl, interpret, tile, steps)
+
+
+def residual_sums(u, v, g, a, inv_l1, *, impl="auto", interpret=None, tile=None, steps=None):
+  """Pass 2 (reads ``U``): with ``p1 = (v - U a) inv_l1``, ``(U^T p1, ||p1||^2, p1 . g,
+  ||v inv_l1||^2)`` per block. ``a``: ``(..., k)``; ``inv_l1``: ``(...)`` or a scalar."""
+  _check(u, {"v": v, "g": g}, {"a": a})
+  inv_l1 = _scalar("inv_l1", inv_l1, u)
+  return _dispatch(
+    _residual_sums_jnp, _residual_sums_pallas, u, (v, g, a, inv_l1), impl, interpret, tile, steps
+  )
+
+
+def rotate_and_precondition(
+  u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma, *, impl="auto", interpret=None, tile=None,
+  steps=None,
+):  # fmt: skip
+  """Pass 3 (reads ``U``, writes ``U'``): ``p = ((v - U a1) inv_l1 - U a2) inv_r``,
+  ``U' = U rot + p b^T`` and ``(g - U' z) / gamma``. Returns ``(U', out)``.
+
+  ``a1, a2, b, z``: ``(..., k)``; ``rot``: ``(..., k, k)``; ``inv_l1, inv_r, gamma``: ``(...)``
+  or scalars. The pallas kernel writes ``U'`` into ``U``'s buffer (donate ``U`` to the jitted
+  caller, or XLA copies it first to keep the input alive).
+  """
+  _check(u, {"v": v, "g": g}, {"a1": a1, "a2": a2, "b": b, "z": z}, {"rot": rot})
+  scalars = [_scalar(n, x, u) for n, x in (("inv_l1", inv_l1), ("inv_r", inv_r))]
+  gamma = _scalar("gamma", gamma, u)
+  arrays = (v, g, a1, scalars[0], a2, scalars[1], rot, b, z, gamma)
+  return _dispatch(
+    _rotate_and_precondition_jnp,
+    _rotate_and_precondition_pallas,
+    u,
+    arrays,
+    impl,
+    interpret,
+    tile,
+    steps,
+  )
+
+
+def precondition(u, sigma, g, gamma, *, impl="auto", interpret=None, tile=None, steps=None):
+  """``G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma`` with ``U`` as it is
+  (a step without a curvature update): two reads of ``U``. ``sigma``: ``(..., k)``."""
+  _check(u, {"g": g}, {"sigma": sigma})
+  gamma = _scalar("gamma", gamma, u)
+  return _dispatch(
+    _precondition_jnp, _precondition_pallas, u, (sigma, g, gamma), impl, interpret, tile, steps
+  )
+
+
+__all__ = [
+  "IMPLS",
+  "precondition",
+  "project_pair",
+  "residual_sums",
+  "resolve_impl",
+  "rotate_and_precondition",
+  "tiling",
+]

@@ -1,0 +1,289 @@
+"""The Pallas kernels of ginger.kernels (interpreted on the CPU) against the jnp reference.
+
+Tolerances: both implementations evaluate the same sums of products in float, in different
+orders. For a quantity that expands into a sum of elementary products ``sum_t x_t`` in which
+every term passes through at most ``N`` rounded operations, any evaluation order satisfies
+``|fl - exact| <= gamma_N sum_t |x_t|`` with ``gamma_N = N u / (1 - N u)`` and ``u = eps / 2``
+the unit roundoff (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., sections
+3.1-3.5; the bound holds for every summation order, FMAs included). Two implementations
+therefore differ by at most ``2 gamma_N A`` with ``A = sum_t |x_t|``, which the tests compute in
+float64 from the inputs: e.g. ``A_j = (|U|^T |v|)_j`` and ``N = rows`` for ``U^T v``. The bound
+is worst-case (the typical error is ~``sqrt(N) u A``) but per entry and exact: a missed mask, a
+lost tile or a wrong operand gives errors of order ``A`` itself.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from ginger import kernels
+
+PASSES = ("project_pair", "residual_sums", "rotate_and_precondition", "precondition")
+
+
+def gamma_n(n: int, dtype) -> float:
+  u = float(jnp.finfo(dtype).eps) / 2
+  assert n * u < 0.5, "bound vacuous at this size: use smaller test shapes"
+  return n * u / (1 - n * u)
+
+
+def random_inputs(seed: int, m: int, n: int, k: int, dtype=jnp.float32) -> dict:
+  """Operands of all four passes, in the ranges a step produces (``inv_l1 = 1 / sum |v|``,
+  ``sigma >= 0`` with trailing zeros, ``gamma > 0``)."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+  v = normal(m, n) * 10.0 ** rng.uniform(-3, 3, (m, 1))
+  sigma = np.abs(normal(m, k)) * (np.arange(k) < rng.integers(0, k + 1, (m, 1)))
+  arrays = {
+    "u": normal(m, n, k),
+    "v": v,
+    "g": normal(m, n),
+    "a1": normal(m, k),
+    "inv_l1": 1.0 / np.sum(np.abs(v), -1),
+    "a2": normal(m, k),
+    "inv_r": np.exp(normal(m)),
+    "rot": normal(m, k, k),
+    "b": normal(m, k),
+    "z": normal(m, k),
+    "gamma": 10.0 ** rng.uniform(-3, 0, m),
+    "sigma": sigma,
+  }
+  return {key: jnp.asarray(x, dtype) for key, x in arrays.items()}
+
+
+def call(name: str, x: dict, **kw):
+  fn = getattr(kernels, name)
+  if name == "project_pair":
+    return fn(x["u"], x["v"], x["g"], **kw)
+  if name == "residual_sums":
+    return fn(x["u"], x["v"], x["g"], x["a1"], x["inv_l1"], **kw)
+  if name == "rotate_and_precondition":
+    keys = ("u", "v", "g", "a1", "inv_l1", "a2", "inv_r", "rot", "b", "z", "gamma")
+    return fn(*(x[key] for key in keys), **kw)
+  return fn(x["u"], x["sigma"], x["g"], x["gamma"], **kw)
+
+
+def bounds(name: str, x: dict) -> list[tuple[np.ndarray, int]]:
+  """``(A, N)`` of every output of pass ``name`` (see the module docstring)."""
+  f = {key: np.abs(np.asarray(val, np.float64)) for key, val in x.items()}
+  u, v, g = f["u"], f["v"], f["g"]
+  n, k = u.shape[-2:]
+  ut = lambda w: np.einsum("...nk,...n->...k", u, w)  # noqa: E731  |U|^T w
+  ua = lambda a: np.einsum("...nk,...k->...n", u, a)  # noqa: E731  |U| a
+  if name == "project_pair":
+    return [(ut(v), n), (ut(g), n), (v.sum(-1), n)]
+  p1 = (v + ua(f["a1"])) * f["inv_l1"][..., None]  # k products, a subtraction, a scaling
+  if name == "residual_sums":
+    vs = v * f["inv_l1"][..., None]
+    return [
+      (ut(p1), n + k + 3),
+      ((p1 * p1).sum(-1), n + 2 * k + 5),
+      ((p1 * g).sum(-1), n + k + 4),
+      ((vs * vs).sum(-1), n + 3),
+    ]
+  gamma = f["gamma"][..., None]
+  if name == "rotate_and_precondition":
+    p = (p1 + ua(f["a2"])) * f["inv_r"][..., None]  # depth 2k + 4
+    u_new = np.einsum("...nk,...kl->...nl", u, f["rot"]) + p[..., None] * f["b"][..., None, :]
+    out = (g + np.einsum("...nk,...k->...n", u_new, f["z"])) / gamma
+    return [(u_new, 2 * k + 6), (out, 3 * k + 10)]
+  w = f["sigma"] / (gamma + f["sigma"])
+  return [((g + ua(w * ut(g))) / gamma, n + k + 6)]
+
+
+def assert_close(name: str, x: dict, got, want, dtype=jnp.float32, extra: int = 0):
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  for i, ((a, n), y, r) in enumerate(zip(bounds(name, x), got, want, strict=True)):
+    assert y.shape == r.shape and y.dtype == r.dtype, (name, i, y.shape, r.shape, y.dtype)
+    y, r = np.asarray(y, np.float64), np.asarray(r, np.float64)
+    assert np.all(np.isfinite(y)), (name, i)
+    tol = 2 * gamma_n(n + extra, dtype) * a
+    excess = np.abs(y - r) - tol
+    assert np.all(excess <= 0), (
+      f"{name} output {i}: |pallas - jnp| exceeds 2 gamma_{n + extra} A by up to "
+      f"{excess.max():.3g} (largest A {a.max():.3g})"
+    )
+
+
+def both(x: dict, tile: int, steps: int):
+  """All four passes, jnp and interpreted Pallas, in one jitted function (one compilation)."""
+
+  def run(x):
+    ref = {name: call(name, x, impl="jnp") for name in PASSES}
+    kw = dict(impl="pallas", interpret=True, tile=tile, steps=steps)
+    return ref, {name: call(name, x, **kw) for name in PASSES}
+
+  return jax.jit(run)(x)
+
+
+# Rows not a multiple of the tile (16), several tiles a program (steps) and several programs a
+# block (rows > tile * steps), rank 1..33 (padded to 16, 32 or 64 lanes), 1-3 blocks.
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+  m=st.integers(1, 3),
+  n=st.integers(1, 70),
+  k=st.integers(1, 33),
+  steps=st.integers(1, 3),
+  seed=st.integers(0, 2**16),
+)
+@example(m=1, n=1, k=1, steps=1, seed=0)
+@example(m=2, n=67, k=33, steps=2, seed=1)
+def test_passes_match_reference(m, n, k, steps, seed):
+  x = random_inputs(seed, m, n, k)
+  ref, got = both(x, tile=16, steps=steps)
+  for name in PASSES:
+    assert_close(name, x, got[name], ref[name])
+
+
+def test_bfloat16_state():
+  """bf16 ``U`` (state_dtype="bfloat16"): the kernels compute in float32 and round once; the
+  reference rounds every operation to bf16. Both obey the bound with bf16's unit roundoff
+  (one more rounding for the final cast), so rows and rank stay small enough for it to bind."""
+  x = random_inputs(3, 2, 21, 3, jnp.bfloat16)
+  ref, got = both(x, tile=16, steps=1)
+  for name in PASSES:
+    assert_close(name, x, got[name], ref[name], jnp.bfloat16, extra=1)
+
+
+def test_jit_vmap_and_leading_axes():
+  """Under ``vmap`` (Pallas adds a grid axis) and with extra leading axes (flattened into the
+  blocks axis) the kernels match the reference on every slice."""
+  xs = [random_inputs(seed, 2, 35, 6) for seed in (4, 5)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *xs)
+  names = ("project_pair", "rotate_and_precondition")
+  kw = dict(impl="pallas", interpret=True, tile=16, steps=2)
+
+  @jax.jit
+  def run(stacked):
+    mapped = {n: jax.vmap(lambda x, n=n: call(n, x, **kw))(stacked) for n in names}
+    leading = {n: call(n, stacked, **kw) for n in names}
+    return mapped, leading
+
+  mapped, leading = run(stacked)
+  for i, x in enumerate(xs):
+    for name in names:
+      want = call(name, x, impl="jnp")
+      assert_close(name, x, jax.tree.map(lambda a, i=i: a[i], mapped[name]), want)
+      assert_close(name, x, jax.tree.map(lambda a, i=i: a[i], leading[name]), want)
+
+
+def test_passes_two_and_three_agree_on_p1():
+  """CGS2 through the kernels: pass 2 measures ``c2 = U^T p1`` and pass 3 subtracts ``U c2``
+  from its own ``p1``; ``p = p1 - U c2`` is orthogonal to ``U`` to working precision only if
+  both passes round ``p1`` alike. Here ``v`` lies within ``1e-4`` of ``span U``, so ``p1`` is
+  ~``1e-4 |v| / l1`` while its rounding is ~``eps |v| / l1``: a pass 3 that rounded ``p1``
+  differently (e.g. the jnp ``rowdot``, checked by hand) leaves ``|U^T p| ~ 1e-2``, far above
+  the bound below. ``p`` is read back as column 0 of ``U'`` (``rot = 0``, ``b = e_1``)."""
+  rng = np.random.default_rng(7)
+  m, n, k = 2, 45, 5
+  u64 = np.linalg.qr(rng.standard_normal((m, n, k)))[0]
+  w = rng.standard_normal((m, n))
+  w -= np.einsum("mnk,mk->mn", u64, np.einsum("mnk,mn->mk", u64, w))
+  w /= np.linalg.norm(w, axis=-1, keepdims=True)
+  c0 = rng.standard_normal((m, k))
+  v64 = np.einsum("mnk,mk->mn", u64, c0) + 1e-4 * np.linalg.norm(c0, axis=-1)[:, None] * w
+  u, v = jnp.asarray(u64, jnp.float32), jnp.asarray(v64, jnp.float32)
+  g = jnp.zeros_like(v)
+  kw = dict(impl="pallas", interpret=True, tile=16, steps=2)
+
+  @jax.jit
+  def cgs2(u, v):
+    c, _, l1 = kernels.project_pair(u, v, g, **kw)
+    inv_l1 = 1.0 / l1
+    c2, pp, _, _ = kernels.residual_sums(u, v, g, c, inv_l1, **kw)
+    inv_r = 1.0 / jnp.sqrt(pp - jnp.sum(c2 * c2, -1))
+    e1 = jnp.zeros_like(c).at[:, 0].set(1.0)
+    rot = jnp.zeros(u.shape[:1] + (k, k), u.dtype)
+    u_new, _ = kernels.rotate_and_precondition(
+      u, v, g, c, inv_l1, c2, inv_r, rot, e1, jnp.zeros_like(c), 1.0, **kw
+    )
+    return u_new[..., 0], c, inv_l1, c2, inv_r
+
+  p, c, inv_l1, c2, inv_r = (np.asarray(a, np.float64) for a in cgs2(u, v))
+  assert np.allclose(np.linalg.norm(p, axis=-1), 1.0, atol=1e-3)
+  # With the rounded p1 (one vector in both passes), c2 = U^T p1 + f and p = (p1 - U c2 + e)
+  # inv_r give U^T p = (-f + U^T e - (U^T U - I) c2) inv_r, with |f| <= gamma_n |U|^T |p1|,
+  # |e| <= gamma_{k+3} (|p1| + |U| |c2|) and U^T U - I from the float32 QR factor. |p1| is
+  # bounded by the exact (v - U c) inv_l1 plus its rounding gamma_{k+2} (|v| + |U| |c|) inv_l1.
+  u64, v64 = np.asarray(u, np.float64), np.asarray(v, np.float64)
+  ua = np.abs(u64)
+  p1 = np.abs(v64 - np.einsum("mnk,mk->mn", u64, c)) * inv_l1[:, None]
+  p1 += (
+    gamma_n(k + 2, jnp.float32)
+    * (np.abs(v64) + np.einsum("mnk,mk->mn", ua, np.abs(c)))
+    * (inv_l1[:, None])
+  )
+  term = p1 + np.einsum("mnk,mk->mn", ua, np.abs(c2))
+  ortho = np.abs(np.einsum("mnk,mnl->mkl", u64, u64) - np.eye(k))
+  tol = (
+    gamma_n(n + k + 3, jnp.float32) * np.einsum("mnk,mn->mk", ua, term)
+    + np.einsum("mkl,ml->mk", ortho, np.abs(c2))
+  ) * inv_r[:, None]
+  got = np.abs(np.einsum("mnk,mn->mk", u64, p))
+  assert np.all(got <= tol), (got.max(), tol.min())
+
+
+def test_bad_arguments():
+  x = random_inputs(0, 1, 5, 2)
+  with pytest.raises(ValueError, match="impl must be one of"):
+    kernels.project_pair(x["u"], x["v"], x["g"], impl="triton")
+  with pytest.raises(ValueError, match="g must have shape"):
+    kernels.project_pair(x["u"], x["v"], x["g"][:, :3])
+  with pytest.raises(ValueError, match="rot must have shape"):
+    call("rotate_and_precondition", {**x, "rot": x["rot"][..., :1]})
+  with pytest.raises(ValueError, match="inv_l1 must be a scalar or have shape"):
+    call("residual_sums", {**x, "inv_l1": jnp.ones((3,))})
+  with pytest.raises(ValueError, match="v must have u's dtype"):
+    kernels.project_pair(x["u"], x["v"].astype(jnp.bfloat16), x["g"])
+  with pytest.raises(ValueError, match="tile must be a power of two"):
+    kernels.project_pair(x["u"], x["v"], x["g"], impl="pallas", tile=24)
+
+
+def test_defaults_off_gpu():
+  assert kernels.resolve_impl("auto", None) == ("jnp", True)
+  assert kernels.resolve_impl("pallas", None) == ("pallas", True)
+  assert kernels.tiling(rows=5000, rank=8) == (256, 1024, 16)
+  assert kernels.tiling(rows=20, rank=33) == (64, 64, 64)
+
+
+def _triton_lowering():
+  """Triton's MLIR bindings from jaxlib, and a hook that verifies every Triton module Pallas
+  builds (element counts must be powers of two, ``tt.dot`` operand shapes...)."""
+  try:
+    from jax._src.pallas.triton import lowering
+  except ImportError as e:  # pragma: no cover
+    pytest.skip(f"no Pallas Triton lowering in this jaxlib: {e}")
+  original = lowering.lower_jaxpr_to_triton_module
+
+  def verified(*args, **kwargs):
+    result = original(*args, **kwargs)
+    assert result.module.operation.verify()
+    return result
+
+  return lowering, verified
+
+
+@pytest.mark.parametrize(
+  ("m", "n", "k", "dtype"), [(3, 1000, 8, "float32"), (1, 70, 33, "bfloat16")]
+)
+def test_lowers_to_triton(monkeypatch, m, n, k, dtype):
+  """Each pass lowers for CUDA to one verified Triton module (no GPU needed: Pallas builds the
+  Triton IR in Python; only its compilation to PTX needs the card), and the rotation's kernel
+  aliases ``U'`` to ``U``."""
+  lowering, verified = _triton_lowering()
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
+  x = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)), random_inputs(0, m, n, k)
+  )
+  for name in PASSES:
+    fn = jax.jit(functools.partial(call, name, impl="pallas", interpret=False))
+    text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    calls = text.count("__gpu$xla.gpu.triton")
+    assert calls == (2 if name == "precondition" else 1), (name, calls)
+    if name == "rotate_and_precondition":
+      assert "output_operand_aliases" in text
