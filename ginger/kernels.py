@@ -37,6 +37,8 @@ kernels -- or float64 in interpret mode).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -131,22 +133,28 @@ def _project_pair_jnp(u, v, g):
   return cy[..., 0], cy[..., 1], jnp.sum(jnp.abs(v), axis=-1)
 
 
-def _residual_sums_jnp(u, v, g, a, inv_l1):
+def _residual_sums_jnp(u, v, g, a, inv_l1, with_p1=False):
   p1 = _first_residual(u, v, a, inv_l1)
   vs = v * inv_l1[..., None]
-  return (
+  sums = (
     _row_sums(u, [p1])[..., 0],
     jnp.sum(p1 * p1, -1),
     jnp.sum(p1 * g, -1),
     jnp.sum(vs * vs, -1),
   )
+  return sums + (p1,) if with_p1 else sums
 
 
-def _rotate_and_precondition_jnp(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
-  p = (_first_residual(u, v, a1, inv_l1) - _rowdot(u, a2)) * inv_r[..., None]
+def _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma):
+  p = (p1 - _rowdot(u, a2)) * inv_r[..., None]
   u_new = _rowmatmul(u, rot) + p[..., None] * b[..., None, :]
   out = (g - jnp.sum(u_new * z[..., None, :], axis=-1)) / gamma[..., None]
   return u_new, out
+
+
+def _rotate_and_precondition_jnp(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
+  p1 = _first_residual(u, v, a1, inv_l1)
+  return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma)
 
 
 def _precondition_jnp(u, sigma, g, gamma):
@@ -185,6 +193,7 @@ class _Tiles:
   def __init__(self, rows: int, rank: int, tile: int, chunk: int, kp: int, dtype):
     self.rows, self.rank, self.tile, self.chunk, self.kp = rows, rank, tile, chunk, kp
     self.steps = chunk // tile
+    self.state_dtype = dtype
     self.dtype = _compute_dtype(dtype)
 
   def rows_left(self):
@@ -319,13 +328,16 @@ def _row_sums_pallas(u, xs, l1: bool, interpret: bool, tile=None, steps=None):
 
 
 def _first_residual_tile(t: _Tiles, u, v, a, inv_l1):
-  """``p1 = (v - U a) inv_l1`` of a tile: one expression shared by passes 2 and 3, so that
-  both round it alike."""
-  return (v - jnp.sum(u * a[None, :], axis=1)) * inv_l1
+  """``p1 = (v - U a) inv_l1`` of a tile, rounded to the state dtype like the reference's: one
+  expression shared by passes 2 and 3, so that both round it alike (on the GPU that relies on
+  Triton compiling it alike in two kernels; ``with_p1`` / :func:`rotate_from_residual` avoid
+  relying on it)."""
+  p1 = (v - jnp.sum(u * a[None, :], axis=1)) * inv_l1
+  return p1.astype(t.state_dtype).astype(t.dtype)
 
 
-def _residual_kernel(t: _Tiles):
-  def kernel(u_ref, v_ref, g_ref, a_ref, inv_l1_ref, out_ref):
+def _residual_kernel(t: _Tiles, with_p1: bool):
+  def kernel(u_ref, v_ref, g_ref, a_ref, inv_l1_ref, out_ref, p1_ref=None):
     a, inv_l1 = t.small(a_ref), t.scalar(inv_l1_ref)
     left = t.rows_left()
 
@@ -335,6 +347,8 @@ def _residual_kernel(t: _Tiles):
       u = t.matrix(u_ref, step, mask)
       v, g = t.vector(v_ref, step, mask), t.vector(g_ref, step, mask)
       p1 = _first_residual_tile(t, u, v, a, inv_l1)
+      if with_p1:
+        plgpu.store(p1_ref.at[pl.ds(step * t.tile, t.tile)], p1.astype(p1_ref.dtype), mask=mask)
       vs = v * inv_l1
       return c2 + u * p1[:, None], pp + p1 * p1, pg + p1 * g, vv + vs * vs
 
@@ -351,35 +365,47 @@ def _residual_kernel(t: _Tiles):
   return kernel
 
 
-def _residual_sums_pallas(u, v, g, a, inv_l1, interpret, tile=None, steps=None):
+def _residual_sums_pallas(u, v, g, a, inv_l1, interpret, tile=None, steps=None, with_p1=False):
   m, n, k = u.shape
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
   grid = (m, pl.cdiv(n, chunk))
   s = _specs(k, chunk)
-  partial = _call(
-    _residual_kernel(t),
+  out_specs = [_partial_spec(2, kp)]
+  out_shape = [jax.ShapeDtypeStruct(grid + (2, kp), t.dtype)]
+  if with_p1:
+    out_specs.append(s["vector"])
+    out_shape.append(jax.ShapeDtypeStruct(v.shape, u.dtype))
+  partial, *p1 = _call(
+    _residual_kernel(t, with_p1),
     grid,
     [s["u"], s["vector"], s["vector"], s["small"], s["scalar"]],
-    _partial_spec(2, kp),
-    jax.ShapeDtypeStruct(grid + (2, kp), t.dtype),
+    out_specs,
+    out_shape,
     interpret,
     "ginger_residual_sums",
   )(u, v, g, a, inv_l1)
   total = jnp.sum(partial, axis=1)
-  return total[:, 0, :k], total[:, 1, 0], total[:, 1, 1], total[:, 1, 2]
+  return (total[:, 0, :k], total[:, 1, 0], total[:, 1, 1], total[:, 1, 2], *p1)
 
 
 # ---- Pallas: pass 3 (in place) and the preconditioning half of precondition -------------------
 
 
-def _rotate_kernel(t: _Tiles):
-  def kernel(
-    u_ref, v_ref, g_ref, a1_ref, inv_l1_ref, a2_ref, inv_r_ref, rot_ref, b_ref, z_ref, gamma_ref,
-    u_out_ref, out_ref,
-  ):  # fmt: skip
-    a1, a2, b, z = t.small(a1_ref), t.small(a2_ref), t.small(b_ref), t.small(z_ref)
-    inv_l1, inv_r, gamma = t.scalar(inv_l1_ref), t.scalar(inv_r_ref), t.scalar(gamma_ref)
+def _rotate_kernel(t: _Tiles, from_p1: bool):
+  """Pass 3 from ``(v, a1, inv_l1)`` (recomputing ``p1``) or from a stored ``p1``."""
+
+  def kernel(u_ref, *refs):
+    if from_p1:
+      p1_ref, g_ref, a2_ref, inv_r_ref, rot_ref, b_ref, z_ref, gamma_ref, u_out_ref, out_ref = refs
+    else:
+      v_ref, g_ref, a1_ref, inv_l1_ref, a2_ref, inv_r_ref, rot_ref, b_ref, z_ref, gamma_ref = refs[
+        :10
+      ]
+      u_out_ref, out_ref = refs[10:]
+      a1, inv_l1 = t.small(a1_ref), t.scalar(inv_l1_ref)
+    a2, b, z = t.small(a2_ref), t.small(b_ref), t.small(z_ref)
+    inv_r, gamma = t.scalar(inv_r_ref), t.scalar(gamma_ref)
     rot = t.square(rot_ref)
     left = t.rows_left()
 
@@ -387,8 +413,12 @@ def _rotate_kernel(t: _Tiles):
     def _(step):
       mask = t.row_mask(left, step)
       u = t.matrix(u_ref, step, mask)
-      v, g = t.vector(v_ref, step, mask), t.vector(g_ref, step, mask)
-      p = (_first_residual_tile(t, u, v, a1, inv_l1) - jnp.sum(u * a2[None, :], axis=1)) * inv_r
+      g = t.vector(g_ref, step, mask)
+      if from_p1:
+        p1 = t.vector(p1_ref, step, mask)
+      else:
+        p1 = _first_residual_tile(t, u, t.vector(v_ref, step, mask), a1, inv_l1)
+      p = (p1 - jnp.sum(u * a2[None, :], axis=1)) * inv_r
       # An fp32 dot at HIGHEST is Triton's "ieee" input precision (no TF32, which would break
       # U^T U = I).
       u_new = jnp.dot(u, rot, precision=HIGHEST, preferred_element_type=t.dtype)
@@ -402,24 +432,27 @@ def _rotate_kernel(t: _Tiles):
   return kernel
 
 
-def _rotate_and_precondition_pallas(
-  u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma, interpret, tile=None, steps=None
-):
+def _rotate_pallas(u, *arrays, from_p1: bool, interpret, tile=None, steps=None):
   m, n, k = u.shape
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
   s = _specs(k, chunk)
+  residual = [s["vector"]] if from_p1 else [s["vector"], s["small"], s["scalar"]]
+  g = arrays[1]  # (p1 or v, g, ...)
   return _call(
-    _rotate_kernel(t),
+    _rotate_kernel(t, from_p1),
     (m, pl.cdiv(n, chunk)),
-    [s["u"], s["vector"], s["vector"], s["small"], s["scalar"], s["small"], s["scalar"]]
-    + [s["square"], s["small"], s["small"], s["scalar"]],
+    [s["u"]]
+    + residual[:1]
+    + [s["vector"]]
+    + residual[1:]
+    + [s["small"], s["scalar"], s["square"], s["small"], s["small"], s["scalar"]],
     [s["u"], s["vector"]],
-    [jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    [jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype)],
     interpret,
     "ginger_rotate_and_precondition",
     aliases={0: 0},  # U' overwrites U: each program reads its rows before writing them
-  )(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma)
+  )(u, *arrays)
 
 
 def _correct_kernel(t: _Tiles):
@@ -488,13 +521,27 @@ def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None)
   return _dispatch(_project_pair_jnp, pallas_fn, u, (v, g), impl, interpret, tile, steps)
 
 
-def residual_sums(u, v, g, a, inv_l1, *, impl="auto", interpret=None, tile=None, steps=None):
+def residual_sums(
+  u, v, g, a, inv_l1, *, with_p1=False, impl="auto", interpret=None, tile=None, steps=None
+):
   """Pass 2 (reads ``U``): with ``p1 = (v - U a) inv_l1``, ``(U^T p1, ||p1||^2, p1 . g,
-  ||v inv_l1||^2)`` per block. ``a``: ``(..., k)``; ``inv_l1``: ``(...)`` or a scalar."""
+  ||v inv_l1||^2)`` per block. ``a``: ``(..., k)``; ``inv_l1``: ``(...)`` or a scalar.
+
+  ``with_p1``: also return ``p1`` itself (``(..., n)``, one more vector written) for
+  :func:`rotate_from_residual`, so that pass 3 subtracts ``U c2`` from the very ``p1`` whose
+  ``c2 = U^T p1`` was measured here by construction, not by two kernels compiling alike.
+  """
   _check(u, {"v": v, "g": g}, {"a": a})
   inv_l1 = _scalar("inv_l1", inv_l1, u)
   return _dispatch(
-    _residual_sums_jnp, _residual_sums_pallas, u, (v, g, a, inv_l1), impl, interpret, tile, steps
+    functools.partial(_residual_sums_jnp, with_p1=with_p1),
+    functools.partial(_residual_sums_pallas, with_p1=with_p1),
+    u,
+    (v, g, a, inv_l1),
+    impl,
+    interpret,
+    tile,
+    steps,
   )
 
 
@@ -515,9 +562,30 @@ def rotate_and_precondition(
   arrays = (v, g, a1, scalars[0], a2, scalars[1], rot, b, z, gamma)
   return _dispatch(
     _rotate_and_precondition_jnp,
-    _rotate_and_precondition_pallas,
+    functools.partial(_rotate_pallas, from_p1=False),
     u,
     arrays,
+    impl,
+    interpret,
+    tile,
+    steps,
+  )
+
+
+def rotate_from_residual(
+  u, p1, g, a2, inv_r, rot, b, z, gamma, *, impl="auto", interpret=None, tile=None, steps=None
+):
+  """Pass 3 from pass 2's ``p1`` (``residual_sums(..., with_p1=True)``): ``p = (p1 - U a2)
+  inv_r``, ``U' = U rot + p b^T`` and ``(g - U' z) / gamma``. Same as
+  :func:`rotate_and_precondition` with ``p1 = (v - U a1) inv_l1``; reads ``p1`` instead of
+  ``v``. ``U'`` is written into ``U``'s buffer as there."""
+  _check(u, {"p1": p1, "g": g}, {"a2": a2, "b": b, "z": z}, {"rot": rot})
+  inv_r, gamma = _scalar("inv_r", inv_r, u), _scalar("gamma", gamma, u)
+  return _dispatch(
+    _rotate_from_residual_jnp,
+    functools.partial(_rotate_pallas, from_p1=True),
+    u,
+    (p1, g, a2, inv_r, rot, b, z, gamma),
     impl,
     interpret,
     tile,
@@ -542,5 +610,6 @@ __all__ = [
   "residual_sums",
   "resolve_impl",
   "rotate_and_precondition",
+  "rotate_from_residual",
   "tiling",
 ]
