@@ -20,19 +20,27 @@ The passes (``a``, ``rot``, ``b``, ``z`` are per-block small operands, ``(blocks
     project_pair:             U^T v, U^T g, sum |v|                       (reads U)
     residual_sums:            p1 = (v - U a) inv_l1;
                               U^T p1, ||p1||^2, p1 . g, ||v inv_l1||^2      (reads U)
+                              [and p1 itself, with_p1=True]
     rotate_and_precondition:  p = (p1 - U a2) inv_r;  U' = U rot + p b^T;
                               (g - U' z) / gamma                            (reads U, writes U')
+    rotate_from_residual:     the same from a stored p1 instead of v
     precondition:             (g - U diag(w) U^T g) / gamma                 (reads U twice)
 
-``rotate_and_precondition`` is row-local: its ``pallas`` kernel writes ``U'`` over ``U``
-(``input_output_aliases``), so with the state donated to the jitted step no second ``U`` is
-allocated. Passes 2 and 3 must use the same ``impl`` (and tiling): pass 2 measures the rounding
-of ``p1`` along ``U`` that pass 3 removes, which needs both to compute the same rounded ``p1``.
+Pass 3 is row-local: its ``pallas`` kernel writes ``U'`` over ``U`` (``input_output_aliases``),
+so with the state donated to the jitted step no second ``U`` is allocated.
+
+Passes 2 and 3 must see the same rounded ``p1``: pass 2 measures its rounding along ``U``
+(``c2 = U^T p1``) and pass 3 removes it (``p1 - U c2``; CGS2). ``rotate_and_precondition``
+recomputes ``p1`` with the expression pass 2 used (the reference relies on XLA's CSE for
+this, the kernels on Triton compiling one expression alike in two kernels);
+``residual_sums(..., with_p1=True)`` followed by ``rotate_from_residual`` guarantees it by
+construction, for one more ``(rows,)`` vector written. Never mix implementations between the
+two passes.
 
 Results of the two implementations differ by float summation order only; bounds are in
 tests/test_kernels.py. Inputs may have extra leading axes (flattened into ``blocks``); all
-arrays of one call share ``u``'s dtype (float32, bfloat16 -- computed in float32 inside the
-kernels -- or float64 in interpret mode).
+arrays of one call share ``u``'s dtype: float32, bfloat16 (computed in float32 inside the
+kernels, ``p1`` rounded to bfloat16 like the reference's), or float64 (interpret mode).
 """
 
 from __future__ import annotations
@@ -239,13 +247,15 @@ class _Tiles:
     return jax.lax.fori_loop(0, self.steps, body, init)
 
 
-def _specs(rank: int, chunk: int):
-  """BlockSpecs of the operand kinds over the grid ``(block, chunk of rows)``."""
+def _specs(kp: int, chunk: int):
+  """BlockSpecs of the operand kinds over the grid ``(block, chunk of rows)``. Blocks span the
+  padded rank ``kp`` (wider than the arrays' ``k``: the loads mask the extra columns), so that
+  every slice a kernel takes lies inside its block."""
   return {
-    "u": pl.BlockSpec((None, chunk, rank), lambda b, c: (b, c, 0)),
+    "u": pl.BlockSpec((None, chunk, kp), lambda b, c: (b, c, 0)),
     "vector": pl.BlockSpec((None, chunk), lambda b, c: (b, c)),
-    "small": pl.BlockSpec((None, rank), lambda b, c: (b, 0)),
-    "square": pl.BlockSpec((None, rank, rank), lambda b, c: (b, 0, 0)),
+    "small": pl.BlockSpec((None, kp), lambda b, c: (b, 0)),
+    "square": pl.BlockSpec((None, kp, kp), lambda b, c: (b, 0, 0)),
     "scalar": pl.BlockSpec((None,), lambda b, c: (b,)),
   }
 
@@ -308,7 +318,7 @@ def _row_sums_pallas(u, xs, l1: bool, interpret: bool, tile=None, steps=None):
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
   grid = (m, pl.cdiv(n, chunk))
-  specs = _specs(k, chunk)
+  specs = _specs(kp, chunk)
   parts = len(xs) + (1 if l1 else 0)
   partial = _call(
     _sums_kernel(t, len(xs), l1),
@@ -370,7 +380,7 @@ def _residual_sums_pallas(u, v, g, a, inv_l1, interpret, tile=None, steps=None, 
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
   grid = (m, pl.cdiv(n, chunk))
-  s = _specs(k, chunk)
+  s = _specs(kp, chunk)
   out_specs = [_partial_spec(2, kp)]
   out_shape = [jax.ShapeDtypeStruct(grid + (2, kp), t.dtype)]
   if with_p1:
@@ -436,7 +446,7 @@ def _rotate_pallas(u, *arrays, from_p1: bool, interpret, tile=None, steps=None):
   m, n, k = u.shape
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
-  s = _specs(k, chunk)
+  s = _specs(kp, chunk)
   residual = [s["vector"]] if from_p1 else [s["vector"], s["small"], s["scalar"]]
   g = arrays[1]  # (p1 or v, g, ...)
   return _call(
@@ -480,7 +490,7 @@ def _precondition_pallas(u, sigma, g, gamma, interpret, tile=None, steps=None):
   )
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
-  s = _specs(k, chunk)
+  s = _specs(kp, chunk)
   return _call(
     _correct_kernel(t),
     (m, pl.cdiv(n, chunk)),
