@@ -413,6 +413,7 @@ def test_gpu_pool_runs_a_sweep(tmp_path, cfg_dir, monkeypatch, capsys):
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow  # 2 train.py processes (~2 min); pool and tables have fast tests
 def test_smoke_sweep_end_to_end_gives_table_rows(tmp_path, capsys):
   """Two Table 3/4 runs at scale=smoke, each `python train.py -m <job>` (so train.train under
   Hydra's own multirun) in the GPU pool, two at a time on the CPU; then results.tables."""

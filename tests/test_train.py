@@ -87,7 +87,7 @@ SUMMARY_KEYS = {
   "experiment, optimizer",
   [
     ("demo", "ginger"),
-    ("cifar100_resnet18", "qng"),
+    pytest.param("cifar100_resnet18", "qng", marks=pytest.mark.slow),  # 60 s: ResNet-18
     ("cifar100_resnet50", "momentum"),
     ("cifar10_resnet18", "adam"),
   ],
@@ -110,7 +110,9 @@ def test_image_experiments_smoke(tmp_path, data_dir, experiment, optimizer):
   assert {"train", "eval"} <= {e["event"] for e in events}
 
 
-@pytest.mark.parametrize("experiment", ["demo_xsum", "xsum_t5_full", "xsum_t5_lora"])
+@pytest.mark.parametrize(
+  "experiment", ["demo_xsum", pytest.param("xsum_t5_full", marks=pytest.mark.slow), "xsum_t5_lora"]
+)
 def test_seq2seq_experiments_smoke(tmp_path, data_dir, experiment):
   extra = [] if experiment == "demo_xsum" else _xsum_overrides(data_dir)
   cfg = config(f"experiment={experiment}", "optimizer=ginger", "tau=2", *FAST, *extra)
