@@ -1,13 +1,33 @@
-"""Orbax checkpoints of the whole training state, so a killed run continues bit-for-bit."""
+"""Orbax checkpoints of the whole training state, so a killed run continues bit-for-bit.
+
+**Layout.** Ginger keeps its bases ``U`` stacked in buckets, planned for speed from a tuning
+constant (``BUCKET_OVERHEAD`` in ``ginger/_common.py``). A checkpoint holds the state as
+:func:`ginger.checkpoint_state` gives it instead: each basis as a pytree like the params of
+``(leaf.size, rank)`` arrays, which depends only on the model, ``tau`` and ``block``. So a
+checkpoint restores, exactly, whatever the bucket plan of the code that reads it, and
+:func:`ginger.restore_checkpoint_state` stacks it into the plan of the running code. Every
+other state (Adam, Momentum, QNG, params, model state) is saved as it is.
+
+Checkpoints of earlier versions hold the stacked buckets themselves. They restore as before
+while the bucket plan is the one that wrote them (the plan has not changed since); under
+another plan, :class:`CheckpointError` says how to continue.
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
+import ginger
+from training import sharding
 from training.errors import TrainingError
+
+log = logging.getLogger("train")
+
+Shapes = dict[tuple[str, ...], tuple[int, ...]]
 
 
 class CheckpointError(TrainingError):
@@ -34,13 +54,57 @@ def _from_saveable(saved, like):
   )
 
 
+def _placed_like(tree, like):
+  """``tree`` on the shardings of ``like``: the restacked bases come out of eager ops, and
+  the compiled training step takes its state only as it was placed."""
+  return jax.tree.map(
+    lambda x, t: sharding.put(x, t.sharding) if isinstance(t, jax.Array) else x, tree, like
+  )
+
+
+def _shapes(tree) -> Shapes:
+  """Entry path -> shape of a state, or of the metadata of a saved one (orbax saves a
+  NamedTuple as a dict of its fields, a custom node as the list or dict of its children)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {tuple(map(_key_name, path)): tuple(x.shape) for path, x in flat}
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _restacked_elsewhere(on_disk: Shapes, per_leaf: Shapes, stacked: Shapes) -> tuple | None:
+  """``(buckets on disk, buckets now)`` if ``on_disk`` is the stacked layout of this state
+  under another bucket plan: every entry outside the bases as in ``per_leaf``, each basis
+  a list of ``(members, rows, rank)`` buckets. None otherwise."""
+  bases = {name[:-1] for name in set(stacked) - set(per_leaf)}  # where a StackedBasis sits
+  if not bases:
+    return None
+
+  def outside(shapes):
+    return {k: v for k, v in shapes.items() if not any(k[: len(b)] == b for b in bases)}
+
+  inside = {k: v for k, v in on_disk.items() if k[:-1] in bases}
+  if outside(on_disk) != outside(per_leaf) or len(inside) + len(outside(on_disk)) != len(on_disk):
+    return None
+  if not all(k[-1].isdigit() and len(v) == 3 for k, v in inside.items()):
+    return None
+  return len(inside), len(set(stacked) - set(per_leaf))
+
+
 class Checkpointer:
   """Keeps the last ``keep`` checkpoints of a run dir's ``checkpoints/`` folder."""
 
   def __init__(self, run_dir: str | Path, keep: int = 2):
     self.directory = Path(run_dir).absolute() / "checkpoints"
     self.manager = ocp.CheckpointManager(
-      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+      self.directory,
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+      # Known before the first save or restore, so that item_metadata can read a checkpoint.
+      item_handlers=ocp.StandardCheckpointHandler(),
     )
 
   def latest_step(self) -> int | None:
@@ -63,20 +127,67 @@ class Checkpointer:
     return step
 
   def save(self, step: int, state) -> None:
-    self.manager.save(step, args=ocp.args.StandardSave(_to_saveable(state)), force=True)
+    """Saves ``state`` with Ginger's bases per leaf (a copy of ``U``, made only here)."""
+    saveable = _to_saveable(ginger.checkpoint_state(state))
+    self.manager.save(step, args=ocp.args.StandardSave(saveable), force=True)
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
   def restore(self, like, step: int | None = None):
-    """Restores the checkpoint at ``step`` (default: latest) into the structure of ``like``."""
+    """Restores the checkpoint at ``step`` (default: latest) into the structure, bucket plan
+    and shardings of ``like`` (a freshly built state of the same run)."""
     step = self.check_step(step)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_saveable(like))
+    # The per-leaf view of `like` gives the entries' shapes and, for the bases, shardings
+    # (its U is a fresh zero state: the copy lives only until `abstract` is made).
+    per_leaf = _abstract(ginger.checkpoint_state(like))
+    stacked = _abstract(like)
+    on_disk = self._shapes_on_disk(step)
+    if on_disk != _shapes(per_leaf):
+      if on_disk == _shapes(stacked):
+        log.info(
+          "checkpoint %d in %s holds Ginger's bases stacked (the layout of earlier versions), "
+          "in this version's bucket plan: restored as written; later checkpoints are per leaf",
+          step,
+          self.directory,
+        )
+        return _from_saveable(self._read(step, stacked), like)
+      buckets = _restacked_elsewhere(on_disk, _shapes(per_leaf), _shapes(stacked))
+      if buckets is not None:
+        raise CheckpointError(
+          f"checkpoint {step} in {self.directory} was written by an earlier version, which "
+          "saved Ginger's bases stacked by bucket, and this version buckets them differently "
+          f"({buckets[0]} buckets in the checkpoint, {buckets[1]} now): it restores only under "
+          "the bucket plan that wrote it. To continue the run, resume it once with "
+          "BUCKET_OVERHEAD in ginger/_common.py set to the value it was written with (1 << 21 "
+          "in every earlier version) until it saves a checkpoint (those are per leaf and "
+          "restore under any plan), then put the value back; or start over with resume=false."
+        )
+    saved = self._read(step, per_leaf)
+    restacked = ginger.restore_checkpoint_state(saved, like)
+    return _placed_like(_from_saveable(restacked, like), like)
+
+  def _shapes_on_disk(self, step: int) -> Shapes:
+    """The saved entries' shapes, from the checkpoint's metadata (no array is read)."""
     try:
-      saved = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    except Exception as e:  # orbax raises many types for truncated/corrupt files
-      raise CheckpointError(
-        f"checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {e}); "
-        "it may be corrupt or from a different configuration"
-      ) from e
-    return _from_saveable(saved, like)
+      metadata = self.manager.item_metadata(step)
+      return _shapes(metadata.tree)
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for missing/corrupt files
+      raise self._unreadable(step, e) from e
+
+  def _read(self, step: int, abstract):
+    try:
+      return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # noqa: BLE001 - orbax raises many types for truncated/corrupt files
+      raise self._unreadable(step, e) from e
+
+  def _unreadable(self, step: int, e: Exception) -> CheckpointError:
+    return CheckpointError(
+      f"checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {e}); "
+      "it may be corrupt or from a different configuration"
+    )
+
+
+def _abstract(tree):
+  """Shapes, dtypes and shardings of the saveable form of ``tree``."""
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, _to_saveable(tree))

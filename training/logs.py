@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from training import run_record
+
 
 def _plain(value):
   """JSON-ready Python scalars from numpy/JAX values."""
@@ -33,7 +35,7 @@ class MetricsLog:
   """
 
   def __init__(self, run_dir: Path, logger_cfg, config: dict, resume_step: int | None):
-    self.path = run_dir / "metrics.jsonl"
+    self.path = run_dir / run_record.METRICS
     self.start = time.time()
     self.wall_offset = 0.0
     self.writer = jax.process_index() == 0
@@ -43,14 +45,12 @@ class MetricsLog:
     if not self.writer:
       return
     if resume_step is not None and self.path.exists():
-      kept = [
-        line
-        for line in self.path.read_text().splitlines()
-        if line and json.loads(line).get("step", 0) <= resume_step
-      ]
-      self.path.write_text("".join(line + "\n" for line in kept))
+      # Strict: a line that is not JSON stops the resume, naming the file and line.
+      events = run_record.read_events(run_dir, strict=True)
+      kept = [e for e in events if e.get("step", 0) <= resume_step]
+      self.path.write_text("".join(json.dumps(e) + "\n" for e in kept))
       if kept:
-        self.wall_offset = json.loads(kept[-1]).get("wall_time_s", 0.0) or 0.0
+        self.wall_offset = kept[-1].get("wall_time_s", 0.0) or 0.0
     elif self.path.exists():
       self.path.unlink()
     if logger_cfg.name == "wandb":

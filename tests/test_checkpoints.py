@@ -1,0 +1,277 @@
+"""What a resume reads back: checkpoints (training/checkpoints.py) independent of how Ginger
+buckets its bases, checkpoints of earlier versions, every optimizer's state bit for bit, the
+metrics log truncated to the checkpoint, and the batch order of an epoch."""
+
+import json
+import signal
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import ginger
+from ginger import _common
+from models.tasks import build_task
+from training import logs, run_record, sharding
+from training import loop as train
+from training.checkpoints import Checkpointer, CheckpointError
+from training.errors import Interrupted
+
+ROOT = Path(__file__).resolve().parents[1]
+FEW = 10**9  # BUCKET_OVERHEAD giving one bucket per rank (the demo ResNet: one bucket)
+MANY = 0  # one bucket per distinct leaf size (the demo ResNet: 17 buckets)
+
+
+def config(*overrides):
+  with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+    return compose(config_name="config", overrides=list(overrides))
+
+
+RUN = [
+  "experiment=demo",
+  "optimizer=ginger",  # block=per_tensor: one basis per leaf, bucketed by the plan
+  "logger=none",
+  "log_every=1",
+  "eval_every=100",
+  "checkpoint_every=100",
+  "spectrum_every=0",
+  "max_steps=4",
+]
+
+
+def _raw(state):
+  """Every leaf of ``state`` as a host array (PRNG keys as their data), in tree order."""
+  return [
+    np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+    for x in jax.tree.leaves(state)
+  ]
+
+
+def _assert_bitwise(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(_raw(a), _raw(b), strict=True):
+    np.testing.assert_array_equal(x, y)
+    assert x.dtype == y.dtype
+
+
+def _buckets(state) -> int:
+  return sum(len(u.stacks) for u in _bases(state))
+
+
+def _bases(state):
+  is_state = lambda x: isinstance(x, ginger.ScaleByGingerState)
+  return [x.u for x in jax.tree.leaves(state.opt_state, is_leaf=is_state) if is_state(x)]
+
+
+def _steps(setup, state, start: int, stop: int):
+  """The loop's steps ``start..stop`` of epoch 0, with its own step function and batch order;
+  returns the state after them and each step's loss."""
+  cfg = config(*RUN)
+  batch = int(cfg.batch_size)
+  assert stop <= setup.steps_per_epoch
+  order = setup.task.batch_order(int(cfg.seed), 0)
+  arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
+  state = jax.tree.map(lambda x: x.copy(), state)  # the step donates its input
+  losses = []
+  for step in range(start, stop):
+    idx = setup.plan.indices(order[step * batch : (step + 1) * batch])
+    state = setup.train_step(state, setup.frozen, arrays, idx)
+    losses.append(float(state.stats["last_loss"]))
+  return state, losses
+
+
+def _save_as_before(run_dir: Path, step: int, state) -> None:
+  """A checkpoint as the code before per-leaf checkpoints (2fea65c) wrote it: the raw state,
+  Ginger's bases as their stacked buckets, PRNG keys as their data."""
+  raw = jax.tree.map(
+    lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+    state,
+  )
+  manager = ocp.CheckpointManager(
+    Path(run_dir).absolute() / "checkpoints",
+    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+  )
+  manager.save(step, args=ocp.args.StandardSave(raw), force=True)
+  manager.wait_until_finished()
+
+
+@pytest.fixture(scope="module")
+def across_plans(tmp_path_factory):
+  """A demo Ginger run preempted at step 2 under one bucket plan and resumed under another,
+  and its references: the same steps with the loop's step function, uninterrupted; the
+  state at step 2 moved to the other plan in memory."""
+  tmp = tmp_path_factory.mktemp("plans")
+  out = {"new": tmp / "new", "old": tmp / "old"}
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(_common, "BUCKET_OVERHEAD", FEW)
+    with pytest.raises(Interrupted, match="stopped by SIGTERM at step 2 of 4"):
+      train.train(config(*RUN), out["new"], stop=lambda s: signal.SIGTERM if s == 2 else None)
+    few = train.build(config(*RUN))
+    out["few"] = few
+    out["at_2"], _ = _steps(few, few.state, 0, 2)
+    _save_as_before(out["old"], 2, out["at_2"])
+    out["few_restored"] = {
+      run: Checkpointer(out[run]).restore(few.state, 2) for run in ("new", "old")
+    }
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(_common, "BUCKET_OVERHEAD", MANY)
+    many = train.build(config(*RUN))
+    out["many"] = many
+    moved = sharding.put(
+      ginger.restore_checkpoint_state(out["at_2"], many.state), many.plan.state(many.state)
+    )
+    out["at_4"], out["losses"] = _steps(many, moved, 2, 4)
+    out["summary"] = train.train(config(*RUN), out["new"])  # resumes at step 2
+    out["many_restored"] = {"new": Checkpointer(out["new"]).restore(many.state, 4)}
+    out["at_2_many"] = Checkpointer(out["new"]).restore(many.state, 2)
+    with pytest.raises(CheckpointError) as error:
+      Checkpointer(out["old"]).restore(many.state, 2)
+    out["old_error"] = str(error.value)
+  return out
+
+
+def test_the_plans_differ(across_plans):
+  """The test is not vacuous: the two plans stack the bases differently."""
+  few, many = across_plans["few"].state, across_plans["many"].state
+  assert _buckets(few) < _buckets(many)
+  assert jax.tree.structure(few) != jax.tree.structure(many)
+
+
+def test_a_checkpoint_restores_exactly_under_another_bucket_plan(across_plans):
+  """Saved at step 2 under one plan, restored under another: the same numbers (each leaf's
+  rows of U, bit for bit), in the new plan's structure and placement."""
+  at_2, restored = across_plans["at_2"], across_plans["at_2_many"]
+  assert jax.tree.structure(restored) == jax.tree.structure(across_plans["many"].state)
+  _assert_bitwise(ginger.checkpoint_state(restored), ginger.checkpoint_state(at_2))
+  for x, like in zip(jax.tree.leaves(restored), jax.tree.leaves(across_plans["many"].state)):
+    assert x.sharding == like.sharding
+
+
+def test_resumed_under_another_plan_continues_bit_for_bit(across_plans):
+  """The resumed run (preempted under one plan, continued by train() under another) equals
+  the uninterrupted steps that change plan at step 2 in memory: every leaf of the state at
+  step 4 and every logged loss. (Across plans only the relayout must be exact: a step under
+  another plan sums U's rows in other blocks, so it may round differently.)"""
+  assert across_plans["summary"]["status"] == "completed"
+  assert across_plans["summary"]["steps"] == 4
+  _assert_bitwise(across_plans["many_restored"]["new"], across_plans["at_4"])
+  logged = {
+    e["step"]: e["train_loss"]
+    for e in run_record.read_events(across_plans["new"], strict=True)
+    if e["event"] == "train"
+  }
+  assert [logged[3], logged[4]] == across_plans["losses"]
+
+
+def test_checkpoints_under_the_same_plan_restore_as_saved(across_plans):
+  """Under the plan that wrote them, the per-leaf checkpoint of train() and one in the
+  stacked layout of earlier versions both restore to the uninterrupted state at step 2."""
+  for run in ("new", "old"):
+    _assert_bitwise(across_plans["few_restored"][run], across_plans["at_2"])
+
+
+def test_an_earlier_checkpoint_under_another_plan_says_what_to_do(across_plans):
+  message = across_plans["old_error"]
+  assert "checkpoint 2 in" in message and "earlier version" in message
+  assert "1 buckets in the checkpoint, 17 now" in message
+  assert "BUCKET_OVERHEAD in ginger/_common.py" in message and "resume=false" in message
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    ["optimizer=adam"],
+    ["optimizer=momentum"],
+    ["optimizer=qng"],
+    ["optimizer=ginger", "block=per_tensor"],
+    ["optimizer=ginger", "block=global"],
+  ],
+)
+def test_every_optimizer_state_round_trips_bit_for_bit(tmp_path, overrides):
+  """A state of random numbers in every float leaf (so that nothing passes by being zero)
+  comes back bit for bit, in the structure and placement of the template."""
+  setup = train.build(config("experiment=demo", "logger=none", *overrides))
+  rng = np.random.default_rng(0)
+
+  def noise(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.asarray(rng.normal(size=x.shape), x.dtype)
+    return x
+
+  # Random bases per leaf, stacked by Ginger: the padding rows of a bucket stay zero.
+  per_leaf = jax.tree.map(noise, ginger.checkpoint_state(setup.state))
+  state = sharding.put(
+    ginger.restore_checkpoint_state(per_leaf, setup.state), setup.plan.state(setup.state)
+  )
+  state = state._replace(step=jnp.asarray(7, jnp.int32), rng=jax.random.key(5))
+  checkpointer = Checkpointer(tmp_path)
+  checkpointer.save(7, state)
+  checkpointer.wait()
+  restored = checkpointer.restore(setup.state)
+  _assert_bitwise(restored, state)
+  for x, like in zip(jax.tree.leaves(restored), jax.tree.leaves(setup.state)):
+    assert x.sharding == like.sharding
+
+
+def test_a_corrupt_checkpoint_fails_clearly(tmp_path):
+  setup = train.build(config("experiment=demo", "logger=none", "optimizer=ginger"))
+  checkpointer = Checkpointer(tmp_path)
+  checkpointer.save(3, setup.state)
+  checkpointer.wait()
+  for f in (checkpointer.directory / "3").rglob("*"):
+    if f.is_file():
+      f.write_bytes(b"garbage")
+  with pytest.raises(CheckpointError, match=r"checkpoint 3 in .* cannot be read"):
+    Checkpointer(tmp_path).restore(setup.state)
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+
+def _log(run_dir, resume_step):
+  return logs.MetricsLog(run_dir, OmegaConf.create({"name": "none"}), {}, resume_step)
+
+
+def test_metrics_log_resumes_at_the_checkpoint(tmp_path):
+  """On resume metrics.jsonl keeps the events up to the checkpoint's step, as written, and
+  the wall clock continues from the last one kept."""
+  first = _log(tmp_path, None)
+  for step in range(1, 7):
+    first.write("train", step, train_loss=1.0 / step, lr=np.float32(0.1))
+    if step % 3 == 0:
+      first.write("eval", step, val_accuracy=float("inf"), val_loss=float("nan"))
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  resumed = _log(tmp_path, 4)
+  kept = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert kept == [line for line in lines if json.loads(line)["step"] <= 4]
+  assert resumed.wall_offset == json.loads(kept[-1])["wall_time_s"]
+  resumed.write("train", 5, train_loss=0.2)
+  assert [e["step"] for e in run_record.read_events(tmp_path)] == [1, 2, 3, 3, 4, 5]
+  _log(tmp_path, None)  # a fresh start drops the old log
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_metrics_log_refuses_a_damaged_log_naming_the_line(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"event": "train", "step": 1}\n{"event": "tr\n')
+  with pytest.raises(run_record.RunDirError, match=r"metrics.jsonl, line 2: not JSON"):
+    _log(tmp_path, 1)
+
+
+# ----------------------------------------------------------------------------- batch order
+
+
+def test_batch_order_is_a_pure_function_of_seed_and_epoch():
+  """A resumed run sees the batches of an uninterrupted one: the order of an epoch depends
+  only on (seed, epoch), and is a permutation of the training examples."""
+  task = build_task(config("experiment=demo"))
+  p = task.batch_order(7, 3)
+  assert p.dtype == np.int32
+  np.testing.assert_array_equal(np.sort(p), np.arange(task.num_train))
+  np.testing.assert_array_equal(p, build_task(config("experiment=demo")).batch_order(7, 3))
+  assert not np.array_equal(p, task.batch_order(7, 4))
+  assert not np.array_equal(p, task.batch_order(8, 3))
