@@ -269,7 +269,11 @@ def test_sharded_optimizer_state_on_four_devices():
       if shape[-2] % 4 == 0:  # the rows of U (d), not the rank, are split 4 ways
         assert shard == shape[:-2] + [shape[-2] // 4, shape[-1]], (name, shape, shard)
     assert r["kept"], name
-    assert r["max_rel_error"] < 1e-5, (name, r["max_rel_error"])
+    # Rounding of two summation orders, magnified by sigma_max / gamma <= ~20 here (sigma_max
+    # ~ (1 - alpha) ||d||^2 = 0.01 x 1e-4 x 2e5 entries, gamma = 1e-2): <= ~100 eps x 20 =
+    # 1e-4 (measured: 2e-7). A sharding bug (a shard of U dropped, a sum not all-reduced)
+    # changes the update by O(1).
+    assert r["max_rel_error"] < 1e-4, (name, r["max_rel_error"])
   for name in ("ginger", "qng"):
     assert result[name]["basis_ratio"] > 3.5, result[name]  # U: ~4x less per device
     assert result[name]["state_ratio"] > 3.0, result[name]  # the whole optimizer state
@@ -464,7 +468,6 @@ def _compare_meshes(configs: str, variants: dict) -> dict:
   from hydra import compose, initialize_config_dir
 
   import train
-  from data.images import epoch_permutation
 
   def build(extra):
     with initialize_config_dir(config_dir=configs, version_base=None):
@@ -476,8 +479,7 @@ def _compare_meshes(configs: str, variants: dict) -> dict:
 
   cfg, one, one_arrays, _ = build(["mesh.data=1"])
   batch = int(cfg.batch_size)
-  n_train = len(next(iter(one.task.train_arrays.values())))
-  perm = epoch_permutation(int(cfg.seed), 0, n_train)
+  perm = one.task.batch_order(int(cfg.seed), 0)  # the loop's order of epoch 0
   batches = [perm[t * batch : (t + 1) * batch] for t in range(STEPS)]
 
   def step(setup, arrays, host, idx):
@@ -607,7 +609,8 @@ def test_the_comparison_catches_an_injected_sharding_bug(four_device_comparison,
 @pytest.mark.slow
 def test_resume_on_four_devices_and_on_another_mesh(tmp_path):
   """On a 4-device mesh a resumed run is bit for bit the straight one; a checkpoint written on
-  4 devices resumes on 1; evaluate.py reloads a 4-device run (~70 s)."""
+  4 devices restores bit for bit on 1 and the run resumes there; evaluate.py reloads a
+  4-device run (~70 s)."""
   result = _run_on_cpu_devices(
     """
       import json, sys
@@ -615,8 +618,10 @@ def test_resume_on_four_devices_and_on_another_mesh(tmp_path):
       import jax, numpy as np
       from hydra import compose, initialize_config_dir
       from omegaconf import OmegaConf
+      import signal
       import evaluate, train
       from training.checkpoints import Checkpointer
+      from training.errors import Interrupted
 
       configs, tmp = sys.argv[1], Path(sys.argv[2])
       base = ["experiment=demo", "optimizer=ginger", "block=global", "logger=none",
@@ -626,15 +631,27 @@ def test_resume_on_four_devices_and_on_another_mesh(tmp_path):
         with initialize_config_dir(config_dir=configs, version_base=None):
           return compose(config_name="config", overrides=base + list(overrides))
 
+      def preempted(mesh, run):  # stopped (SIGTERM) at step 3, with a checkpoint there
+        try:
+          train.train(config("max_steps=6", mesh), tmp / run,
+                      stop=lambda s: signal.SIGTERM if s == 3 else None)
+        except Interrupted:
+          return
+        raise AssertionError("not stopped")
+
       train.train(config("max_steps=6", "mesh.data=4"), tmp / "straight")
-      train.train(config("max_steps=3", "mesh.data=4"), tmp / "resumed")
+      preempted("mesh.data=4", "resumed")
       train.train(config("max_steps=6", "mesh.data=4"), tmp / "resumed")
-      train.train(config("max_steps=3", "mesh.data=4"), tmp / "moved")
+      preempted("mesh.data=4", "moved")
       moved = train.train(config("max_steps=6", "mesh.data=1"), tmp / "moved")
       like = train.build(config("max_steps=6", "mesh.data=4")).state
-      a, b, c = (Checkpointer(tmp / run).restore(like, 6)
-                 for run in ("straight", "resumed", "moved"))
+      like_one = train.build(config("max_steps=6", "mesh.data=1")).state
+      a, b = (Checkpointer(tmp / run).restore(like, 6) for run in ("straight", "resumed"))
+      # the 4-device checkpoint of step 3, restored for 4 devices and for 1
+      on_four, on_one = (Checkpointer(tmp / "moved").restore(x, 3) for x in (like, like_one))
       leaves = lambda s: jax.tree.leaves((s.trainable, s.rest, s.opt_state))
+      same = lambda s, t: all(np.array_equal(np.asarray(x), np.asarray(y))
+                              for x, y in zip(leaves(s), leaves(t), strict=True))
       (tmp / "straight" / ".hydra").mkdir()
       OmegaConf.save(config("max_steps=6", "mesh.data=4"),
                      tmp / "straight" / ".hydra" / "config.yaml")
@@ -642,12 +659,11 @@ def test_resume_on_four_devices_and_on_another_mesh(tmp_path):
       logged = [json.loads(line) for line in (tmp / "straight" / "metrics.jsonl")
                 .read_text().splitlines() if '"eval"' in line][-1]
       print(json.dumps({
-          "bitwise": all(np.array_equal(np.asarray(x), np.asarray(y))
-                         for x, y in zip(leaves(a), leaves(b))),
+          "bitwise": same(a, b),
           "moved_steps": moved["steps"], "moved_devices": moved["mesh"]["devices"],
-          "moved_error": max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-                             for x, y in zip(jax.tree.leaves(a.trainable),
-                                             jax.tree.leaves(c.trainable))),
+          "moved_restore_bitwise": same(on_four, on_one),
+          "moved_on_one_device": all(len(x.sharding.device_set) == 1
+                                     for x in leaves(on_one)),
           "evaluated": [evaluated["val_loss"], evaluated["val_accuracy"]],
           "logged": [logged["val_loss"], logged["val_accuracy"]]}))
       """,
@@ -656,7 +672,9 @@ def test_resume_on_four_devices_and_on_another_mesh(tmp_path):
   )
   assert result["bitwise"]
   assert result["moved_steps"] == 6 and result["moved_devices"] == 1
-  assert result["moved_error"] < 1e-5
+  # Restoring is exact on any mesh; the steps after the move differ by rounding only, which
+  # Ginger magnifies (see the step-by-step test above), so they are not compared.
+  assert result["moved_restore_bitwise"] and result["moved_on_one_device"]
   assert result["evaluated"] == pytest.approx(result["logged"], rel=1e-9)
 
 
