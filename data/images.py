@@ -578,14 +578,6 @@ def augment(
   return normalize(x, mean, std)
 
 
-def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-  """Data order of ``epoch``: a pure function of (seed, epoch), so resumed runs match exactly.
-
-  Returns int32 indices (the training loop gathers batches on the device).
-  """
-  return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int32)
-
-
 __all__ = [
   "DATASETS",
   "SOURCES",
@@ -594,7 +586,6 @@ __all__ = [
   "augment",
   "channel_stats",
   "decoded_cache_paths",
-  "epoch_permutation",
   "holdout_indices",
   "load_image_dataset",
   "normalize",

@@ -1,7 +1,7 @@
 """XSUM summarization data: raw text, tokenizers and token arrays for T5.
 
-The training loop gathers batches from the token arrays on the device, in the order of
-``data.images.epoch_permutation`` (one definition of epoch order for every task).
+The training loop gathers batches from the token arrays on the device, in the order of the
+task's ``batch_order`` (models/tasks.py: one definition of epoch order for every task).
 
 Sources (``load_xsum(source=...)``):
   * ``"hf"`` (the default): Hugging Face ``datasets`` (``EdinburghNLP/xsum``, read from the

@@ -21,7 +21,6 @@ from data.images import (
   augment,
   channel_stats,
   decoded_cache_paths,
-  epoch_permutation,
   holdout_indices,
   load_image_dataset,
   normalize,
@@ -422,11 +421,3 @@ def test_normalisation_statistics(batch):
   normed = np.asarray(normalize(batch, mean, std)).reshape(-1, 3)
   np.testing.assert_allclose(normed.mean(0), 0, atol=1e-5)
   np.testing.assert_allclose(normed.std(0), 1, atol=1e-5)
-
-
-def test_epoch_permutation():
-  p = epoch_permutation(7, 3, 100)
-  assert p.dtype == np.int32 and sorted(p) == list(range(100))
-  np.testing.assert_array_equal(p, epoch_permutation(7, 3, 100))
-  assert not np.array_equal(p, epoch_permutation(7, 4, 100))
-  assert not np.array_equal(p, epoch_permutation(8, 3, 100))
