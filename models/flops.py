@@ -155,17 +155,33 @@ def ginger_update_flops(sizes: list[int], tau: int, block: str) -> float:
   return total
 
 
+def ginger_precondition_flops(sizes: list[int], tau: int, block: str) -> float:
+  """Ginger's update on a step without a curvature update (``curvature_every > 1``):
+  ``G^{-1} g`` with the current ``G``, i.e. ``U^T g`` and ``U z`` (2 n k multiply-adds per
+  block of size n at rank k = min(tau, n))."""
+  blocks = [sum(sizes)] if block == "global" else sizes
+  return sum(FLOPS_PER_MAC * 2 * n * min(tau, n) for n in blocks)
+
+
 def qng_update_flops(sizes: list[int], tau: int) -> float:
   """QNG's curvature work per update: 3 tau sequential rank-one applications of 2 n each."""
   return 3 * tau * 2.0 * FLOPS_PER_MAC * sum(sizes)
 
 
 def optimizer_update_flops(
-  name: str, sizes: list[int], *, tau: int | None = None, block: str | None = None
+  name: str,
+  sizes: list[int],
+  *,
+  tau: int | None = None,
+  block: str | None = None,
+  curvature_update: bool = True,
 ) -> float:
   """FLOPs of one update of optimizer ``name`` over parameter leaves of ``sizes``: the
-  element-wise work (~10 FLOPs per parameter) plus Ginger's or QNG's curvature part."""
+  element-wise work (~10 FLOPs per parameter) plus Ginger's or QNG's curvature part
+  (``curvature_update=False``: a Ginger step that only preconditions)."""
   elementwise = ELEMENTWISE_FLOPS_PER_PARAM * sum(sizes)
+  if name == "ginger" and not curvature_update:
+    return elementwise + ginger_precondition_flops(sizes, int(tau), block)
   if name == "ginger":
     return elementwise + ginger_update_flops(sizes, int(tau), block)
   if name == "qng":

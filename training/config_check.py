@@ -51,6 +51,8 @@ IGNORED = {
 # Keys with config defaults that only the curvature optimizers read: a warning only when the
 # command line set them (overrides), since their defaults are always present.
 CURVATURE_ONLY = ("fisher", "fisher_forward")
+# The optimizers that can update their curvature every K-th step only (curvature_every = K > 1).
+CURVATURE_EVERY = ("ginger",)
 
 
 class ConfigError(ValueError):
@@ -233,7 +235,25 @@ def _check_optimizer(c: _Checker) -> str | None:
   if name == "ginger":
     c.number("gamma", 0, closed=(False, True))
     c.number("rho", 0, closed=(False, True), optional=True)
+  if name in CURVATURE:
+    _check_curvature_every(c, name)
   return name
+
+
+def _check_curvature_every(c: _Checker, name: str) -> None:
+  # Absent or null: 1 (a run's config from before the key ran every step).
+  value = c.get("curvature_every")
+  if value is _MISSING or value is None:
+    return
+  if not (_is_int(value) and value >= 1):
+    c.bad("curvature_every", value, "an integer >= 1 (steps between curvature updates) or null")
+  elif name not in CURVATURE_EVERY and value != 1:
+    c.bad(
+      "curvature_every",
+      value,
+      f"1 for optimizer={name} (it updates its curvature every step; only "
+      f"{', '.join(CURVATURE_EVERY)} take curvature_every > 1)",
+    )
 
 
 def _check_model_and_data(c: _Checker) -> None:
@@ -291,6 +311,12 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
         f"{key}={_show(value)} is ignored: optimizer={optimizer} has no {key} "
         f"(only {', '.join(o for o in OPTIMIZERS if key not in IGNORED[o])} use it)."
       )
+  every = OmegaConf.select(cfg, "curvature_every", default=None)
+  if optimizer not in CURVATURE and every is not None:
+    out.append(
+      f"curvature_every={_show(every)} is ignored: optimizer={optimizer} has no curvature to "
+      f"update (only {', '.join(CURVATURE_EVERY)} use it)."
+    )
   if optimizer not in CURVATURE:
     for key in CURVATURE_ONLY:
       if key in given:

@@ -42,7 +42,13 @@ from training import logs, run_record, sharding
 from training.checkpoints import Checkpointer
 from training.config_check import ConfigError, check_config
 from training.errors import Interrupted, NonFiniteLossError
-from training.optimizers import CURVATURE, build_optimizer, divergence_advice, learning_rate
+from training.optimizers import (
+  CURVATURE,
+  build_optimizer,
+  curvature_every,
+  divergence_advice,
+  learning_rate,
+)
 
 log = logging.getLogger("train")
 
@@ -77,10 +83,19 @@ def initial_stats():
 def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan, state_shardings):
   """The jitted training and evaluation steps, written once for any number of devices: the
   batch indices are split along the mesh's ``data`` axis, the state is placed as
-  ``state_shardings`` says, and XLA (GSPMD) adds the collectives."""
+  ``state_shardings`` says, and XLA (GSPMD) adds the collectives.
+
+  Returns ``(train_step, eval_step, precondition_step)``. ``train_step`` is the step of the
+  paper (with a curvature optimizer: the d-pass and a curvature update). With
+  ``curvature_every`` K > 1, ``precondition_step`` is the step for the K - 1 steps between
+  curvature updates: the same code without the d-pass (no sampled-Fisher backward, no
+  inference-mode forward) and without ``fisher_grads``, which the optimizer takes as "no
+  curvature update, precondition with the current G". The two are separate programs, so that
+  nothing of the d-pass is computed and discarded behind a ``cond``; both take and return the
+  same state, so a run moves between them (and resumes at any step). None when K = 1.
+  """
   from ginger.fisher import cross_entropy, value_grad_and_fisher
 
-  needs_fisher = cfg.optimizer.name in CURVATURE
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
   separate_d_pass = cfg.fisher_forward == "eval"
 
@@ -89,7 +104,9 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
     logits = task.forward(model, inputs)
     return logits, nnx.split(model, nnx.Param, ...)[2]
 
-  def train_step(state: TrainState, frozen, arrays, idx):
+  def step(state: TrainState, frozen, arrays, idx, *, needs_fisher: bool):
+    # Split as on every step, also where fisher_key goes unused: the batch's randomness and
+    # the next key do not depend on whether this step updated the curvature.
     rng, batch_key, fisher_key = jax.random.split(state.rng, 3)
     inputs, labels, mask = task.train_batch(arrays, idx, batch_key)
     forward = lambda p: apply(graphdef_train, p, frozen, state.rest, inputs)
@@ -135,19 +152,25 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
     return task.eval_sums(model, arrays, idx)
 
   replicated = plan.replicated
-  train_step = jax.jit(
-    train_step,
-    donate_argnums=0,
-    in_shardings=(state_shardings, replicated, replicated, plan.batch),
-    out_shardings=state_shardings,
-  )
+
+  def jitted(needs_fisher: bool):
+    return jax.jit(
+      functools.partial(step, needs_fisher=needs_fisher),
+      donate_argnums=0,
+      in_shardings=(state_shardings, replicated, replicated, plan.batch),
+      out_shardings=state_shardings,
+    )
+
+  curvature = cfg.optimizer.name in CURVATURE
+  precondition_step = jitted(False) if curvature and curvature_every(cfg) > 1 else None
+  train_step = jitted(curvature)
   eval_on_mesh = jax.jit(eval_step, out_shardings=replicated)
 
   def eval_step_on_host_indices(trainable, frozen, rest, arrays, idx):
     # `arrays` are placed once by the caller (replicated); only the indices move per batch.
     return eval_on_mesh(trainable, frozen, rest, arrays, plan.indices(idx))
 
-  return train_step, eval_step_on_host_indices
+  return train_step, eval_step_on_host_indices, precondition_step
 
 
 # ----------------------------------------------------------------------------- building
@@ -167,6 +190,16 @@ class Setup(NamedTuple):
   sizes: list[int]  # sizes of the trained leaves
   n_model: int  # all model parameters
   plan: sharding.Plan  # the device mesh and where arrays live on it
+  # curvature_every = K > 1: the step between curvature updates (train_step runs on steps
+  # 0, K, 2K, ...; see make_steps); None for K = 1.
+  precondition_step: Any = None
+  curvature_every: int = 1
+
+  def updates_curvature(self, step: int) -> bool:
+    """Whether step ``step`` (0-based) runs ``train_step`` (else ``precondition_step``).
+    Decided on the host from the step index alone, so a resumed run picks as the
+    uninterrupted one did."""
+    return step % self.curvature_every == 0
 
 
 def check(cfg: DictConfig) -> sharding.Plan:
@@ -216,7 +249,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None) -> Setup:
   state_shardings = plan.state(state)
   state = sharding.put(state, state_shardings)
   frozen = sharding.put(task.frozen_params(params), plan.replicated)
-  train_step, eval_step = make_steps(
+  train_step, eval_step, precondition_step = make_steps(
     task, graphdef_train, graphdef_eval, tx, cfg, plan, state_shardings
   )
   return Setup(
@@ -231,16 +264,31 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None) -> Setup:
     sizes,
     n_model,
     plan,
+    precondition_step,
+    curvature_every(cfg) if precondition_step is not None else 1,
   )
 
 
 def analytic_flops(task: Task, cfg, sizes: list[int]) -> float:
-  """One training step: the task's forward FLOPs times the step's passes, plus the update."""
-  curvature = cfg.optimizer.name in CURVATURE
+  """One training step: the task's forward FLOPs times the step's passes, plus the update.
+
+  With ``curvature_every`` K > 1 the mean over K steps: one with the d-pass and the curvature
+  update, K - 1 with neither (they only precondition).
+  """
+  name = cfg.optimizer.name
+  curvature = name in CURVATURE
   forward = task.forward_flops_per_example() * int(cfg.batch_size)
-  return flops.train_step_flops(
-    forward, fisher_forward=cfg.fisher_forward if curvature else None
-  ) + flops.optimizer_update_flops(cfg.optimizer.name, sizes, tau=cfg.tau, block=cfg.block)
+
+  def step(update: bool) -> float:
+    passes = flops.train_step_flops(
+      forward, fisher_forward=cfg.fisher_forward if curvature and update else None
+    )
+    return passes + flops.optimizer_update_flops(
+      name, sizes, tau=cfg.tau, block=cfg.block, curvature_update=update
+    )
+
+  every = curvature_every(cfg)
+  return step(True) if every == 1 else (step(True) + (every - 1) * step(False)) / every
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -388,9 +436,20 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
     return plan.indices(order(epoch)[i * batch_size : (i + 1) * batch_size])  # split on `data`
 
   # Compile once, ahead of time: the same executable gives XLA's cost/memory analysis and
-  # runs every step (calling the jitted function would compile a second time).
-  compiled = setup.train_step.lower(state, frozen, train_arrays, batch_indices(start)).compile()
-  flops_per_iter = {"analytic": analytic_flops(task, cfg, setup.sizes), "xla": _xla_flops(compiled)}
+  # runs every step (calling the jitted function would compile a second time). With
+  # curvature_every = K > 1 two executables, with and without the curvature update.
+  every = setup.curvature_every
+  steps = {True: setup.train_step} | ({False: setup.precondition_step} if every > 1 else {})
+  compiled = {
+    update: fn.lower(state, frozen, train_arrays, batch_indices(start)).compile()
+    for update, fn in steps.items()
+  }
+  xla = [_xla_flops(c) for c in compiled.values()]  # with the curvature update, without
+  flops_per_iter = {
+    "analytic": analytic_flops(task, cfg, setup.sizes),
+    # The mean over K steps, as the analytic count (K = 1: the one step's count).
+    "xla": None if None in xla else (xla[0] + (every - 1) * xla[-1]) / every,
+  }
   summary_base = {
     "run": run_record.identity(config),
     "config": config,
@@ -406,10 +465,11 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
     "flops_method": {
       "analytic": "conv/dense (or transformer matmul) count: 3x forward "
       "for loss grad, +2x (shared) or +3x (eval) forward for the "
-      "d-pass, plus the optimizer's own update",
-      "xla": "compiled train step cost_analysis(); unreliable on GPU",
+      "d-pass, plus the optimizer's own update; with curvature_every=K the mean over K "
+      "steps (one with the d-pass and curvature update, K-1 without)",
+      "xla": "compiled train step cost_analysis() (mean over K steps as above); unreliable on GPU",
     },
-    "xla_memory_analysis": _xla_memory(compiled),
+    "xla_memory_analysis": _xla_memory(compiled[True]),
   }
   log.info(
     "%d steps (%d per epoch), batch %d; FLOPs/iter analytic %.3g, XLA %s",
@@ -419,6 +479,8 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
     flops_per_iter["analytic"],
     flops_per_iter["xla"],
   )
+  if every > 1:
+    log.info("curvature update on every %d-th step (steps 0, %d, %d, ...)", every, every, 2 * every)
 
   progress = logs.Progress(total_steps, start)
   step_times: list[float] = []
@@ -428,7 +490,8 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
   single = jax.process_count() == 1
   try:
     for step in range(start, total_steps if stopped_by is None else start):
-      state = compiled(state, frozen, train_arrays, batch_indices(step))
+      run_step = compiled[setup.updates_curvature(step)]
+      state = run_step(state, frozen, train_arrays, batch_indices(step))
       interval_steps += 1
       done = step + 1
       at_eval = done % eval_every == 0 or done == total_steps

@@ -56,6 +56,11 @@ NOT_FINGERPRINTED = frozenset(
   }
 )
 
+# Keys added after runs were recorded, with the value every run from before them had: at that
+# value (or null) a key is left out of fingerprints and config comparisons, so older run dirs
+# still resume and their summaries still count as done.
+IMPLIED = {"curvature_every": 1}
+
 # The paper-notation hyperparameters each optimizer reads (the others are not its identity).
 OPTIMIZER_KEYS = {
   "ginger": ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward"),
@@ -123,7 +128,16 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
 
 def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
   """The part of the resolved config that determines the run's result."""
-  return {k: v for k, v in plain(config).items() if k not in NOT_FINGERPRINTED}
+  return {k: v for k, v in _explicit(plain(config)).items() if k not in NOT_FINGERPRINTED}
+
+
+def _explicit(config: Mapping) -> dict[str, Any]:
+  """``config`` without the :data:`IMPLIED` keys at their implied value (or null)."""
+  return {k: v for k, v in config.items() if not (k in IMPLIED and _is_implied(v, IMPLIED[k]))}
+
+
+def _is_implied(value: Any, implied: Any) -> bool:
+  return value is None or (type(value) is type(implied) and value == implied)  # not True for 1
 
 
 def fingerprint(config: Mapping | DictConfig) -> str:
@@ -260,7 +274,9 @@ def status(run_dir: str | Path, config: Mapping | None = None) -> str | None:
   """summary.json's status ("completed", "failed", "interrupted"), or None if there is none;
   with ``config``, None also when the summary is of another config."""
   summary = read_summary(run_dir)
-  if summary is None or (config is not None and summary.get("config") != plain(config)):
+  if summary is None or (
+    config is not None and _explicit(summary.get("config") or {}) != _explicit(plain(config))
+  ):
     return None
   return summary.get("status")
 

@@ -1,0 +1,285 @@
+"""``curvature_every=K``: Ginger's d-pass and curvature update on steps 0, K, 2K, ... only.
+
+The loop runs two programs built from one step function: the paper's step (d-pass, curvature
+update) and, between curvature updates, the same step without the d-pass (the optimizer then
+preconditions with the current G and leaves the curvature as it is). Checked here on the demo
+experiment: K=1 is the step of before, K=3 updates the curvature on steps 0, 3, 6 only, the
+step without the d-pass has none of its work, a run resumed mid-period continues bit for bit,
+summary.json's FLOPs are the mean over K steps, bad values are refused up front, and the
+run-dir fingerprint tells K apart while older run dirs keep theirs.
+"""
+
+import json
+import logging
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import ginger
+from models import flops
+from training import loop as train
+from training import run_record
+from training.checkpoints import Checkpointer
+from training.config_check import ConfigError, check_config
+from training.errors import Interrupted
+from training.optimizers import curvature_every
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = [
+  "experiment=demo",
+  "optimizer=ginger",
+  "logger=none",
+  "log_every=1",
+  "spectrum_every=1",
+  "eval_every=100",
+  "checkpoint_every=100",
+  "max_steps=7",
+]
+
+
+def config(*overrides):
+  with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+    return compose(config_name="config", overrides=list(overrides))
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+  """metrics.jsonl's events of one kind, without their wall-clock times."""
+  out = []
+  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    event = json.loads(line)
+    if event["event"] == kind:
+      out.append(
+        {
+          k: v
+          for k, v in event.items()
+          if k not in ("wall_time_s", "step_time_s", "examples_per_s")
+        }
+      )
+  return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Seven steps at K=3 straight through, and the same run stopped after step 4 (inside a
+  period: step 4 is not a curvature step) and resumed."""
+  root = tmp_path_factory.mktemp("curvature_every")
+  cfg = config(*BASE, "curvature_every=3")
+  straight = root / "straight"
+  summary = train.train(cfg, straight)
+  resumed = root / "resumed"
+  with pytest.raises(Interrupted, match="stopped by SIGTERM at step 4 of 7"):
+    train.train(cfg, resumed, stop=lambda step: signal.SIGTERM if step == 4 else None)
+  assert Checkpointer(resumed).latest_step() == 4
+  train.train(cfg, resumed)  # continues from step 4 with the step without the d-pass
+  return {"cfg": cfg, "straight": straight, "resumed": resumed, "summary": summary}
+
+
+# ---- K = 1 is the paper's step, as before ------------------------------------------------
+
+
+def test_k1_builds_the_step_of_before():
+  """``curvature_every=1`` and a config without the key (every run config written before it)
+  build one program, the same one, with the d-pass on every step."""
+  cfg = config(*BASE, "curvature_every=1")
+  old = config(*BASE)
+  OmegaConf.set_struct(old, False)
+  del old["curvature_every"]
+  texts = []
+  for c in (cfg, old):
+    setup = train.build(c)
+    assert setup.precondition_step is None and setup.curvature_every == 1
+    assert all(setup.updates_curvature(step) for step in range(5))
+    arrays = setup.task.train_arrays
+    idx = setup.plan.indices(np.arange(int(c.batch_size)))
+    texts.append(setup.train_step.lower(setup.state, setup.frozen, arrays, idx).as_text())
+  assert texts[0] == texts[1]
+
+
+# ---- K = 3 ---------------------------------------------------------------------------------
+
+
+def test_curvature_changes_only_on_steps_0_3_6(runs):
+  """The spectrum logged after every step: sigma changes after steps 0, 3 and 6 (logged at
+  done = 1, 4, 7) and stays exactly as it was after the others."""
+  sigma = {e["step"]: e["sigma"] for e in events(runs["straight"], "spectrum")}
+  assert sorted(sigma) == list(range(1, 8))
+  zero = {k: [0.0] * len(v) for k, v in sigma[1].items()}
+  previous = zero
+  for done in range(1, 8):
+    if (done - 1) % 3 == 0:
+      assert sigma[done] != previous, done
+    else:
+      assert sigma[done] == previous, done
+    previous = sigma[done]
+  # The state itself: three curvature updates in seven steps.
+  setup = train.build(runs["cfg"])
+  state = Checkpointer(runs["straight"]).restore(setup.state, 7)
+  (gstate,) = [
+    s
+    for s in jax.tree.leaves(
+      state.opt_state, is_leaf=lambda x: isinstance(x, ginger.ScaleByGingerState)
+    )
+    if isinstance(s, ginger.ScaleByGingerState)
+  ]
+  assert int(gstate.count) == 3
+
+
+def _primitives(jaxpr, counts=None) -> dict[str, int]:
+  """How often each primitive occurs in a jaxpr, sub-jaxprs included."""
+  from jax.extend import core as jex_core
+
+  counts = {} if counts is None else counts
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    counts[eqn.primitive.name] = counts.get(eqn.primitive.name, 0) + 1
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      _primitives(sub, counts)
+  return counts
+
+
+@pytest.mark.parametrize("fisher_forward", ["eval", "shared"])
+def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
+  """The step between curvature updates is a program of its own without the d-pass: it has
+  the convolutions of a plain gradient step (Momentum's: one forward, one backward), none
+  behind a cond, and XLA counts fewer FLOPs for it than for the curvature step."""
+  cfg = config(*BASE, "curvature_every=3", f"fisher_forward={fisher_forward}")
+  setup = train.build(cfg)
+  plain = train.build(config(*BASE, "optimizer=momentum"))
+  arrays = setup.task.train_arrays
+  idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
+
+  def lowered(s, step):
+    return step.lower(s.state, s.frozen, arrays, idx)
+
+  def convs(s, step):
+    jaxpr = jax.make_jaxpr(step)(s.state, s.frozen, arrays, idx)
+    return _primitives(jaxpr).get("conv_general_dilated", 0)
+
+  with_d, without_d = setup.train_step, setup.precondition_step
+  assert convs(setup, without_d) == convs(plain, plain.train_step)
+  assert convs(setup, with_d) > convs(setup, without_d)
+  assert "cond" not in _primitives(
+    jax.make_jaxpr(without_d)(setup.state, setup.frozen, arrays, idx)
+  )
+
+  def cost(step):
+    analysis = lowered(setup, step).compile().cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    return float(analysis["flops"])
+
+  assert cost(without_d) < cost(with_d)
+
+
+def test_summary_flops_are_the_mean_over_k_steps(runs):
+  """flops_per_iter: one step with the d-pass and curvature update, K-1 without, averaged."""
+  cfg, summary = runs["cfg"], runs["summary"]
+  setup = train.build(cfg)
+  forward = setup.task.forward_flops_per_example() * int(cfg.batch_size)
+  sizes, tau, block = setup.sizes, int(cfg.tau), cfg.block
+  full = flops.train_step_flops(
+    forward, fisher_forward=cfg.fisher_forward
+  ) + flops.optimizer_update_flops("ginger", sizes, tau=tau, block=block)
+  light = flops.train_step_flops(forward, fisher_forward=None) + flops.optimizer_update_flops(
+    "ginger", sizes, tau=tau, block=block, curvature_update=False
+  )
+  assert light < full
+  analytic = summary["flops_per_iter"]["analytic"]
+  assert analytic == pytest.approx((full + 2 * light) / 3, rel=1e-12)
+  assert analytic == pytest.approx(train.analytic_flops(setup.task, cfg, sizes), rel=1e-12)
+  k1 = config(*BASE, "curvature_every=1")
+  assert train.analytic_flops(setup.task, k1, sizes) == pytest.approx(full, rel=1e-12)
+
+  arrays = setup.task.train_arrays
+  idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
+  xla = []
+  for step in (setup.train_step, setup.precondition_step):
+    analysis = step.lower(setup.state, setup.frozen, arrays, idx).compile().cost_analysis()
+    xla.append(float((analysis[0] if isinstance(analysis, (list, tuple)) else analysis)["flops"]))
+  assert summary["flops_per_iter"]["xla"] == pytest.approx((xla[0] + 2 * xla[1]) / 3)
+
+
+def test_resume_inside_a_period_is_bit_for_bit(runs):
+  straight, resumed = runs["straight"], runs["resumed"]
+  for kind in ("train", "spectrum"):
+    assert events(straight, kind) == events(resumed, kind)
+  setup = train.build(runs["cfg"])
+  a = Checkpointer(straight).restore(setup.state, 7)
+  b = Checkpointer(resumed).restore(setup.state, 7)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---- the config ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "value, shown", [("0", "0"), ("-1", "-1"), ("2.5", "2.5 (float)"), ("true", "True")]
+)
+def test_bad_values_are_refused_up_front(tmp_path, value, shown):
+  named = f"curvature_every={shown}: must be an integer >= 1"
+  overrides = ("optimizer=ginger", f"curvature_every={value}")
+  with pytest.raises(ConfigError) as info:
+    check_config(config(*overrides), overrides=overrides)
+  assert named in str(info.value)
+  # train.py: before any data is loaded or anything compiled (the run dir stays empty).
+  with pytest.raises(ConfigError) as info:
+    train.train(config(*BASE, f"curvature_every={value}"), tmp_path / "run")
+  assert named in str(info.value)
+  assert not (tmp_path / "run").exists()
+
+
+def test_qng_takes_only_1():
+  overrides = ("optimizer=qng", "curvature_every=2")
+  with pytest.raises(ConfigError) as info:
+    check_config(config(*overrides), overrides=overrides)
+  assert "curvature_every=2: must be 1 for optimizer=qng" in str(info.value)
+  assert "only ginger take curvature_every > 1" in str(info.value)
+  check_config(config("optimizer=qng", "curvature_every=1"), overrides=())
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_adam_and_momentum_ignore_it_with_a_warning(optimizer, caplog):
+  overrides = (f"optimizer={optimizer}", "curvature_every=4")
+  with caplog.at_level(logging.WARNING, logger="train"):
+    check_config(config(*overrides), overrides=overrides)
+  assert f"curvature_every=4 is ignored: optimizer={optimizer}" in caplog.text
+  assert curvature_every(config(*overrides)) == 1  # what the loop and the FLOP count read
+
+
+def test_fingerprint_tells_k_apart_and_older_run_dirs_keep_theirs(tmp_path):
+  k1, k3 = config(*BASE, "curvature_every=1"), config(*BASE, "curvature_every=3")
+  assert "curvature_every" not in run_record.NOT_FINGERPRINTED
+  assert run_record.fingerprint(k1) != run_record.fingerprint(k3)
+  # A config from before the key (K = 1 then) has K = 1's fingerprint, and its completed
+  # summary counts as this config's (sweeps do not rerun it).
+  old = run_record.plain(k1)
+  del old["curvature_every"]
+  assert run_record.fingerprint(old) == run_record.fingerprint(k1)
+  run_record.write_summary(tmp_path, {"config": old, "status": "completed"})
+  assert run_record.status(tmp_path, k1) == "completed"
+  assert run_record.status(tmp_path, k3) is None
+  # Adam's null is the same as absent.
+  adam = run_record.plain(config(*BASE, "optimizer=adam"))
+  assert adam["curvature_every"] is None
+  assert run_record.fingerprint(adam) == run_record.fingerprint(
+    {k: v for k, v in adam.items() if k != "curvature_every"}
+  )
+
+
+def test_precondition_only_update_flops():
+  """A Ginger step without a curvature update: U^T g and U z, 2 n k multiply-adds a block."""
+  sizes = [1000, 10]
+  elementwise = 10 * 1010
+  assert flops.optimizer_update_flops(
+    "ginger", sizes, tau=4, block="per_tensor", curvature_update=False
+  ) == elementwise + 2 * 2 * (1000 * 4 + 10 * 4)
+  assert (
+    flops.optimizer_update_flops("ginger", sizes, tau=4, block="global", curvature_update=False)
+    == elementwise + 2 * 2 * 1010 * 4
+  )
