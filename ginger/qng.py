@@ -14,9 +14,9 @@ Loan 1989) rather than as a chain of ``tau`` rank-one updates: with ``H_j = I - 
 qhat_j^T`` (below), ``A^{-1} = c H_newest ... H_oldest = c (I - Q T Q^T)`` with ``c`` the
 product of the factors' ``1/sqrt(alpha)`` and ``T`` a small triangular matrix from
 ``Q^T Q``, so ``G^{-1} g = A^{-T} A^{-1} g = c^2 (g - Q (T + T^T - T^T Q^T Q T) Q^T g)``. A
-step is three passes over ``Q`` (``Q^T [Q d g]``; writing ``q_t``; ``Q`` times a
-``tau``-vector), each two tall-skinny products at most, plus ``tau x tau`` algebra; the new
-factor's row of ``Q^T Q`` comes from the first pass's sums.
+step reads ``Q`` for ``Q^T Q`` and ``Q^T [d g]``, forms and writes ``q_t``, and reads ``Q``
+once more for ``Q (M Q^T g)``: tall-skinny products plus ``tau x tau`` algebra; the new
+factor's row of ``Q^T Q`` comes from the first sums, with no further pass.
 
 Each factor is stored as a unit vector ``qhat = q / ||q||`` and ``kappa = 1 - sqrt(alpha)/a``
 with ``a = sqrt(alpha + (1 - alpha)||q||^2)``, because then
@@ -146,13 +146,11 @@ def scale_by_qng(
 
 
 def _project(pieces, v, g):
-  """``Q^T Q``, ``Q^T v`` and ``Q^T g`` of a block given as row pieces: one read of ``Q``."""
-  sums = sum(
-    jnp.einsum("nk,nj->kj", p, jnp.concatenate([p, x[:, None], y[:, None]], -1), precision=HIGHEST)
-    for p, x, y in zip(pieces, v, g, strict=True)
-  )
-  tau = pieces[0].shape[-1]
-  return sums[:, :tau], sums[:, tau], sums[:, tau + 1]
+  """``Q^T Q``, ``Q^T v`` and ``Q^T g`` of a block given as row pieces (two dots reading
+  ``Q``; one dot over ``[Q v g]`` would first copy ``Q`` to concatenate it)."""
+  gram = sum(lowrank.gram(p) for p in pieces)
+  sums = sum(lowrank.row_sums(p, [x, y]) for p, x, y in zip(pieces, v, g, strict=True))
+  return gram, sums[:, 0], sums[:, 1]
 
 
 def _cols(q: jax.Array, coef: jax.Array) -> jax.Array:
