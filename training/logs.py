@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -45,7 +46,13 @@ class MetricsLog:
     if not self.writer:
       return
     if resume_step is not None and self.path.exists():
-      # Strict: a line that is not JSON stops the resume, naming the file and line.
+      # Each event is one write ending in a newline: a last line without one is a write cut
+      # short (SIGKILL, power loss), dropped. Any other line that is not JSON stops the
+      # resume, naming the file and line.
+      text = self.path.read_text()
+      if not text.endswith("\n") and text:
+        logging.warning("%s: dropping a partial last line (a write cut short)", self.path)
+        self.path.write_text(text[: text.rfind("\n") + 1])
       events = run_record.read_events(run_dir, strict=True)
       kept = [e for e in events if e.get("step", 0) <= resume_step]
       self.path.write_text("".join(json.dumps(e) + "\n" for e in kept))
