@@ -56,6 +56,7 @@ CONFIG_KEYS = (
   "block",
   "lr",
   "length",
+  "curvature_every",
 )
 # The paper's protocols: only runs matching one fill the paper's tables.
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
@@ -118,6 +119,8 @@ def load_summary(run_dir: str | Path) -> Run | None:
   data["path"] = str(run_dir)
   data["mtime"] = (Path(run_dir) / run_record.SUMMARY).stat().st_mtime
   data["run"]["length"] = run_length(data)
+  if data["run"].get("optimizer") == "ginger":  # recorded since curvature_every exists
+    data["run"].setdefault("curvature_every", 1)
   return data
 
 

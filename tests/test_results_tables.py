@@ -366,3 +366,14 @@ def test_committed_standin_tables_regenerate_from_committed_records(tmp_path: Pa
   assert regenerated, "no tables from the committed records"
   for name in regenerated:
     assert (tmp_path / name).read_text() == (committed / name).read_text(), name
+
+
+def test_curvature_every_is_part_of_a_cells_identity(tmp_path: Path) -> None:
+  """Ginger every step (K=1; older runs record no K) and every 4th step never average."""
+  ginger = {"optimizer": "ginger", "tau": 4, "alpha": 0.99}
+  make_run(tmp_path, "old", ginger, best_val_accuracy=72.0)  # no curvature_every recorded
+  make_run(tmp_path, "k1", {**ginger, "seed": 1, "curvature_every": 1}, best_val_accuracy=74.0)
+  make_run(tmp_path, "k4", {**ginger, "seed": 2, "curvature_every": 4}, best_val_accuracy=10.0)
+  sel = tables.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "ginger", "tau": 4})
+  assert sorted(r["best_val_accuracy"] for r in sel.runs) == [72.0, 74.0]
+  assert "2 configurations matched" in sel.note and "curvature_every=1" in sel.note

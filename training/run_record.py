@@ -120,7 +120,16 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
     "setting": setting,
     "sweep": c.get("sweep"),
     **{k: c.get(k) if k in used else None for k in IDENTITY_HYPERPARAMETERS[5:]},
+    "curvature_every": curvature_every(c),
   }
+
+
+def curvature_every(config: Mapping) -> int | None:
+  """How many steps apart the curvature updates are: the config's value for Ginger (1, the
+  paper, when unset), None for optimizers without the option."""
+  if config["optimizer"]["name"] != "ginger":
+    return None
+  return int(config.get("curvature_every") or IMPLIED["curvature_every"])
 
 
 # ----------------------------------------------------------------------------- fingerprint
