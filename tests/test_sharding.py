@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -691,13 +692,14 @@ def _free_port() -> int:
 @pytest.mark.timeout(1800)  # its three launches have 600 s each
 def test_two_processes_give_the_one_process_results(tmp_path):
   """A multi-host launch (COORDINATOR_ADDRESS / NUM_PROCESSES / PROCESS_ID, as a launcher
-  sets them), simulated by two local processes with two CPU devices each, stopped after 10
-  steps and resumed to 20 from its (orbax multi-host) checkpoint: only process 0 writes
-  metrics.jsonl and summary.json, and the metrics equal those of one process (~4 min).
+  sets them), simulated by two local processes with two CPU devices each, killed with
+  SIGKILL after step 10 and rerun to step 40 from its (orbax multi-host) checkpoint: only
+  process 0 writes metrics.jsonl and summary.json, and the metrics are those of one process
+  (~4 min).
 
-  They agree to rounding (1e-5) for the first 10 steps; after that the rounding differences
-  of another all-reduce order (gloo) grow, as in any such comparison, once a ReLU flips or
-  a Ginger eigenvalue is near gamma (observed: 1e-4 by step 20), hence 1e-2 there."""
+  Free-running trajectories on different meshes drift apart by rounding that Ginger
+  magnifies (the step-by-step test above checks the sharded math itself), so the values are
+  compared only as the same run: 1e-2."""
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
@@ -705,16 +707,18 @@ def test_two_processes_give_the_one_process_results(tmp_path):
     NUM_PROCESSES="2",
     XLA_FLAGS="--xla_force_host_platform_device_count=2",
   )
-  for steps in (10, 20):
-    cmd = [
-      sys.executable,
-      "train.py",
-      *RUN,
-      f"max_steps={steps}",
-      "checkpoint_every=10",
-      f"hydra.run.dir={tmp_path / 'multi'}",
-    ]
-    procs = [
+  steps = 40
+  cmd = [
+    sys.executable,
+    "train.py",
+    *RUN,
+    f"max_steps={steps}",
+    "checkpoint_every=10",
+    f"hydra.run.dir={tmp_path / 'multi'}",
+  ]
+
+  def launch():
+    return [
       subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -725,11 +729,40 @@ def test_two_processes_give_the_one_process_results(tmp_path):
       )
       for i in range(2)
     ]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs[0][-2000:] + logs[1][-2000:]
-  assert all("resumed from" in log and "at step 10" in log for log in logs)
+
+  def logged_steps(path):
+    found = [0]
+    for line in path.read_text().splitlines() if path.exists() else []:
+      try:
+        found.append(json.loads(line).get("step", 0))
+      except json.JSONDecodeError:  # a line being written
+        pass
+    return max(found)
+
+  # Killed (SIGKILL, no grace: JAX's distributed runtime takes SIGTERM for itself) once the
+  # step-10 checkpoint is committed; the rerun continues from it.
+  procs, deadline = launch(), time.time() + 600
+  while not (tmp_path / "multi" / "checkpoints" / "10").is_dir():
+    assert all(p.poll() is None for p in procs) and time.time() < deadline, [
+      p.communicate(timeout=60)[0][-2000:] for p in procs
+    ]
+    time.sleep(0.05)
+  for p in procs:
+    p.kill()
+    p.communicate(timeout=60)
+  stopped = 10
+  procs = launch()
+  logs = [p.communicate(timeout=600)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), logs[0][-2000:] + logs[1][-2000:]
+  assert all("resumed from" in log and f"at step {stopped}" in log for log in logs)
   single = subprocess.run(
-    [sys.executable, "train.py", *RUN, f"hydra.run.dir={tmp_path / 'single'}"],
+    [
+      sys.executable,
+      "train.py",
+      *RUN,
+      f"max_steps={steps}",
+      f"hydra.run.dir={tmp_path / 'single'}",
+    ],
     cwd=ROOT,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
     capture_output=True,
@@ -751,11 +784,15 @@ def test_two_processes_give_the_one_process_results(tmp_path):
     json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
   ]
   events, reference = read("multi"), read("single")
-  assert [(e["event"], e["step"]) for e in events] == [
-    (e["event"], e["step"]) for e in reference
-  ]  # written once
-  for a, b in zip(reference, events):
+  keys = [(e["event"], e["step"]) for e in events]
+  assert len(set(keys)) == len(keys), keys  # each written once (by process 0)
+  extra = set(keys) - {(e["event"], e["step"]) for e in reference}
+  assert all(step == stopped for _, step in extra), extra  # at most the preemption's
+  by_key = dict(zip(keys, events, strict=True))
+  for a in reference:
+    b = by_key[(a["event"], a["step"])]
     for key in ("train_loss", "grad_norm", "val_loss", "val_accuracy"):
       if key in a:
-        assert _close(a[key], b[key], rtol=1e-5 if a["step"] <= 10 else 1e-2), (a, b)
-  assert sorted(p.name for p in (tmp_path / "multi" / "checkpoints").iterdir()) == ["10", "20"]
+        assert _close(a[key], b[key], rtol=1e-2), (a, b)
+  checkpoints = {p.name for p in (tmp_path / "multi" / "checkpoints").iterdir()}
+  assert checkpoints == {"30", "40"}, checkpoints  # orbax keeps the last two
