@@ -154,8 +154,9 @@ def _project(pieces, v, g):
 
 
 def _cols(q: jax.Array, coef: jax.Array) -> jax.Array:
-  """``Q coef`` as multiply-adds (full precision, fusible into the pass)."""
-  return lowrank.rowdot(q, coef)
+  """``Q coef``, a matrix-vector dot at full float32 precision (one op per piece: ``k``
+  multiply-adds per piece, as Ginger writes them for fusion, multiply compile time)."""
+  return jnp.einsum("nk,k->n", q, coef, precision=HIGHEST)
 
 
 def _mm(a, b):
