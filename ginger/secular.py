@@ -110,19 +110,23 @@ def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array,
   origin_d = jnp.take_along_axis(d, origin, -1)
   sign = jnp.where(left, 1.0, -1.0).astype(dtype)
   ibits = jnp.int32 if dtype == jnp.float32 else jnp.int64
+  # Shifts stay at or above the smallest normal number: XLA flushes subnormals to zero, and a
+  # zero shift would put the root on its pole (a division by zero in the eigenvectors). The
+  # eigenvalue error this allows is at most that number.
+  floor = jax.lax.bitcast_convert_type(jnp.asarray(jnp.finfo(dtype).tiny, dtype), ibits)
   lo = jnp.zeros(half.shape, ibits)
-  hi = jax.lax.bitcast_convert_type(jnp.maximum(half, 0.0).astype(dtype), ibits)
+  hi = jnp.maximum(jax.lax.bitcast_convert_type(jnp.maximum(half, 0.0).astype(dtype), ibits), floor)
 
   def bisect(_, bracket):
     lo, hi = bracket
-    mid = jnp.maximum(lo + (hi - lo) // 2, 1)
+    mid = jnp.maximum(lo + (hi - lo) // 2, floor)
     t = jax.lax.bitcast_convert_type(mid, dtype)
     below = sign * secular(origin_d, sign * t) < 0  # f increases along s t
     return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
 
   # A loop, not unrolled: 31 (63) copies of the evaluation would multiply compile time.
   lo, hi = jax.lax.fori_loop(0, jnp.finfo(dtype).bits - 1, bisect, (lo, hi))
-  t = jax.lax.bitcast_convert_type(jnp.maximum(hi, 1), dtype)
+  t = jax.lax.bitcast_convert_type(jnp.maximum(hi, floor), dtype)
   shift = sign * t
   w = jnp.where(active, origin_d + shift, d)
 

@@ -32,3 +32,20 @@ def x64():
   """float64 inside the test only (other tests compare float32 models with PyTorch)."""
   with jax.enable_x64(True):
     yield
+
+
+@pytest.fixture
+def no_waiting(monkeypatch):
+  """Fails the test if its code waits (``time.sleep``: a retry or a back-off) or opens a
+  network connection: what "fails fast offline" means, without timing anything."""
+  import socket
+  import time
+
+  def waited(*args, **kwargs):
+    raise AssertionError("the code waited (time.sleep): a retry or back-off, not a fast failure")
+
+  def connected(*args, **kwargs):
+    raise AssertionError("the code opened a network connection")
+
+  monkeypatch.setattr(time, "sleep", waited)
+  monkeypatch.setattr(socket.socket, "connect", connected)

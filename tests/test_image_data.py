@@ -7,7 +7,6 @@ import io
 import pickle
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import jax
@@ -286,16 +285,14 @@ def test_missing_local_path_error(tmp_path):
   assert issubclass(DatasetUnavailableError, RuntimeError)
 
 
-def test_hf_offline_fails_fast(tmp_path, monkeypatch):
+def test_hf_offline_fails_fast(tmp_path, monkeypatch, no_waiting):
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-  start = time.monotonic()
   with pytest.raises(DatasetUnavailableError, match=r"data\.source=local data\.path="):
     load_image_dataset("cifar100", "hf", tmp_path / "empty-hf-cache")
-  assert time.monotonic() - start < 10
 
 
-def test_hf_unreachable_network_forces_offline(tmp_path, monkeypatch):
+def test_hf_unreachable_network_forces_offline(tmp_path, monkeypatch, no_waiting):
   import datasets.config
   import huggingface_hub.constants
 
@@ -305,10 +302,8 @@ def test_hf_unreachable_network_forces_offline(tmp_path, monkeypatch):
   monkeypatch.setattr(image_data.hub, "hub_reachable", lambda timeout=2.0: False)
   monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # as if imported online
   monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-  start = time.monotonic()
   with pytest.raises(DatasetUnavailableError, match="unreachable"):
     load_image_dataset("cifar10", "hf", tmp_path / "empty-hf-cache")
-  assert time.monotonic() - start < 10
   # the offline switch was scoped to the load
   assert datasets.config.HF_HUB_OFFLINE is False
   assert huggingface_hub.constants.HF_HUB_OFFLINE is False

@@ -3,7 +3,6 @@ with config keys that work (issue: three reruns, one missing piece each, and `mo
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -27,15 +26,13 @@ def empty_hf_cache(tmp_path, monkeypatch):
   monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
 
 
-def test_xsum_t5_full_offline_lists_tokenizer_data_and_weights(empty_hf_cache):
+def test_xsum_t5_full_offline_lists_tokenizer_data_and_weights(empty_hf_cache, no_waiting):
   from models.tasks import build_task
 
   with initialize_config_dir(config_dir=CONFIGS, version_base=None):
     cfg = compose(config_name="config", overrides=["experiment=xsum_t5_full"])
-  start = time.monotonic()
   with pytest.raises(xsum.MissingInputsError) as info:
     build_task(cfg)
-  assert time.monotonic() - start < 20
   message = str(info.value)
   assert message.startswith("3 inputs of this run are not available here")
   for name, key in [

@@ -4,7 +4,7 @@ finite outputs at extreme scales, zero and repeated vectors, leaves smaller than
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ginger
@@ -41,6 +41,9 @@ def _check_state(state, block):
   zero_grad=st.booleans(),
   seed=st.integers(0, 2**16),
 )
+# Found by CI: a repeated direction 1e11 times larger put a secular root within a subnormal
+# distance of its pole (XLA flushes subnormals to zero: a division by zero, NaN updates).
+@example(tau=3, block="per_tensor", log_scales=[0.0, 11.0], repeat=True, zero_grad=False, seed=0)
 def test_state_invariants_and_finite_outputs(tau, block, log_scales, repeat, zero_grad, seed):
   rng = np.random.default_rng(seed)
   tx = _TX[(tau, block)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -271,11 +270,9 @@ def test_state_dict_errors_list_keys(hf_model):
     state_dict_to_nnx(missing, config)
 
 
-def test_offline_hub_name_fails_fast(monkeypatch, tmp_path):
+def test_offline_hub_name_fails_fast(monkeypatch, tmp_path, no_waiting):
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-  start = time.monotonic()
   with pytest.raises(ModelUnavailableError, match="model.pretrained="):
     load_t5("t5-small", cache_dir=str(tmp_path))
-  assert time.monotonic() - start < 10
   with pytest.raises(ModelUnavailableError):
     load_t5(str(tmp_path / "nope"))
