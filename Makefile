@@ -30,12 +30,15 @@ train: $(STAMP)
 # A test running longer than TEST_TIMEOUT seconds fails (pytest-timeout); tests/conftest.py
 # keeps XLA's compilations in .cache/jax (shared by the tests, their subprocesses and reruns).
 TEST_TIMEOUT ?= 900
+# Two pytest-xdist workers (the suite is compile-bound and single-threaded per test); each
+# test file stays on one worker (--dist loadfile), so module fixtures run once.
+TEST_WORKERS ?= -n 2 --dist loadfile
 
 test: $(STAMP)
-	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow" --timeout=$(TEST_TIMEOUT) tests
+	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow" --timeout=$(TEST_TIMEOUT) $(TEST_WORKERS) tests
 
 test-all: $(STAMP)
-	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) tests
+	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(TEST_WORKERS) tests
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step

@@ -100,6 +100,12 @@ def _save_as_before(run_dir: Path, step: int, state) -> None:
   manager.wait_until_finished()
 
 
+# The loop-level runs across bucket plans take ~65 s of compiling on 2 CPU cores: `make
+# test-all`. `make test` keeps the library-level check (tests/test_ginger_layout.py:
+# test_checkpoint_does_not_depend_on_the_bucketing) and the round trips below.
+ACROSS_PLANS_SLOW = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def across_plans(tmp_path_factory):
   """A demo Ginger run preempted at step 2 under one bucket plan and resumed under another,
@@ -135,6 +141,7 @@ def across_plans(tmp_path_factory):
   return out
 
 
+@ACROSS_PLANS_SLOW
 def test_the_plans_differ(across_plans):
   """The test is not vacuous: the two plans stack the bases differently."""
   few, many = across_plans["few"].state, across_plans["many"].state
@@ -142,6 +149,7 @@ def test_the_plans_differ(across_plans):
   assert jax.tree.structure(few) != jax.tree.structure(many)
 
 
+@ACROSS_PLANS_SLOW
 def test_a_checkpoint_restores_exactly_under_another_bucket_plan(across_plans):
   """Saved at step 2 under one plan, restored under another: the same numbers (each leaf's
   rows of U, bit for bit), in the new plan's structure and placement."""
@@ -152,6 +160,7 @@ def test_a_checkpoint_restores_exactly_under_another_bucket_plan(across_plans):
     assert x.sharding == like.sharding
 
 
+@ACROSS_PLANS_SLOW
 def test_resumed_under_another_plan_continues_bit_for_bit(across_plans):
   """The resumed run (preempted under one plan, continued by train() under another) equals
   the uninterrupted steps that change plan at step 2 in memory: every leaf of the state at
@@ -168,6 +177,7 @@ def test_resumed_under_another_plan_continues_bit_for_bit(across_plans):
   assert [logged[3], logged[4]] == across_plans["losses"]
 
 
+@ACROSS_PLANS_SLOW
 def test_checkpoints_under_the_same_plan_restore_as_saved(across_plans):
   """Under the plan that wrote them, the per-leaf checkpoint of train() and one in the
   stacked layout of earlier versions both restore to the uninterrupted state at step 2."""
@@ -175,6 +185,7 @@ def test_checkpoints_under_the_same_plan_restore_as_saved(across_plans):
     _assert_bitwise(across_plans["few_restored"][run], across_plans["at_2"])
 
 
+@ACROSS_PLANS_SLOW
 def test_an_earlier_checkpoint_under_another_plan_says_what_to_do(across_plans):
   message = across_plans["old_error"]
   assert "checkpoint 2 in" in message and "earlier version" in message
