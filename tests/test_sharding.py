@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -692,8 +693,8 @@ def _free_port() -> int:
 @pytest.mark.timeout(1800)  # its three launches have 600 s each
 def test_two_processes_give_the_one_process_results(tmp_path):
   """A multi-host launch (COORDINATOR_ADDRESS / NUM_PROCESSES / PROCESS_ID, as a launcher
-  sets them), simulated by two local processes with two CPU devices each, killed with
-  SIGKILL after step 10 and rerun to step 40 from its (orbax multi-host) checkpoint: only
+  sets them), simulated by two local processes with two CPU devices each, preempted with
+  SIGTERM after step 10 and rerun to step 40 from its (orbax multi-host) checkpoint: only
   process 0 writes metrics.jsonl and summary.json, and the metrics are those of one process
   (~4 min).
 
@@ -739,8 +740,9 @@ def test_two_processes_give_the_one_process_results(tmp_path):
         pass
     return max(found)
 
-  # Killed (SIGKILL, no grace: JAX's distributed runtime takes SIGTERM for itself) once the
-  # step-10 checkpoint is committed; the rerun continues from it.
+  # Preempted as a cluster does (SIGTERM to every process) once the step-10 checkpoint is
+  # committed: JAX's distributed runtime takes the signal and picks a step at which all
+  # processes checkpoint and stop (exit 128 + SIGTERM); the rerun continues from there.
   procs, deadline = launch(), time.time() + 600
   while not (tmp_path / "multi" / "checkpoints" / "10").is_dir():
     assert all(p.poll() is None for p in procs) and time.time() < deadline, [
@@ -748,9 +750,15 @@ def test_two_processes_give_the_one_process_results(tmp_path):
     ]
     time.sleep(0.05)
   for p in procs:
-    p.kill()
-    p.communicate(timeout=60)
-  stopped = 10
+    p.send_signal(signal.SIGTERM)
+  logs = [p.communicate(timeout=300)[0] for p in procs]
+  assert all(p.returncode == 128 + signal.SIGTERM for p in procs), logs[0][-2000:]
+  summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
+  assert summary["status"] == "interrupted", summary
+  stopped = max(
+    int(d.name) for d in (tmp_path / "multi" / "checkpoints").iterdir() if d.name.isdigit()
+  )
+  assert 10 <= stopped < steps
   procs = launch()
   logs = [p.communicate(timeout=600)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), logs[0][-2000:] + logs[1][-2000:]

@@ -355,6 +355,21 @@ def _agreed(signum: int | None) -> int | None:
   return next((int(s) for s in np.ravel(every) if s), None)
 
 
+def _preempted(step: int) -> bool:
+  """Multi-host: whether every process has reached the step at which to stop after a SIGTERM.
+
+  JAX's distributed runtime takes SIGTERM for itself (its preemption notifier), so Python's
+  handler never sees it; the runtime instead agrees on a step at which all processes stop,
+  which every process must ask about at every step.
+  """
+  from jax.experimental import multihost_utils
+
+  try:
+    return bool(multihost_utils.reached_preemption_sync_point(step))
+  except RuntimeError:  # launched without the runtime's preemption service
+    return False
+
+
 # ------------------------------------------------------------------------------ the run
 
 
@@ -497,7 +512,9 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
       at_eval = done % eval_every == 0 or done == total_steps
       at_ckpt = done % int(cfg.checkpoint_every) == 0 or done == total_steps
       at_log = done % int(cfg.log_every) == 0 or at_eval or at_ckpt
-      if done < total_steps and (single or at_log):  # multi-host: agree at the log steps
+      if done < total_steps and not single and _preempted(done):
+        stopped_by = signal.SIGTERM
+      elif done < total_steps and (single or at_log):  # multi-host: agree at the log steps
         stopped_by = _agreed(stop(done))
       if at_log or stopped_by:
         stats = jax.device_get(state.stats)
