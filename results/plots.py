@@ -234,7 +234,7 @@ def _final_metric(dataset: str) -> tuple[str, str, str]:
 
 def _panels(runs: Sequence[tables.Run], protocol: dict[str, Any]) -> list[tuple[str, dict]]:
   """(title, criteria) per panel: one per model, or per setting for XSUM."""
-  mine = [r for r in runs if tables._matches(r, protocol)]
+  mine = [r for r in runs if tables.matches(r, protocol)]
   key = "setting" if protocol["dataset"] == "xsum" else "model"
   values = sorted({tables.rfield(r, key) for r in mine}, key=tables.sort_key)
   return [(f"{key} {v}", {**protocol, key: v}) for v in values]
@@ -243,9 +243,9 @@ def _panels(runs: Sequence[tables.Run], protocol: dict[str, Any]) -> list[tuple[
 def _paper_points(dataset: str, crit: dict[str, Any], optimizer: str) -> dict[int, float]:
   """The paper's numbers by tau for this panel (empty unless its runs follow the paper's
   protocol: dataset, model and run length)."""
-  if tables._comparable(crit, tables.PAPER_IMAGE):
+  if tables.comparable(crit, tables.PAPER_IMAGE):
     rows, keys = tables.load_paper("table1_cifar100"), {"model": crit.get("model")}
-  elif tables._comparable(crit, tables.PAPER_TEXT):
+  elif tables.comparable(crit, tables.PAPER_TEXT):
     rows, keys = tables.load_paper("table2_xsum"), {"setting": crit.get("setting")}
   else:
     return {}
@@ -306,13 +306,13 @@ def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dic
 def _protocols(runs: Sequence[tables.Run]) -> list[dict[str, Any]]:
   """The sets of tabulated runs: (dataset, run length), and the model for XSUM."""
   found = set()
-  for r in tables._tabulated(runs):
+  for r in tables.tabulated(runs):
     dataset = tables.rfield(r, "dataset")
     model = tables.rfield(r, "model") if dataset == "xsum" else None
     found.add((dataset, model, tables.rfield(r, "length")))
   return [
     {"dataset": d, "length": n} | ({"model": m} if m is not None else {})
-    for d, m, n in sorted(found, key=tables._tuple_key)
+    for d, m, n in sorted(found, key=tables.tuple_key)
   ]
 
 
@@ -333,7 +333,7 @@ def plot_final_vs_tau(runs: Sequence[tables.Run], out: Path) -> list[Path]:
     for ax, (title, _) in zip(axes[0], panels, strict=True):
       ax.set(title=title, xlabel="τ", ylabel=_final_metric(dataset)[2])
       ax.legend(fontsize="small")
-    paper = tables._comparable(protocol, tables.PAPER_IMAGE) or tables._comparable(
+    paper = tables.comparable(protocol, tables.PAPER_IMAGE) or tables.comparable(
       protocol, tables.PAPER_TEXT
     )
     what = ", ".join(

@@ -570,7 +570,7 @@ def image_protocol(dataset: str = "cifar100", length: str | None = None) -> dict
   return {"dataset": dataset} | ({"length": length} if length is not None else {})
 
 
-def _comparable(protocol: dict[str, Any], paper: dict[str, Any]) -> bool:
+def comparable(protocol: dict[str, Any], paper: dict[str, Any]) -> bool:
   return all(protocol.get(k) == v for k, v in paper.items())
 
 
@@ -606,7 +606,7 @@ def build_table1(
     f"(GB = bytes/1e9). {UNITS}"
   )
   title = "Table 1: CIFAR-100, 200 epochs (paper Table 1)"
-  if not _comparable(protocol, PAPER_IMAGE):
+  if not comparable(protocol, PAPER_IMAGE):
     title = "Table 1: " + _not_comparable(protocol, "CIFAR-100, 200 epochs")
   return _optimizer_table(
     "table1",
@@ -642,7 +642,7 @@ def build_table2(
     f"peak memory (GB = bytes/1e9). {UNITS}"
   )
   title = "Table 2: XSUM, pretrained t5-small, 1 epoch (paper Table 2)"
-  if not _comparable(protocol, PAPER_TEXT):
+  if not comparable(protocol, PAPER_TEXT):
     title = "Table 2: " + _not_comparable(protocol, "XSUM, pretrained t5-small, 1 epoch")
   return _optimizer_table(
     "table2",
@@ -674,7 +674,7 @@ def _sensitivity(
     f"Table {number}: Ginger sensitivity, {what}, ResNet-18 / CIFAR-100, 200 epochs "
     f"(paper Table {number})"
   )
-  if not _comparable(protocol, PAPER_IMAGE) or model != "resnet18":
+  if not comparable(protocol, PAPER_IMAGE) or model != "resnet18":
     title = f"Table {number}: Ginger sensitivity, {what}, " + _not_comparable(
       {**protocol, "model": model}, "ResNet-18 / CIFAR-100, 200 epochs"
     )
@@ -733,11 +733,11 @@ def ablation_metrics(dataset: Any) -> list[Metric]:
 
 def _ablation_paper(base: dict[str, Any]) -> dict[str, str] | None:
   """The paper's Ginger row at the same model/setting and tau, if the paper has one."""
-  if _comparable(base, PAPER_IMAGE):
+  if comparable(base, PAPER_IMAGE):
     return paper_row(
       load_paper("table1_cifar100"), optimizer="ginger", tau=base["tau"], model=base["model"]
     )
-  if _comparable(base, PAPER_TEXT):
+  if comparable(base, PAPER_TEXT):
     return paper_row(
       load_paper("table2_xsum"), optimizer="ginger", tau=base["tau"], setting=base["setting"]
     )
@@ -758,11 +758,11 @@ def _ablation_groups(runs: Iterable[Run]) -> dict[tuple, dict[tuple, list[Run]]]
   return groups
 
 
-def _matches(run: Run, criteria: dict[str, Any]) -> bool:
+def matches(run: Run, criteria: dict[str, Any]) -> bool:
   return all(_accepts(rfield(run, k), v) for k, v in criteria.items())
 
 
-def _tuple_key(values: tuple) -> tuple:
+def tuple_key(values: tuple) -> tuple:
   return tuple(sort_key(v) for v in values)
 
 
@@ -774,10 +774,10 @@ def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) 
   paper's protocols (``protocol=None``), or of one stand-in ``protocol`` (then NOT COMPARABLE).
   """
   if protocol is None:
-    runs = [r for r in runs if _matches(r, PAPER_IMAGE) or _matches(r, PAPER_TEXT)]
+    runs = [r for r in runs if matches(r, PAPER_IMAGE) or matches(r, PAPER_TEXT)]
     title = "Ablation: Ginger clip (rho) and block (paper protocols)"
   else:
-    runs = [r for r in runs if _matches(r, protocol)]
+    runs = [r for r in runs if matches(r, protocol)]
     title = "Ablation: Ginger clip (rho) and block, " + _not_comparable(
       protocol, "the paper's Ginger numbers"
     )
@@ -793,7 +793,7 @@ def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) 
   table = Table("table_ablation", title, caption, "Setting", columns)
   used: list[Run] = []
   for base_values, variants in sorted(
-    _ablation_groups(runs).items(), key=lambda kv: _tuple_key(kv[0])
+    _ablation_groups(runs).items(), key=lambda kv: tuple_key(kv[0])
   ):
     if len(variants) < 2:
       continue
@@ -801,9 +801,7 @@ def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) 
     label = " ".join(str(base[k]) for k in ("dataset", "model", "setting", "length") if base[k])
     label += f" τ={base['tau']} α={base['alpha']}"
     metrics, paper = ablation_metrics(base["dataset"]), _ablation_paper(base)
-    for i, (variant, vruns) in enumerate(
-      sorted(variants.items(), key=lambda kv: _tuple_key(kv[0]))
-    ):
+    for i, (variant, vruns) in enumerate(sorted(variants.items(), key=lambda kv: tuple_key(kv[0]))):
       sel = Selection(dedupe_seeds(vruns))
       rho, block, lr, gamma = ("none" if v is None else str(v) for v in variant)
       cells = [rho, block, lr, gamma] + group_cells(sel, metrics, paper)
@@ -831,7 +829,7 @@ def build_all(
   ]
 
 
-def _tabulated(runs: Iterable[Run]) -> list[Run]:
+def tabulated(runs: Iterable[Run]) -> list[Run]:
   return [r for r in runs if is_done(r) and rfield(r, "sweep") not in EXCLUDED_SWEEPS]
 
 
@@ -849,16 +847,16 @@ def standin_tables(runs: Sequence[Run], flops: str = "analytic") -> list[tuple[s
   setting) by (model, run length); each set gets Tables 1, 3, 4 and the ablation (images) or
   Table 2 and the ablation (text), named ``<table>_<dataset or model>_<length>``.
   """
-  done = _tabulated(runs)
+  done = tabulated(runs)
   out: list[tuple[str, Table]] = []
   images = {
     (rfield(r, "dataset"), rfield(r, "length"))
     for r in done
-    if rfield(r, "setting") is None and not _matches(r, PAPER_IMAGE)
+    if rfield(r, "setting") is None and not matches(r, PAPER_IMAGE)
   }
-  for dataset, length in sorted(images, key=_tuple_key):
+  for dataset, length in sorted(images, key=tuple_key):
     protocol = {"dataset": dataset, "length": length}
-    members = [r for r in done if _matches(r, protocol) and rfield(r, "setting") is None]
+    members = [r for r in done if matches(r, protocol) and rfield(r, "setting") is None]
     models = _models_in(members)
     suffix = f"_{slug(dataset)}_{slug(length)}"
     out += [
@@ -870,9 +868,9 @@ def standin_tables(runs: Sequence[Run], flops: str = "analytic") -> list[tuple[s
   texts = {
     (rfield(r, "model"), rfield(r, "length"))
     for r in done
-    if rfield(r, "setting") is not None and not _matches(r, PAPER_TEXT)
+    if rfield(r, "setting") is not None and not matches(r, PAPER_TEXT)
   }
-  for model, length in sorted(texts, key=_tuple_key):
+  for model, length in sorted(texts, key=tuple_key):
     suffix = f"_{slug(model)}_{slug(length)}"
     protocol = {"model": model, "length": length}
     out += [
@@ -1058,7 +1056,7 @@ def tables_to_write(args: argparse.Namespace, runs: Sequence[Run]) -> list[tuple
   """(file name, table) pairs that the command line asks for."""
   if args.dataset is not None:
     protocol = image_protocol(args.dataset, args.length)
-    members = [r for r in _tabulated(runs) if _matches(r, protocol)]
+    members = [r for r in tabulated(runs) if matches(r, protocol)]
     models = args.models or _models_in(members) or ["resnet18", "resnet50"]
     suffix = "".join(f"_{slug(x)}" for x in (args.dataset, args.length) if x)
     return [
