@@ -2,6 +2,7 @@
 
 import re
 
+from training import logs
 from training.logs import Progress, format_duration
 
 
@@ -79,3 +80,10 @@ def test_format_duration():
   assert format_duration(0) == "0:00:00"
   assert format_duration(3725.4) == "1:02:05"
   assert format_duration(2 * 86400 + 61) == "2d 0:01:01"
+
+
+def test_git_commit_env_override_for_snapshots_without_git(monkeypatch):
+  monkeypatch.setenv("GINGER_GIT_COMMIT", "0123abc")
+  assert logs.git_commit() == "0123abc"
+  monkeypatch.delenv("GINGER_GIT_COMMIT")
+  assert logs.git_commit() != "0123abc"

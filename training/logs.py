@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import time
@@ -181,6 +182,9 @@ def format_duration(seconds: float) -> str:
 
 
 def git_commit() -> str | None:
+  """The checkout's HEAD, or ``GINGER_GIT_COMMIT`` when set (a snapshot without ``.git``)."""
+  if os.environ.get("GINGER_GIT_COMMIT"):
+    return os.environ["GINGER_GIT_COMMIT"]
   try:
     out = subprocess.run(
       ["git", "rev-parse", "HEAD"],
