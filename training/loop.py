@@ -460,6 +460,7 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
     for update, fn in steps.items()
   }
   xla = [_xla_flops(c) for c in compiled.values()]  # with the curvature update, without
+  memory = {update: _xla_memory(c) for update, c in compiled.items()}
   flops_per_iter = {
     "analytic": analytic_flops(task, cfg, setup.sizes),
     # The mean over K steps, as the analytic count (K = 1: the one step's count).
@@ -484,7 +485,11 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
       "steps (one with the d-pass and curvature update, K-1 without)",
       "xla": "compiled train step cost_analysis() (mean over K steps as above); unreliable on GPU",
     },
-    "xla_memory_analysis": _xla_memory(compiled[True]),
+    "xla_memory_analysis": memory[True],  # the step with the curvature update
+    "xla_memory_analysis_precondition": memory.get(False),  # curvature_every > 1: the other
+    "step_memory_bytes": step_memory_bytes(memory.values()),
+    "step_memory_method": STEP_MEMORY_METHOD,
+    "train_data_bytes_per_device": sharding.bytes_per_device(train_arrays),
   }
   log.info(
     "%d steps (%d per epoch), batch %d; FLOPs/iter analytic %.3g, XLA %s",
@@ -497,6 +502,12 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
   if every > 1:
     log.info("curvature update on every %d-th step (steps 0, %d, %d, ...)", every, every, 2 * every)
 
+  # What is resident before the first step (state, data, compiled code) and the high-water
+  # mark so far (compilation and autotuning): the end's peak_memory_bytes above this one
+  # means the training steps or the evaluations raised it.
+  before = device_memory()
+  summary_base["memory_in_use_before_training_bytes"] = before.get("bytes_in_use")
+  summary_base["peak_memory_before_training_bytes"] = before.get("peak_bytes_in_use")
   progress = logs.Progress(total_steps, start)
   step_times: list[float] = []
   interval_start, interval_steps = time.perf_counter(), 0
@@ -590,7 +601,8 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
       "examples_per_s": batch_size / statistics.median(step_times) if step_times else None,
       "peak_memory_bytes": logs.peak_memory_bytes(),
       "peak_memory_method": "device memory_stats()['peak_bytes_in_use'] of this process "
-      "(includes compilation/autotuning); null where not reported",
+      "(includes compilation/autotuning; see step_memory_bytes for the step's own); null where "
+      "not reported",
     }
     | task.best_of(evals)
     | task.train_summary(mean_loss)
@@ -625,6 +637,47 @@ def _xla_flops(compiled) -> float | None:
     return None
 
 
+STEP_MEMORY_METHOD = (
+  "XLA's memory_analysis() of the compiled training step(s), per device: argument + output "
+  "- alias (the donated state, updated in place) + temp bytes, the largest over the step "
+  "with the curvature update and the one without (curvature_every > 1). What the step "
+  "itself holds on a device: the state, the gradients and activations, the frozen "
+  "parameters and the whole training set resident on the device (train_data_bytes_per_device "
+  "of it); not compilation or autotuning scratch, not the evaluation step, not the allocator's "
+  "fragmentation"
+)
+
+
+def step_memory_bytes(analyses) -> int | None:
+  """Bytes one training step keeps live on a device, from XLA's memory analyses.
+
+  ``arguments + outputs - aliased + temp``: the arguments (state, data) stay allocated for
+  the whole step, the outputs are allocated beside them except where donation lets an output
+  reuse its argument's buffer (``alias``), and the temporaries (activations, gradients, the
+  optimizer's intermediates) are one allocation of ``temp`` bytes. The largest over
+  ``analyses`` (one per compiled step; None entries are skipped); None if none reported.
+  """
+  keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+  totals = [
+    a[keys[0]] + a[keys[1]] - a[keys[2]] + a["temp_size_in_bytes"]
+    for a in analyses
+    if a and all(k in a for k in (*keys, "temp_size_in_bytes"))
+  ]
+  return max(totals) if totals else None
+
+
+def device_memory() -> dict[str, int]:
+  """The largest ``bytes_in_use`` and ``peak_bytes_in_use`` of this process's devices
+  (each key absent where the backend does not report it: CPU)."""
+  out: dict[str, int] = {}
+  for device in jax.local_devices():
+    stats = device.memory_stats() or {}
+    for key in ("bytes_in_use", "peak_bytes_in_use"):
+      if key in stats:
+        out[key] = max(out.get(key, 0), int(stats[key]))
+  return out
+
+
 def _xla_memory(compiled) -> dict[str, int] | None:
   try:
     mem = compiled.memory_analysis()
@@ -638,6 +691,7 @@ def _xla_memory(compiled) -> dict[str, int] | None:
     "temp_size_in_bytes",
     "generated_code_size_in_bytes",
     "alias_size_in_bytes",
+    "peak_memory_in_bytes",  # XLA's own liveness peak (newer JAX versions)
   )
   return {k: int(getattr(mem, k)) for k in keys if hasattr(mem, k)}
 
