@@ -92,7 +92,7 @@ ifeq ($(filter $(SCALE),full smoke standin),)
 $(error SCALE=$(SCALE): allowed are full, standin, smoke)
 endif
 
-.PHONY: lr_tune ablation
+.PHONY: lr_tune ablation curvature_every
 
 lr_tune: $(STAMP)
 	$(SWEEP_RUN) +sweep=lr_tune $(LR_TUNE_$(SCALE)) $(SWEEP_OVERRIDES)
@@ -115,6 +115,12 @@ table3 table4: $(STAMP)
 ablation: $(STAMP)
 	$(BEST_LR) $(R18_$(SCALE))
 	$(SWEEP_RUN) +sweep=ablation $(SWEEP_OVERRIDES)
+
+# Ginger tau=8 with the curvature updated every K in {1, 2, 4, 8} steps, and Adam, on ResNet-18
+# (10 epochs at SCALE=standin): the accuracy and time cost of K (curvature_every_*.md).
+curvature_every: $(STAMP)
+	$(BEST_LR) $(R18_$(SCALE))
+	$(SWEEP_RUN) +sweep=curvature_every $(SWEEP_OVERRIDES)
 
 # Every table and plot: your runs (outputs/, multirun/: the paper's tables, and stand-in tables
 # for any other set of runs), and the committed stand-in campaign (results/cifar10/runs/),

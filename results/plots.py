@@ -38,7 +38,7 @@ from results import tables  # noqa: E402
 from training import run_record  # noqa: E402
 
 DEFAULT_OUT = "results/plots"
-LABEL_KEYS = ("optimizer", "tau", "alpha", "rho", "block", "gamma", "lr")
+LABEL_KEYS = ("optimizer", "tau", "alpha", "rho", "block", "gamma", "lr", "curvature_every")
 GROUP_KEYS = ("sweep", "experiment", "dataset", "model", "setting", "length")
 VAL_METRICS = ("val_accuracy", "rougeL")
 METRIC_NAMES = {"val_accuracy": "val. accuracy (%)", "rougeL": "ROUGE-L (%)"}
@@ -353,7 +353,7 @@ def plot_final_vs_tau(runs: Sequence[tables.Run], out: Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- time to accuracy
 
-TABLE_SWEEPS = ("table1", "table2", "table34", "ablation")
+TABLE_SWEEPS = ("table1", "table2", "table34", "ablation", "curvature_every")
 
 
 def first_time_at(series: Series, level: float) -> float:
@@ -363,6 +363,18 @@ def first_time_at(series: Series, level: float) -> float:
     return math.nan
   hit = np.flatnonzero(np.nan_to_num(value, nan=-np.inf) >= level)
   return float(wall[hit[0]]) if hit.size else math.nan
+
+
+def accuracy_times(series: Series, levels: Sequence[float]) -> dict[str, float] | None:
+  """One run's validation accuracy over time: its best ("best"), last ("final"), the
+  wall-clock seconds to first reach its best ("to_best") and each level (``str(level)``; NaN
+  if never). None for runs without accuracy evaluations (seq2seq runs)."""
+  if series.eval_metric != "val_accuracy":
+    return None
+  value = series.eval["value"]
+  best = float(np.nanmax(value))
+  times = {"best": best, "final": float(value[-1]), "to_best": first_time_at(series, best)}
+  return times | {str(level): first_time_at(series, level) for level in levels}
 
 
 def time_to_accuracy(
@@ -379,15 +391,12 @@ def time_to_accuracy(
     labels = config_labels([m.meta for m in members])
     rows: dict[str, dict[str, list[float]]] = {}
     for info, label in zip(members, labels, strict=True):
-      series = read_series(info.path)
-      if series.eval_metric != "val_accuracy":
+      times = accuracy_times(read_series(info.path), levels)
+      if times is None:
         continue
       row = rows.setdefault(label, {"best": [], "to_best": [], **{str(v): [] for v in levels}})
-      best = float(np.nanmax(series.eval["value"]))
-      row["best"].append(best)
-      row["to_best"].append(first_time_at(series, best))
-      for level in levels:
-        row[str(level)].append(first_time_at(series, level))
+      for key, values in row.items():
+        values.append(times[key])
     if rows:
       report[name] = [{"config": label, **values} for label, values in rows.items()]
   return report

@@ -40,7 +40,9 @@ TAUS = (1, 2, 4, 8, 16, 32)
 SENSITIVITY_ALPHAS = (0.9, 0.99, 0.999)
 SENSITIVITY_TAUS = (2, 4, 8)
 PAPER_ALPHA = 0.99  # the paper's "second moment" for all optimizers
-EXCLUDED_SWEEPS = frozenset({"lr_tune"})  # never enter a paper table
+# Never in a paper table: lr_tune's candidates, and the studies beyond the paper, which have
+# their own tables (curvature_every: build_curvature_every).
+EXCLUDED_SWEEPS = frozenset({"lr_tune", "curvature_every"})
 DONE_STATUSES = ("completed", None)  # a summary without "status" counts as completed
 SKIP_DIRS = frozenset({"checkpoints", "wandb"})
 CONFIG_KEYS = (
@@ -200,15 +202,16 @@ def select_runs(
 ) -> Selection:
   """Completed runs matching `criteria` ({run field: value or tuple of values}).
 
-  Runs of an excluded sweep (lr_tune) never count. Runs of one of `sweeps` are preferred over
-  others. If the remaining runs hold several configurations (e.g. two learning rates), the one
-  with the most seeds (then the newest) is used and the note says so.
+  Runs of an excluded sweep (lr_tune, curvature_every) count only where `sweeps` names that
+  sweep. Runs of one of `sweeps` are preferred over others. If the remaining runs hold several
+  configurations (e.g. two learning rates), the one with the most seeds (then the newest) is
+  used and the note says so.
   """
   pool = [
     r
     for r in runs
     if is_done(r)
-    and rfield(r, "sweep") not in EXCLUDED_SWEEPS
+    and (rfield(r, "sweep") not in EXCLUDED_SWEEPS or rfield(r, "sweep") in sweeps)
     and all(_accepts(rfield(r, k), w) for k, w in criteria.items())
   ]
   pool = [r for r in pool if rfield(r, "sweep") in sweeps] or pool
@@ -812,6 +815,130 @@ def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) 
   return _finish(table, used, [])
 
 
+# ----------------------------------------------------------------------------- curvature every K
+
+CURVATURE_EVERY_SWEEP = "curvature_every"
+CURVATURE_EVERY_LEVEL = 85.0  # % validation accuracy: the issue's time-to-accuracy mark
+CURVATURE_EVERY_ROW = ("model", "optimizer", "tau", "curvature_every")
+
+
+def _finite(values: Iterable[Any]) -> list[float]:
+  return [float(v) for v in values if is_number(v) and math.isfinite(v)]
+
+
+def _times_cell(values: Sequence[float], n: int) -> str:
+  """Mean ± std of the seeds that got there, "(k/n seeds)" when not all did; "never"."""
+  reached = _finite(values)
+  if not reached:
+    return "never" if n else ""
+  text = fmt_stat(aggregate(reached), "f0")
+  return text if len(reached) == n else f"{text} ({len(reached)}/{n} seeds)"
+
+
+def _accuracy_times(run: Run, levels: Sequence[float]) -> dict[str, float] | None:
+  """results/plots.py's accuracy_times of the run's metrics.jsonl (None without one)."""
+  from results import plots  # imported here: plots imports this module (and matplotlib)
+
+  return plots.accuracy_times(plots.read_series(run["path"]), levels)
+
+
+def build_curvature_every(
+  runs: Sequence[Run], dataset: str, length: str | None, level: float = CURVATURE_EVERY_LEVEL
+) -> Table:
+  """Ginger with the curvature updated every K steps (sweep curvature_every), beside Adam.
+
+  One row per (model, optimizer, tau, K) among the completed runs of the sweep at this
+  dataset and run length: best and final validation accuracy (mean ± sample std over seeds),
+  the median step time (each run's median, then the mean over seeds) and its ratio to Adam's
+  (same model, same table), and the wall-clock seconds from the run's start to the first
+  evaluation at ``level`` % and at the run's best (results/plots.py's time to accuracy).
+  """
+  protocol = image_protocol(dataset, length)
+  mine = [
+    r
+    for r in runs
+    if rfield(r, "sweep") == CURVATURE_EVERY_SWEEP and is_done(r) and matches(r, protocol)
+  ]
+  keys = sorted(
+    {tuple(rfield(r, k) for k in CURVATURE_EVERY_ROW) for r in mine},
+    key=lambda k: (sort_key(k[0]), k[1] != "adam", tuple_key(k[1:])),
+  )
+  what = ", ".join(
+    str(x) for x in (DATASET_NAMES.get(dataset, dataset), length and length_text(length)) if x
+  )
+  title = (
+    f"Ginger with the curvature updated every K steps, {what} - beyond the paper "
+    "(it updates every step), NOT COMPARABLE with its numbers"
+  )
+  caption = (
+    "K = curvature_every: Ginger's d-pass and curvature update on steps 0, K, 2K, ... only, "
+    "every step preconditioned with the current curvature (K = 1: the paper). Best / final "
+    "acc = best / last validation accuracy (%); ms/step = median step time; × Adam = its "
+    f"ratio to Adam's; s to {level:g}% / s to best = wall-clock seconds from the run's start "
+    "(compilation and evaluations included) to the first evaluation at that accuracy / at "
+    "the run's best (mean over the seeds that got there). ± = sample std over seeds; "
+    "timings are only comparable on one kind of device (see the last note)."
+  )
+  labels = ["K", "seeds", "Best acc", "Final acc", "ms/step", "× Adam"]
+  labels += [f"s to {level:g}%", "s to best"]
+  table = Table(
+    f"curvature_every_{slug(dataset)}" + (f"_{slug(length)}" if length else ""),
+    title,
+    caption,
+    "Optimizer",
+    [Column("", label) for label in labels],
+  )
+  models = {k[0] for k in keys}
+  adam_ms: dict[Any, float | None] = {}
+  used, notes, previous_model = [], [], None
+  for key in keys:
+    model, optimizer, tau, every = key
+    crit = {**protocol, **dict(zip(CURVATURE_EVERY_ROW, key, strict=True))}
+    sel = select_runs(mine, crit, (CURVATURE_EVERY_SWEEP,))
+    times = [_accuracy_times(r, (level,)) or {} for r in sel.runs]
+    ms = aggregate(1e3 * r["step_time_s"] for r in sel.runs if is_number(r.get("step_time_s")))
+    if optimizer == "adam":
+      adam_ms[model] = ms.mean
+    ratio = ms.mean / adam_ms[model] if ms.mean and adam_ms.get(model) else None
+    label = optimizer_label(optimizer, tau)
+    if len(models) > 1:
+      label = f"{MODEL_NAMES.get(model, model)} {label}"
+    n = len(sel.runs)
+    cells = [
+      "" if optimizer != "ginger" else str(every),
+      ", ".join(str(rfield(r, "seed")) for r in sel.runs),
+      fmt_stat(aggregate(r.get("best_val_accuracy") for r in sel.runs), "f2"),
+      fmt_stat(aggregate(_finite(t.get("final") for t in times)), "f2"),
+      fmt_stat(ms, "f1"),
+      fmt_num(ratio, "f2"),
+      _times_cell([t.get(str(level)) for t in times], n),
+      _times_cell([t.get("to_best") for t in times], n),
+    ]
+    new_model = bool(table.rows) and model != previous_model
+    table.rows.append(Row(label, cells, rule_before=new_model))
+    previous_model = model
+    used += sel.runs
+    if sel.note:
+      notes.append(f"{label}, K={every}: {sel.note}.")
+  if not table.rows:
+    table.notes.append("No completed runs of the curvature_every sweep at this length yet.")
+  return _finish(table, used, notes)
+
+
+def curvature_every_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
+  """(file name, table) per (dataset, run length) of the curvature_every sweep's runs."""
+  found = {
+    (rfield(r, "dataset"), rfield(r, "length"))
+    for r in runs
+    if rfield(r, "sweep") == CURVATURE_EVERY_SWEEP and is_done(r) and rfield(r, "setting") is None
+  }
+  out = []
+  for dataset, length in sorted(found, key=tuple_key):
+    table = build_curvature_every(runs, dataset, length)
+    out.append((table.name, table))
+  return out
+
+
 def build_all(
   runs: Sequence[Run],
   dataset: str = "cifar100",
@@ -1065,7 +1192,7 @@ def tables_to_write(args: argparse.Namespace, runs: Sequence[Run]) -> list[tuple
       ("table4" + suffix, build_table4(runs, args.dataset, models[0], args.length)),
     ]
   paper = [] if args.standin_only else [(t.name, t) for t in build_all(runs, flops=args.flops)]
-  return paper + standin_tables(runs, args.flops)
+  return paper + standin_tables(runs, args.flops) + curvature_every_tables(runs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

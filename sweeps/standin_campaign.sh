@@ -3,6 +3,7 @@
 # 30 epochs, through the repository's own sweeps and GPU pool (one job per GPU), phase by phase:
 #
 #   bash sweeps/standin_campaign.sh lr_tune table1_r18 table34 table1_r50 ablation table2
+#   SEEDS=0,1 bash sweeps/standin_campaign.sh curvature_every   # Ginger tau=8, K=1,2,4,8; 10 epochs
 #
 # Every phase is a `make` target's sweep at SCALE=standin; completed runs are skipped, so a phase
 # cut short is continued by running it again. Env: GINGER_DATA (the folder holding
@@ -28,7 +29,10 @@ for phase in "$@"; do
     table34) pool +sweep=table34 seed=$SEEDS ;;
     ablation) pool +sweep=ablation seed=$SEEDS ;;
     table2) pool +sweep=table2 "+sweep/arm=$ARMS" seed=$SEEDS ;;
-    *) echo "unknown phase $phase (lr_tune table1_r18 table1_r50 table34 ablation table2)"; exit 2 ;;
+    curvature_every)  # the sweep lists its arms longest first (K = 1, 2, 4, 8, then Adam)
+      pool +sweep=curvature_every seed=$SEEDS ;;
+    *) echo "unknown phase $phase (lr_tune table1_r18 table1_r50 table34 ablation table2" \
+      "curvature_every)"; exit 2 ;;
   esac || status=1
 done
 echo "=== $(date -u +%FT%TZ) done (status $status)"

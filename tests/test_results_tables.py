@@ -377,3 +377,89 @@ def test_curvature_every_is_part_of_a_cells_identity(tmp_path: Path) -> None:
   sel = tables.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "ginger", "tau": 4})
   assert sorted(r["best_val_accuracy"] for r in sel.runs) == [72.0, 74.0]
   assert "2 configurations matched" in sel.note and "curvature_every=1" in sel.note
+
+
+def curvature_every_runs(root: Path) -> Path:
+  """The curvature_every sweep at 10 epochs: Adam and Ginger tau=8 at K = 1, 4 (seeds 0, 1),
+  K = 8 (seed 0 only, never reaching 85 %), and a K=2 run that diverged."""
+  base = {"dataset": "cifar10", "model": "resnet18", "sweep": "curvature_every", "alpha": 0.99}
+  ginger = {**base, "optimizer": "ginger", "tau": 8, "lr": 5e-4, "gamma": 1e-5, "rho": 1.0}
+  config = {"config": {"epochs": 10, "max_steps": None}}
+
+  def evals(accuracies: list[float], seconds: float) -> list[dict]:
+    """One eval per epoch, `seconds` apart, with these accuracies."""
+    return [
+      {"event": "eval", "step": 390 * (i + 1), "wall_time_s": seconds * (i + 1), "val_accuracy": a}
+      for i, a in enumerate(accuracies)
+    ]
+
+  adam = {**base, "optimizer": "adam", "alpha": None}
+  arms = [
+    ("adam", adam, [(60.0, 80.0, 86.0, 85.0), (62.0, 84.0, 85.5, 87.0)], (6e-3, 6.2e-3), 3.0),
+    ("k1", {**ginger, "curvature_every": 1}, [(70, 85, 88, 87), (70, 86, 89, 89)], (1e-2,) * 2, 5),
+    ("k4", {**ginger, "curvature_every": 4}, [(70, 84, 87, 87), (71, 85, 86, 85)], (7e-3,) * 2, 4),
+    ("k8", {**ginger, "curvature_every": 8}, [(60, 70, 80, 84)], (6.6e-3,), 3.5),
+  ]
+  for name, run, accuracy_runs, step_times, seconds in arms:
+    for seed, (accuracies, step_time) in enumerate(zip(accuracy_runs, step_times, strict=True)):
+      make_run(
+        root,
+        f"{name}/seed={seed}",
+        {**run, "seed": seed},
+        events=evals(list(accuracies), seconds),
+        best_val_accuracy=max(accuracies),
+        step_time_s=step_time,
+        **config,
+      )
+  make_run(
+    root,
+    "k2/seed=0",
+    {**ginger, "curvature_every": 2},
+    status="failed",
+    best_val_accuracy=10.0,
+    **config,
+  )
+  return root
+
+
+def test_curvature_every_table(tmp_path: Path) -> None:
+  runs = tables.collect_runs([curvature_every_runs(tmp_path)])
+  (name, table), *others = tables.curvature_every_tables(runs)
+  assert name == "curvature_every_cifar10_10ep" and not others
+  md = tables.to_markdown(table)
+  assert "CIFAR-10, 10 epochs" in table.title and "NOT COMPARABLE" in table.title
+  header = (
+    "| Optimizer | K | seeds | Best acc | Final acc | ms/step | × Adam | s to 85% | s to best |"
+  )
+  rows = [
+    # Adam: best 86.0 at 9 s and 87.0 at 12 s; 85 % first at 9 s in both.
+    "| Adam |  | 0, 1 | 86.50 ± 0.71 | 86.00 ± 1.41 | 6.1 ± 0.1 | 1.00 | 9 ± 0 | 10 ± 2 |",
+    "| Ginger (τ=8) | 1 | 0, 1 | 88.50 ± 0.71 | 88.00 ± 1.41 | 10.0 ± 0.0 | 1.64 | 10 ± 0 "
+    "| 15 ± 0 |",
+    "| Ginger (τ=8) | 4 | 0, 1 | 86.50 ± 0.71 | 86.00 ± 1.41 | 7.0 ± 0.0 | 1.15 | 10 ± 3 "
+    "| 12 ± 0 |",
+    # One seed, never at 85 %; the diverged K=2 run has no row.
+    "| Ginger (τ=8) | 8 | 0 | 84.00 | 84.00 | 6.6 | 1.08 | never | 14 |",
+  ]
+  assert md.split("\n")[4 : 4 + 2 + len(rows)] == [header, "|---|" + "---:|" * 8, *rows]
+  assert "K=2" not in md and "| 2 |" not in md
+  assert "NVIDIA H100 (7)" in table.notes[-1]  # provenance: the 7 runs used
+
+
+def test_curvature_every_runs_enter_no_other_table(tmp_path: Path) -> None:
+  """Its K=1 and Adam runs are 10-epoch runs of the sweep: no Table 1 at 10 epochs from them,
+  and a Table 1 cell at 30 epochs never takes one."""
+  root = curvature_every_runs(tmp_path / "runs")
+  runs = tables.collect_runs([root])
+  assert tables.standin_tables(runs) == []
+  assert tables.tabulated(runs) == []
+  crit = {"dataset": "cifar10", "optimizer": "adam"}
+  assert tables.select_runs(runs, crit).runs == []
+  assert len(tables.select_runs(runs, crit, ("curvature_every",)).runs) == 2
+  out = tmp_path / "out"
+  assert tables.main([str(root), "--out", str(out), "--standin-only"]) == 0
+  assert sorted(p.name for p in out.iterdir()) == [
+    "curvature_every_cifar10_10ep.md",
+    "curvature_every_cifar10_10ep.tex",
+  ]
+  assert r"\times" in (out / "curvature_every_cifar10_10ep.tex").read_text()
