@@ -10,8 +10,9 @@ Writes PNGs (matplotlib, Agg backend):
   numbers dashed only for runs of the paper's protocol, every other set (a stand-in dataset or
   schedule: the run length in the file name) titled NOT COMPARABLE;
 - `time_to_accuracy_<experiment>.png` and `.md`: for each optimizer configuration of a table
-  sweep (mean over seeds), the wall-clock seconds from the run's start (compilation and
-  evaluations included) until the validation accuracy first reached each level;
+  sweep or the curvature_every sweep (mean over seeds), the wall-clock seconds from the run's
+  start (compilation and evaluations included) until the validation accuracy first reached
+  each level;
 - `spectrum_<run>.png`: Ginger's curvature eigenvalues sigma (one line per index, log y) against
   step for a few parameter blocks of a run, from the "spectrum" events of metrics.jsonl.
 Missing files, keys or events only leave a panel (or a figure) out.

@@ -14,7 +14,9 @@ Only runs of the paper's protocol (its dataset, model and run length: CIFAR-100 
 pretrained t5-small on XSUM for 1 epoch) fill the paper's tables. Every other set of runs (a
 stand-in dataset, a random-init model, a shorter schedule) gets its own tables, one set per
 (dataset, run length), named after both (``table1_cifar10_30ep.md``) and titled NOT COMPARABLE.
-Runs of different lengths never share a cell.
+Runs of different lengths never share a cell. Runs of the curvature_every sweep (Ginger with the
+curvature updated every K steps, beyond the paper) enter only their own table,
+``curvature_every_<dataset>_<length>.md``.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -85,3 +86,30 @@ def test_make_target_and_campaign_phase() -> None:
   ).stdout
   expected = "-m sweeps.gpu_pool -- scale=standin logger=none +sweep=curvature_every seed=0,1"
   assert expected in campaign
+
+
+def test_plots_tell_the_periods_apart(tmp_path: Path) -> None:
+  """Curves and time to accuracy of the sweep: one line per K (not one 'ginger τ=8')."""
+  from results import plots
+
+  metas = [{"optimizer": "ginger", "tau": 8, "curvature_every": k, "lr": 5e-4} for k in (1, 4)] + [
+    {"optimizer": "adam", "tau": None, "curvature_every": None, "lr": 1e-3}
+  ]
+  assert plots.config_labels(metas) == [
+    "ginger τ=8 curvature_every=1",
+    "ginger τ=8 curvature_every=4",
+    "adam",
+  ]
+  series = plots.Series(
+    eval={
+      "step": np.array([1.0, 2.0, 3.0]),
+      "wall": np.array([10.0, 20.0, 30.0]),
+      "value": np.array([80.0, 90.0, 86.0]),
+    },
+    eval_metric="val_accuracy",
+  )
+  times = plots.accuracy_times(series, (85.0, 95.0))
+  assert times["best"] == 90.0 and times["final"] == 86.0 and times["to_best"] == 20.0
+  assert times["85.0"] == 20.0 and np.isnan(times["95.0"])
+  assert plots.accuracy_times(plots.Series(eval_metric="rougeL"), (85.0,)) is None
+  assert "curvature_every" in plots.TABLE_SWEEPS
