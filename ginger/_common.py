@@ -15,6 +15,8 @@ import optax
 
 BLOCKS = ("per_tensor", "global")
 EIGENSOLVERS = ("secular", "dense")
+# How the passes over U run (ginger.kernels): "auto" is "pallas" on GPUs, "jnp" elsewhere.
+PASSES = ("jnp", "pallas", "auto")
 
 
 def _concrete(x) -> float | None:
@@ -72,6 +74,15 @@ def check_every(name: str, value) -> int:
 def check_eigensolver(name) -> str:
   if name not in EIGENSOLVERS:
     raise ValueError(f"eigensolver must be one of {EIGENSOLVERS}, got {name!r}.")
+  return name
+
+
+def check_passes(name) -> str:
+  if not isinstance(name, str) or name not in PASSES:
+    raise ValueError(
+      f"passes must be one of {PASSES} (how the passes over U run: jnp = XLA's fusions, "
+      f"pallas = fused Pallas kernels, auto = pallas on GPUs, jnp elsewhere), got {name!r}."
+    )
   return name
 
 

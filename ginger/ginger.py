@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ginger import _common, lowrank
+from ginger import _common, kernels, lowrank
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -99,6 +99,7 @@ def scale_by_ginger(
   reorthonormalise_every: int = 1000,
   eigensolver: str = "secular",
   curvature_every: int | None = None,
+  passes: str = "jnp",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Preconditions updates by Ginger's damped low-rank curvature model.
 
@@ -138,6 +139,14 @@ def scale_by_ginger(
       K-th step only and skips the ``d_t`` backward pass on the others. Which steps get one
       is the caller's choice (it is static under ``jit``: compile one step with and one
       without ``fisher_grads``).
+    passes: how the passes over ``U`` run (:mod:`ginger.kernels`): ``"jnp"`` (default) as
+      jnp expressions that XLA fuses; ``"pallas"`` as fused Pallas kernels (Triton on GPUs,
+      interpreted elsewhere: a test harness, slow); ``"auto"``: ``"pallas"`` on GPUs,
+      ``"jnp"`` elsewhere. Both agree to float32 summation order. Either way the rotation
+      of ``U`` is written in place when the state is donated to the jitted step (the Pallas
+      kernel aliases ``U``; the jnp path rotates large buckets in row blocks). A
+      ``pallas_call`` cannot be split by GSPMD: do not shard this state over several
+      devices with ``"pallas"``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -149,6 +158,7 @@ def scale_by_ginger(
   state_dtype = _common.check_dtype(state_dtype)
   _common.check_eigensolver(eigensolver)
   curvature_every = _common.check_every("curvature_every", curvature_every)
+  _common.check_passes(passes)
   if _common._concrete(reorthonormalise_every) is not None and reorthonormalise_every < 1:
     raise ValueError(f"reorthonormalise_every must be >= 1, got {reorthonormalise_every}.")
 
@@ -170,10 +180,11 @@ def scale_by_ginger(
     del params, extra_args
     layout = state.u.layout
     gs = _common.gather(layout, _common.flat_vectors(updates, state_dtype)[0])
+    impl = kernels.resolve_impl(passes, None)  # on the backend the step is traced for
     if fisher_grads is None and curvature_every > 1:  # no curvature update this step
       sigmas = _sigma_stacks(layout, state.sigma, block)
       outs = [
-        lowrank.precondition(u, s, g, gamma)
+        kernels.precondition(u, s, g, gamma, impl=impl[0], interpret=impl[1])
         for u, s, g in zip(state.u.stacks, sigmas, gs, strict=True)
       ]
       return _common.unflatten_like(_common.scatter(layout, outs), updates), state
@@ -189,7 +200,9 @@ def scale_by_ginger(
       us,
       sigmas,
     )
-    new_us, outs, new_sigmas = brand_step(us, factors, vs, gs, alpha, gamma, eigensolver)
+    new_us, outs, new_sigmas = brand_step(
+      us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1]
+    )
     if block == "per_tensor":
       sigma = jax.tree.unflatten(
         jax.tree.structure(state.sigma), _per_leaf(layout, [s for st in new_sigmas for s in st])
@@ -202,25 +215,32 @@ def scale_by_ginger(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def brand_step(us, factors, vs, gs, alpha, gamma, eigensolver="secular"):
+def brand_step(
+  us, factors, vs, gs, alpha, gamma, eigensolver="secular", *, impl="jnp", interpret=False
+):
   """One curvature update and preconditioning for every bucket.
 
   ``factors[b] = (Q, sigma)``: the step works with the orthonormal basis ``U Q`` (``Q = I``
   except on re-orthonormalisation steps), folded into the small matrices so that ``U Q`` is
   never formed. Per bucket: pass 1 gives ``c = U^T v`` and ``y = U^T g``; pass 2 the CGS2
-  correction ``c2 = U^T p1`` and norms; then, for all blocks of one rank at once, Brand's core
-  and its eigenpairs; pass 3 writes ``U' = [U p] V[:, :k]`` and ``G'^{-1} g``, where
-  ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further pass. Returns
-  ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
+  correction ``c2 = U^T p1`` and norms, and ``p1`` itself; then, for all blocks of one rank at
+  once, Brand's core and its eigenpairs; pass 3 writes ``U' = [U p] V[:, :k]`` (over ``U``)
+  and ``G'^{-1} g``, where ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further pass. Pass 3
+  reads pass 2's ``p1`` rather than recomputing it, so that it removes the rounding that pass
+  2 measured from the very same ``p1`` (CGS2), whatever the compiler fuses. The passes run
+  with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`).
+  Returns ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
   """
+  kw = dict(impl=impl, interpret=interpret)
   qs = [q for q, _ in factors]
-  first = [lowrank.project_pair(u, v, g) for u, v, g in zip(us, vs, gs, strict=True)]
+  first = [kernels.project_pair(u, v, g, **kw) for u, v, g in zip(us, vs, gs, strict=True)]
   small = [_before_residual(cu, yu, l1, q) for (cu, yu, l1), q in zip(first, qs, strict=True)]
   second = [
-    lowrank.residual_sums(u, v, g, s["a1"], s["inv_l1"])
+    kernels.residual_sums(u, v, g, s["a1"], s["inv_l1"], with_p1=True, **kw)
     for u, v, g, s in zip(us, vs, gs, small, strict=True)
   ]
-  for s, (c2u, pp, pg, vv), (q, sigma) in zip(small, second, factors, strict=True):
+  p1s = [p1 for *_, p1 in second]
+  for s, (c2u, pp, pg, vv, _), (q, sigma) in zip(small, second, factors, strict=True):
     s.update(c2=lowrank.small_matvec(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
   # Brand's cores of all blocks of one rank share one batched solve.
   by_rank: dict[int, list[int]] = defaultdict(list)
@@ -236,9 +256,9 @@ def brand_step(us, factors, vs, gs, alpha, gamma, eigensolver="secular"):
     ):
       coefs[b] = part
   new_us, outs = [], []
-  for u, v, g, s, co in zip(us, vs, gs, small, coefs, strict=True):
-    u_new, out = lowrank.rotate_and_precondition(
-      u, v, g, s["a1"], s["inv_l1"], co["a2"], co["inv_r"], co["rot"], co["b"], co["z"], gamma
+  for u, p1, g, co in zip(us, p1s, gs, coefs, strict=True):
+    u_new, out = kernels.rotate_from_residual(
+      u, p1, g, co["a2"], co["inv_r"], co["rot"], co["b"], co["z"], gamma, **kw
     )
     new_us.append(u_new)
     outs.append(out)
@@ -409,6 +429,7 @@ def ginger(
   reorthonormalise_every: int = 1000,
   eigensolver: str = "secular",
   curvature_every: int | None = None,
+  passes: str = "jnp",
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Ginger optimizer as the authors compose it.
 
@@ -425,8 +446,7 @@ def ginger(
   Args:
     learning_rate: a scalar or an optax schedule.
     tau, alpha, gamma, block, state_dtype, reorthonormalise_every, eigensolver,
-    curvature_every: see
-      :func:`scale_by_ginger`.
+    curvature_every, passes: see :func:`scale_by_ginger`.
     b1: momentum (EMA) decay of the gradient, bias-corrected.
     rho: if set, clip every update entry to ``[-rho, rho]`` before the learning rate.
   """
@@ -444,6 +464,7 @@ def ginger(
       reorthonormalise_every=reorthonormalise_every,
       eigensolver=eigensolver,
       curvature_every=curvature_every,
+      passes=passes,
     ),
     optax.clip(rho) if rho is not None else optax.identity(),
     optax.scale_by_learning_rate(learning_rate),

@@ -27,7 +27,12 @@ The passes (``a``, ``rot``, ``b``, ``z`` are per-block small operands, ``(blocks
     precondition:             (g - U diag(w) U^T g) / gamma                 (reads U twice)
 
 Pass 3 is row-local: its ``pallas`` kernel writes ``U'`` over ``U`` (``input_output_aliases``),
-so with the state donated to the jitted step no second ``U`` is allocated.
+so with the state donated to the jitted step no second ``U`` is allocated. The ``jnp``
+:func:`rotate_from_residual` gets the same from XLA: on a ``U`` of more than
+:data:`ROW_BLOCK_ELEMENTS` elements it applies the reference formula to row blocks in a
+``fori_loop`` that writes each block back into the loop-carried ``U``
+(``dynamic_update_slice``, which XLA does in place), so at most one block of ``U'`` is alive
+besides ``U`` (rows are independent, so the blocks give bit for bit the same ``U'``).
 
 Passes 2 and 3 must see the same rounded ``p1``: pass 2 measures its rounding along ``U``
 (``c2 = U^T p1``) and pass 3 removes it (``p1 - U c2``; CGS2). ``rotate_and_precondition``
@@ -46,6 +51,7 @@ kernels, ``p1`` rounded to bfloat16 like the reference's), or float64 (interpret
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +65,11 @@ TILE_ELEMENTS = 4096
 # Tiles a program streams through (its rows are STEPS * tile).
 STEPS = 4
 NUM_WARPS = 4
+# The jnp rotation of a U with more elements than this runs in row blocks of about this many
+# elements, written in place (a second U of this size is the most it keeps alive), in at most
+# MAX_ROW_BLOCKS blocks (each one a loop iteration: a few kernel launches on a GPU).
+ROW_BLOCK_ELEMENTS = 1 << 22
+MAX_ROW_BLOCKS = 16
 
 
 # ---- arguments -------------------------------------------------------------------------------
@@ -158,6 +169,60 @@ def _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma):
   u_new = _rowmatmul(u, rot) + p[..., None] * b[..., None, :]
   out = (g - jnp.sum(u_new * z[..., None, :], axis=-1)) / gamma[..., None]
   return u_new, out
+
+
+def row_block(shape, rows_per_block: int | None = None) -> int:
+  """Rows per block of the jnp rotation of a ``U`` of ``shape`` (``(..., n, k)``): all ``n``
+  (one block) up to :data:`ROW_BLOCK_ELEMENTS` elements, else ``n`` split into at most
+  :data:`MAX_ROW_BLOCKS` blocks of about that many elements. ``rows_per_block`` overrides it."""
+  n = shape[-2]
+  if rows_per_block is not None:
+    if (
+      isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or rows_per_block < 1
+    ):
+      raise ValueError(f"rows_per_block must be an int >= 1 or None, got {rows_per_block!r}.")
+    return min(rows_per_block, max(n, 1))
+  total = math.prod(shape)
+  blocks = min(MAX_ROW_BLOCKS, -(-total // ROW_BLOCK_ELEMENTS))
+  return max(1, -(-n // max(blocks, 1)))
+
+
+def _rotate_in_row_blocks(u, p1, g, a2, inv_r, rot, b, z, gamma, *, rows_per_block=None):
+  """:func:`_rotate_from_residual_jnp` over blocks of rows, each written back into ``U``.
+
+  Every row of ``U'`` and of the output depends only on the same row of ``U``, ``p1`` and
+  ``g`` (and the small operands), so applying the formula block by block computes each entry
+  with the same operations as on the whole array. The blocks run in a ``fori_loop`` whose carry
+  is ``U`` itself: XLA updates a loop-carried buffer in place, so the rotation keeps one block
+  of ``U'`` alive besides ``U`` (with ``U`` donated, not even ``U``'s copy); the rows past the
+  last whole block are one more block after the loop.
+  """
+  n = u.shape[-2]
+  rows = row_block(u.shape, rows_per_block)
+  if rows >= n:
+    return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma)
+  row_axis = u.ndim - 2
+  small = (a2, inv_r, rot, b, z, gamma)
+
+  def rotate(start, size, u, out):
+    def rows_of(x, axis):
+      return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+    u_new, o = _rotate_from_residual_jnp(
+      rows_of(u, row_axis), rows_of(p1, row_axis), rows_of(g, row_axis), *small
+    )
+    return (
+      jax.lax.dynamic_update_slice_in_dim(u, u_new, start, row_axis),
+      jax.lax.dynamic_update_slice_in_dim(out, o, start, row_axis),
+    )
+
+  whole = n // rows
+  u, out = jax.lax.fori_loop(
+    0, whole, lambda i, c: rotate(i * rows, rows, *c), (u, jnp.zeros(g.shape, g.dtype))
+  )
+  if whole * rows < n:
+    u, out = rotate(whole * rows, n - whole * rows, u, out)
+  return u, out
 
 
 def _rotate_and_precondition_jnp(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
@@ -583,16 +648,20 @@ def rotate_and_precondition(
 
 
 def rotate_from_residual(
-  u, p1, g, a2, inv_r, rot, b, z, gamma, *, impl="auto", interpret=None, tile=None, steps=None
-):
+  u, p1, g, a2, inv_r, rot, b, z, gamma, *, impl="auto", interpret=None, tile=None, steps=None,
+  rows_per_block=None,
+):  # fmt: skip
   """Pass 3 from pass 2's ``p1`` (``residual_sums(..., with_p1=True)``): ``p = (p1 - U a2)
   inv_r``, ``U' = U rot + p b^T`` and ``(g - U' z) / gamma``. Same as
   :func:`rotate_and_precondition` with ``p1 = (v - U a1) inv_l1``; reads ``p1`` instead of
-  ``v``. ``U'`` is written into ``U``'s buffer as there."""
+  ``v``. ``U'`` is written into ``U``'s buffer as there: by the kernel (pallas), or block of
+  rows by block of rows in a loop (jnp, for a ``U`` of more than :data:`ROW_BLOCK_ELEMENTS`;
+  ``rows_per_block`` overrides the rows of a block, see :func:`row_block`)."""
   _check(u, {"p1": p1, "g": g}, {"a2": a2, "b": b, "z": z}, {"rot": rot})
   inv_r, gamma = _scalar("inv_r", inv_r, u), _scalar("gamma", gamma, u)
+  rows = row_block(u.shape, rows_per_block)  # checks rows_per_block before anything is traced
   return _dispatch(
-    _rotate_from_residual_jnp,
+    functools.partial(_rotate_in_row_blocks, rows_per_block=rows),
     functools.partial(_rotate_pallas, from_p1=True),
     u,
     (p1, g, a2, inv_r, rot, b, z, gamma),
@@ -615,11 +684,14 @@ def precondition(u, sigma, g, gamma, *, impl="auto", interpret=None, tile=None, 
 
 __all__ = [
   "IMPLS",
+  "MAX_ROW_BLOCKS",
+  "ROW_BLOCK_ELEMENTS",
   "precondition",
   "project_pair",
   "residual_sums",
   "resolve_impl",
   "rotate_and_precondition",
   "rotate_from_residual",
+  "row_block",
   "tiling",
 ]

@@ -244,6 +244,34 @@ def test_passes_two_and_three_agree_on_p1():
     assert np.all(got <= tol), (route, got.max(), tol.min())
 
 
+@pytest.mark.parametrize(("m", "n", "k", "rows"), [(1, 50, 3, 7), (3, 64, 8, 16), (2, 33, 33, 40)])
+def test_jnp_rotation_in_row_blocks(m, n, k, rows):
+  """The jnp rotation over row blocks written back into ``U`` (a loop; the in-place path of a
+  large ``U``) against the formula on the whole array: each row's entries are the same sums of
+  products, rounded alike up to fused multiply-adds, so the bound above holds (rows a multiple
+  of the block or not, one block larger than the rows)."""
+  x = random_inputs(11, m, n, k)
+  keys = ("u", "p1", "g", "a2", "inv_r", "rot", "b", "z", "gamma")
+
+  @jax.jit
+  def run(x):
+    blocked = kernels.rotate_from_residual(*(x[q] for q in keys), impl="jnp", rows_per_block=rows)
+    return blocked, kernels._rotate_from_residual_jnp(*(x[q] for q in keys))
+
+  blocked, whole = run(x)
+  assert_close("rotate_from_residual", x, blocked, whole)
+  assert kernels.row_block((m, n, k), rows) == min(rows, n)
+
+
+def test_row_block_sizes():
+  """Up to ROW_BLOCK_ELEMENTS one block; beyond, blocks of about that size, at most
+  MAX_ROW_BLOCKS of them."""
+  big = kernels.ROW_BLOCK_ELEMENTS
+  assert kernels.row_block((1, big // 8, 8)) == big // 8
+  assert kernels.row_block((2, big // 8, 8)) == big // 16
+  assert kernels.row_block((1, 1000 * big, 1)) == -(-1000 * big // kernels.MAX_ROW_BLOCKS)
+
+
 def test_bad_arguments():
   x = random_inputs(0, 1, 5, 2)
   with pytest.raises(ValueError, match="impl must be one of"):
@@ -258,6 +286,8 @@ def test_bad_arguments():
     kernels.project_pair(x["u"], x["v"].astype(jnp.bfloat16), x["g"])
   with pytest.raises(ValueError, match="tile must be a power of two"):
     kernels.project_pair(x["u"], x["v"], x["g"], impl="pallas", tile=24)
+  with pytest.raises(ValueError, match="rows_per_block must be an int >= 1"):
+    call("rotate_from_residual", x, rows_per_block=0)
 
 
 def test_defaults_off_gpu():

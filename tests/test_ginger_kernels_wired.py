@@ -1,0 +1,244 @@
+"""Whole Ginger updates with ``passes="pallas"`` (kernels interpreted on the CPU) against
+``passes="jnp"`` and the float64 definition; the ``passes`` argument; the in-place rotation.
+
+Tolerances. The two implementations evaluate the same sums in different orders (and with or
+without fused multiply-adds); tests/test_kernels.py bounds each pass's difference by
+``2 gamma_N A`` (Higham's bound, valid for every order). Through Brand's eigenproblem that
+difference is amplified by the conditioning of the eigenvectors (Davis-Kahan: a perturbation
+``e ||C||`` of the core turns its eigenvectors by ``~ e ||C|| / gap``), which has no closed
+form over a trajectory. So each implementation is held to the bound the jnp path is already
+held to against exact arithmetic (tests/test_ginger.py), and the two against each other to
+the sum of their bounds (triangle inequality):
+
+* float64 state (the kernels run in float64 in interpret mode): both within ``1e-8`` (relative
+  to ``max |G^{-1} g|``) of the dense float64 recursion, as in
+  ``test_matches_dense_reference_over_tau``, so within ``2e-8`` of each other. A wiring
+  mistake (a wrong operand, a pass of the wrong block, a lost tile) gives errors of order 1.
+* float32 state: within ``5e-4`` of the float64 definition, the bound of
+  ``test_float32_is_exact_from_the_first_step`` (justified there from float32 rounding and the
+  data's smallest kept eigenvalue gap), and exact zeros of ``sigma`` while the curvature's rank
+  is below ``tau`` (the deflation bookkeeping does not depend on summation order).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from reference import (
+  SubspaceGinger,
+  block_vectors,
+  ginger_direction,
+  ginger_step,
+  hard_fisher_vectors,
+)
+
+import ginger
+from ginger import kernels
+
+SHAPES = {"w": (19, 3), "b": (7,), "tiny": (2,)}  # 57 rows: several 16-row tiles, a masked tail
+
+
+def _blocks(n_leaves, block):
+  return [list(range(n_leaves))] if block == "global" else [[i] for i in range(n_leaves)]
+
+
+@functools.cache
+def _update(tau, block, passes, curvature_every, dtype):
+  tx = ginger.scale_by_ginger(
+    tau,
+    0.9,
+    1e-2,
+    block,
+    state_dtype=dtype,
+    reorthonormalise_every=3,  # every third step also runs the re-orthonormalising factors
+    curvature_every=curvature_every,
+    passes=passes,
+  )
+  return tx, jax.jit(tx.update), jax.jit(lambda g, s: tx.update(g, s))
+
+
+def _float64_trajectory(tau, block, passes, curvature_every, steps, seed=0):
+  """Outputs of ``steps`` updates (float64 state), and the dense reference's directions."""
+  rng = np.random.default_rng(seed)
+  params = {k: jnp.zeros(s, jnp.float64) for k, s in SHAPES.items()}
+  tx, with_d, without_d = _update(tau, block, passes, curvature_every, "float64")
+  state = tx.init(params)
+  blocks = _blocks(len(SHAPES), block)
+  dense = [np.zeros((len(v),) * 2) for v in block_vectors(jax.tree.leaves(params), blocks)]
+  outs, refs = [], []
+  for t in range(steps):
+    g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), params)
+    if t % curvature_every == 0:
+      d = jax.tree.map(lambda x, t=t: jnp.asarray((1.0 + t) * rng.normal(size=x.shape)), params)
+      out, state = with_d(g, state, fisher_grads=d)
+      ds = block_vectors(jax.tree.leaves(d), blocks)
+      dense = [ginger_step(m, x, 0.9, tau)[0] for m, x in zip(dense, ds, strict=True)]
+    else:
+      out, state = without_d(g, state)
+    gs = block_vectors(jax.tree.leaves(g), blocks)
+    outs.append(np.concatenate(block_vectors(jax.tree.leaves(out), blocks)))
+    refs.append(np.concatenate([ginger_direction(m, x, 1e-2) for m, x in zip(dense, gs)]))
+  return outs, refs, state
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+@pytest.mark.parametrize(("tau", "every"), [(1, 1), (8, 1), (8, 2)])
+def test_pallas_updates_match_jnp_and_dense_float64(x64, block, tau, every):
+  """``tau = 8`` over 11 curvature updates: the warm phase (rank below tau, ``sigma`` with
+  exact zeros) and the steady state; ``every = 2``: every other step preconditions only
+  (``kernels.precondition``)."""
+  steps = 11 * every
+  got, refs, p_state = _float64_trajectory(tau, block, "pallas", every, steps)
+  want, _, j_state = _float64_trajectory(tau, block, "jnp", every, steps)
+  for t, (p, j, ref) in enumerate(zip(got, want, refs, strict=True)):
+    scale = np.max(np.abs(ref))
+    assert np.max(np.abs(j - ref)) <= 1e-8 * scale, (t, "jnp")
+    assert np.max(np.abs(p - ref)) <= 1e-8 * scale, (t, "pallas")
+    assert np.max(np.abs(p - j)) <= 2e-8 * scale, t
+  # The curvature itself: same spectrum (exact zeros alike) and the same U diag(sigma) U^T.
+  for a, b in zip(
+    ginger.curvature_spectrum(p_state).values(),
+    ginger.curvature_spectrum(j_state).values(),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a) == 0, np.asarray(b) == 0)
+    np.testing.assert_allclose(a, b, rtol=2e-8, atol=2e-8 * float(jnp.max(b)))
+
+
+def _float32_errors(tau, block, passes, steps=12, sizes=(10, 37, 130)):
+  """Relative errors of float32 updates against the float64 definition, and whether ``sigma``
+  kept its exact zeros (the setting of test_ginger's float32 exactness test, smaller)."""
+  tx = ginger.scale_by_ginger(tau, 0.99, 1e-5, block, reorthonormalise_every=3, passes=passes)
+  update = jax.jit(tx.update)
+  state = tx.init([jnp.zeros(n) for n in sizes])
+  blocks = _blocks(len(sizes), block)
+  refs = [SubspaceGinger(sum(sizes[i] for i in b), tau, 0.99) for b in blocks]
+  rng = np.random.default_rng(tau)
+  scale = np.sqrt(1e5 * 1e-5 / (1 - 0.99))  # sigma_max / gamma ~ 1e5 at the first step
+  errors, outs = [], []
+  for t, (ds, gs) in enumerate(hard_fisher_vectors(rng, sizes, steps, scale)):
+    out, state = update(gs, state, fisher_grads=ds)
+    sigmas = [state.sigma] if block == "global" else state.sigma
+    for b, ref in zip(blocks, refs, strict=True):
+      cat = lambda xs, b=b: np.concatenate([np.asarray(xs[i], np.float64) for i in b])
+      ref.step(cat(ds))
+      expected = ref.direction(cat(gs), 1e-5)
+      errors.append(np.max(np.abs(cat(out) - expected)) / np.max(np.abs(expected)))
+      sigma = np.asarray(sigmas[b[0]] if block == "per_tensor" else sigmas[0])
+      assert np.all(sigma[t + 1 :] == 0), (passes, t, sigma)  # rank <= t + 1: exact zeros
+    outs.append(np.concatenate([np.asarray(x) for x in out]))
+  return np.array(errors), outs
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+@pytest.mark.parametrize("tau", [1, 8])
+def test_pallas_float32_is_exact_from_the_first_step(block, tau):
+  p_err, p_out = _float32_errors(tau, block, "pallas")
+  j_err, j_out = _float32_errors(tau, block, "jnp")
+  assert np.all(j_err < 5e-4), j_err
+  assert np.all(p_err < 5e-4), p_err
+  for t, (p, j) in enumerate(zip(p_out, j_out, strict=True)):
+    assert np.max(np.abs(p - j)) <= 1e-3 * np.max(np.abs(j)), t  # 2 x 5e-4, up to the scale
+
+
+@pytest.mark.parametrize("passes", ["triton", "", "JNP", None])
+def test_bad_passes_is_refused_up_front(passes):
+  for build in (
+    lambda: ginger.scale_by_ginger(4, passes=passes),
+    lambda: ginger.ginger(1e-3, passes=passes),
+  ):
+    with pytest.raises(ValueError, match="passes must be one of") as info:
+      build()
+    assert repr(passes) in str(info.value) and "'pallas'" in str(info.value)
+
+
+def test_auto_is_jnp_off_gpu():
+  """``passes="auto"`` traces the same program as ``"jnp"`` on the CPU."""
+  params = {"w": jnp.zeros((9, 2))}
+  texts = []
+  for passes in ("auto", "jnp"):
+    tx = ginger.scale_by_ginger(2, passes=passes)
+    texts.append(jax.jit(tx.update).lower(params, tx.init(params), fisher_grads=params).as_text())
+  assert texts[0] == texts[1]
+  assert "pallas" not in texts[0]
+
+
+# ---- the rotation in place ------------------------------------------------------------------
+
+# A U of 2^21 x 32 float32 (256 MiB) dominates the step: rows of U' written into a second array
+# (``U @ rot`` as a whole) would need one more U of temporary memory once U is donated.
+BIG = 1 << 21
+
+
+def _compiled_step(tau, block, passes, rows, platforms=None):
+  """The jitted update (state donated) lowered for ``rows`` parameters; nothing allocated."""
+  tx = ginger.scale_by_ginger(tau, block=block, passes=passes)
+  params = {"w": jax.ShapeDtypeStruct((rows,), jnp.float32)}
+  state = jax.eval_shape(tx.init, params)
+
+  def step(state, g, d):
+    return tx.update(g, state, fisher_grads=d)
+
+  traced = jax.jit(step, donate_argnums=(0,)).trace(state, params, params)
+  return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+def test_jnp_rotation_keeps_no_second_u(block):
+  """The compiled step's temporary memory (XLA's buffer assignment, not a timing) stays well
+  below one U: the rotation runs in row blocks written back into the donated U. Before this,
+  the same step held a whole second U (``temp_size_in_bytes`` 256 MB at this size)."""
+  u_bytes = BIG * 32 * 4
+  compiled = _compiled_step(32, block, "jnp", BIG).compile()
+  memory = compiled.memory_analysis()
+  assert memory.alias_size_in_bytes >= u_bytes  # the state is donated: U' is U's buffer
+  # One row block of U' (ROW_BLOCK_ELEMENTS) plus O(d) vectors (g, d, p1, the output: 8 MiB
+  # each at this size), far from U's 256 MiB.
+  block_bytes = kernels.ROW_BLOCK_ELEMENTS * 4 + 8 * BIG * 4
+  assert memory.temp_size_in_bytes <= block_bytes < u_bytes / 2, memory
+
+
+def test_pallas_rotation_aliases_u(monkeypatch):
+  """On a GPU the rotation's kernel writes U' over U: the step traced as on a GPU and lowered
+  for CUDA (no card needed: Pallas builds the Triton IR in Python) carries the aliasing of the
+  pass-3 kernel (``output_operand_aliases``), which with the state donated is U's buffer."""
+  monkeypatch.setattr(kernels, "_on_gpu", lambda: True)  # compiled kernels, not interpreted
+  try:
+    text = _compiled_step(8, "global", "pallas", 4096, platforms=("cuda",)).as_text()
+  except Exception as e:  # noqa: BLE001 (a jaxlib without the CUDA lowering rules: say so)
+    pytest.skip(f"cannot lower the step for CUDA here: {e!r}")
+  assert text.count("__gpu$xla.gpu.triton") == 3  # the three passes of the one bucket
+  assert "output_operand_aliases" in text
+
+
+def test_row_blocks_change_no_update(x64, monkeypatch):
+  """The jnp rotation in row blocks (forced here on tiny U) gives the same updates as the
+  rotation in one piece, to float64 rounding (rows are independent; only fused multiply-adds
+  may round differently), over a trajectory with re-orthonormalising steps."""
+  whole, refs, _ = _float64_trajectory(8, "global", "jnp", 1, 10)
+  monkeypatch.setattr(kernels, "ROW_BLOCK_ELEMENTS", 40)  # 57 x 8 U: 12 blocks of 5 rows
+  _update.cache_clear()
+  try:
+    blocked, _, _ = _float64_trajectory(8, "global", "jnp", 1, 10)
+  finally:
+    _update.cache_clear()
+  for t, (a, b, ref) in enumerate(zip(blocked, whole, refs, strict=True)):
+    assert np.max(np.abs(a - b)) <= 2e-8 * np.max(np.abs(ref)), t
+
+
+def test_optax_wrappers_with_pallas():
+  """``passes`` is static under ``optax.inject_hyperparams`` (a string) and survives the
+  composed optimizer."""
+  tx = optax.inject_hyperparams(ginger.ginger, static_args=("tau", "passes"))(
+    learning_rate=1e-2, tau=2, passes="pallas"
+  )
+  params = {"w": jnp.ones((5, 3))}
+  grads = {"w": jnp.arange(15.0).reshape(5, 3) / 10}
+  out, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  ref_tx = ginger.ginger(1e-2, tau=2)
+  ref, _ = ref_tx.update(grads, ref_tx.init(params), params)
+  # Within the float32 bound of both implementations (module docstring).
+  assert np.max(np.abs(out["w"] - ref["w"])) <= 1e-3 * np.max(np.abs(ref["w"]))
