@@ -691,7 +691,7 @@ def _xla_memory(compiled) -> dict[str, int] | None:
     "temp_size_in_bytes",
     "generated_code_size_in_bytes",
     "alias_size_in_bytes",
-    "peak_memory_in_bytes",  # XLA's own liveness peak (newer JAX versions)
+    "peak_memory_in_bytes",  # as XLA reports it (newer JAX); step_memory_bytes does not use it
   )
   return {k: int(getattr(mem, k)) for k in keys if hasattr(mem, k)}
 
