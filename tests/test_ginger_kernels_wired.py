@@ -242,3 +242,66 @@ def test_optax_wrappers_with_pallas():
   ref, _ = ref_tx.update(grads, ref_tx.init(params), params)
   # Within the float32 bound of both implementations (module docstring).
   assert np.max(np.abs(out["w"] - ref["w"])) <= 1e-3 * np.max(np.abs(ref["w"]))
+
+
+# ---- the Hydra config ---------------------------------------------------------------------
+
+
+def _config(*overrides: str):
+  from pathlib import Path
+
+  from hydra import compose, initialize_config_dir
+
+  configs = str(Path(__file__).resolve().parents[1] / "configs")
+  with initialize_config_dir(config_dir=configs, version_base=None):
+    return compose(config_name="config", overrides=list(overrides))
+
+
+def test_config_passes_is_checked_up_front():
+  from training.config_check import ConfigError, check_config
+
+  check_config(_config(), overrides=())  # ginger.yaml: passes=jnp
+  check_config(_config("passes=pallas"), overrides=())  # mesh.data=-1: devices unknown here
+  check_config(_config("passes=pallas", "mesh.data=2", "mesh.shard_optimizer_state=false"), ())
+  with pytest.raises(ConfigError, match=r"passes='triton': must be one of \['jnp', 'pallas'"):
+    check_config(_config("passes=triton"), overrides=())
+  with pytest.raises(ConfigError, match="cannot be split by GSPMD") as info:
+    check_config(_config("passes=pallas", "mesh.data=2"), overrides=())
+  assert "mesh.shard_optimizer_state=false" in str(info.value) and "2 devices" in str(info.value)
+
+
+def test_pallas_mesh_problem_resolves_all_devices():
+  from training.config_check import pallas_mesh_problem
+
+  sharded = {"data": -1, "model": 1, "shard_optimizer_state": True}
+  assert pallas_mesh_problem("pallas", sharded, devices=1) is None
+  assert "on 4 devices" in pallas_mesh_problem("pallas", sharded, devices=4)
+  assert pallas_mesh_problem("pallas", {**sharded, "shard_optimizer_state": False}, 4) is None
+  assert pallas_mesh_problem("auto", sharded, devices=4, gpu=False) is None  # auto = jnp
+  assert "passes='auto'" in pallas_mesh_problem("auto", sharded, devices=4, gpu=True)
+  assert pallas_mesh_problem("jnp", sharded, devices=4, gpu=True) is None
+
+
+def test_config_passes_reaches_the_optimizer():
+  from training import config_check
+  from training.optimizers import build_optimizer
+
+  assert config_check.PASSES == ginger._common.PASSES
+  params = {"w": jnp.zeros((6, 2))}
+  for passes, has_kernels in (("jnp", False), ("pallas", True)):
+    tx = build_optimizer(_config(f"passes={passes}"), optax.constant_schedule(1e-3))
+    jaxpr = jax.make_jaxpr(lambda s, tx=tx: tx.update(params, s, params, fisher_grads=params))
+    assert ("pallas_call" in str(jaxpr(tx.init(params)))) == has_kernels, passes
+
+
+def test_older_run_dirs_keep_their_fingerprint():
+  """Configs from before ``passes`` (no key) and ``passes=jnp`` are the same run."""
+  from omegaconf import OmegaConf
+
+  from training import run_record
+
+  config = OmegaConf.to_container(_config(), resolve=True)
+  assert config["passes"] == "jnp"
+  older = {k: v for k, v in config.items() if k != "passes"}
+  assert run_record.fingerprint(config) == run_record.fingerprint(older)
+  assert run_record.fingerprint({**config, "passes": "pallas"}) != run_record.fingerprint(older)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -30,6 +30,7 @@ FISHERS = ("sampled", "empirical")
 FISHER_FORWARDS = ("eval", "shared")
 PRECISIONS = ("float32", "bfloat16")
 STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
+PASSES = ("jnp", "pallas", "auto")  # Ginger's passes over U (ginger.scale_by_ginger)
 DISTRIBUTED = ("auto", True, False)
 LOGGERS = ("wandb", "none")
 WANDB_MODES = ("online", "offline", "disabled", "shared")
@@ -237,7 +238,39 @@ def _check_optimizer(c: _Checker) -> str | None:
     c.number("rho", 0, closed=(False, True), optional=True)
   if name in CURVATURE:
     _check_curvature_every(c, name)
+  if name == "ginger" and c.get("passes") not in (_MISSING, None):
+    passes = c.choice("passes", PASSES)
+    problem = pallas_mesh_problem(passes, c.get("mesh"))
+    if problem:
+      c.problems.append(problem)
   return name
+
+
+def pallas_mesh_problem(passes, mesh, devices: int | None = None, gpu: bool | None = None):
+  """Why ``passes`` cannot run on ``mesh`` (the config's ``mesh`` node), or None.
+
+  The Pallas kernels are ``pallas_call`` s, which GSPMD cannot split: on an optimizer state
+  sharded over several devices they would not run per shard. Refused when the kernels run
+  (``pallas``; ``auto`` on GPUs, when ``gpu`` is known) on a sharded state of several
+  devices; ``devices`` resolves ``mesh.data=-1`` (unknown here: only explicit sizes count).
+  """
+  mesh = mesh if isinstance(mesh, Mapping) else {}
+  if not (passes == "pallas" or (passes == "auto" and gpu)):
+    return None
+  if not mesh.get("shard_optimizer_state", True):
+    return None
+  data, model = mesh.get("data", -1), mesh.get("model", 1)
+  if not (_is_int(data) and _is_int(model)):
+    return None  # reported by their own checks
+  size = data * model if data != -1 else (devices if devices is not None else model)
+  if size <= 1:
+    return None
+  return (
+    f"passes={_show(passes)} with mesh.shard_optimizer_state=true on {size} devices: the "
+    "Pallas kernels (pallas_call) cannot be split by GSPMD over a sharded optimizer state; "
+    "set mesh.shard_optimizer_state=false (replicated state), passes='jnp', or a one-device "
+    "mesh."
+  )
 
 
 def _check_curvature_every(c: _Checker, name: str) -> None:
@@ -333,4 +366,10 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
   return out
 
 
-__all__ = ["ConfigError", "check_config", "ignored_settings", "override_keys"]
+__all__ = [
+  "ConfigError",
+  "check_config",
+  "ignored_settings",
+  "override_keys",
+  "pallas_mesh_problem",
+]

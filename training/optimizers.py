@@ -23,6 +23,24 @@ def curvature_every(cfg) -> int:
   return 1 if value is None or cfg.optimizer.name != "ginger" else value
 
 
+def passes(cfg) -> str:
+  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto); "jnp" where the key
+  is absent or null (configs written before it existed). Refuses "pallas"/"auto" on a mesh of
+  several devices with the optimizer state sharded (``config_check.pallas_mesh_problem``):
+  ``mesh.data=-1`` is resolved here, where the devices are known."""
+  import jax
+
+  from training.config_check import ConfigError, pallas_mesh_problem
+
+  value = cfg.get("passes") or "jnp"
+  problem = pallas_mesh_problem(
+    value, cfg.get("mesh"), devices=jax.device_count(), gpu=jax.default_backend() == "gpu"
+  )
+  if problem:
+    raise ConfigError(problem)
+  return value
+
+
 def learning_rate(cfg, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
   lr = float(cfg.lr)
   if not lr > 0:
@@ -53,6 +71,7 @@ def build_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformati
       block=cfg.block,
       state_dtype=opt.state_dtype,
       curvature_every=curvature_every(cfg),
+      passes=passes(cfg),
     )
   elif name == "qng":
     tx = ginger.qng(
