@@ -2,6 +2,8 @@
 
     python -m bench.optimizer_step                      # everything (make bench)
     python -m bench.optimizer_step --sizes resnet18 --taus 8 --blocks per_tensor
+    python -m bench.optimizer_step --sizes resnet18 --optimizers ginger qng --taus 8 32 \
+        --blocks per_tensor global --passes jnp pallas       # Ginger's passes both ways
 
 Each step is ``tx.update`` followed by ``optax.apply_updates``, so every update entry is
 consumed (a benchmark that returned one entry would let XLA drop the rest of the output).
@@ -64,8 +66,9 @@ SIZES = {
 }
 
 
-def make_optimizer(name: str, tau: int | None, block: str | None):
-  """``name`` is an optimizer, or ``ginger/<eigensolver>`` for a non-default Ginger solver."""
+def make_optimizer(name: str, tau: int | None, block: str | None, passes: str = "jnp"):
+  """``name`` is an optimizer, or ``ginger/<eigensolver>`` for a non-default Ginger solver;
+  ``passes`` is Ginger's (jnp | pallas | auto)."""
   if name == "adam":
     return optax.adam(1e-3)
   if name == "momentum":
@@ -73,7 +76,7 @@ def make_optimizer(name: str, tau: int | None, block: str | None):
   if name == "qng":
     return ginger.qng(1e-2, tau=tau, block=block)
   name, _, solver = name.partition("/")
-  return ginger.ginger(1e-3, tau=tau, block=block, eigensolver=solver or "secular")
+  return ginger.ginger(1e-3, tau=tau, block=block, eigensolver=solver or "secular", passes=passes)
 
 
 def time_update(
@@ -162,6 +165,14 @@ def main(argv=None) -> None:
     choices=["secular", "dense"],
     help="Ginger's Brand-core solvers to time (rows 'ginger/dense' for the dense eigh)",
   )
+  parser.add_argument(
+    "--passes",
+    nargs="+",
+    default=["jnp"],
+    choices=list(ginger._common.PASSES),
+    help="how Ginger's passes over U run (column 'passes'): jnp (XLA's fusions), pallas "
+    "(fused Pallas kernels; interpreted, so slow, off GPUs), auto",
+  )
   parser.add_argument("--scan", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument(
@@ -184,44 +195,46 @@ def main(argv=None) -> None:
     + (f" datasheet_peak={peak / 1e12:.2f}TB/s" if peak else "")
   )
   print(
-    "| size | d | optimizer | tau | block | ms/update | x Adam | floor ms | x floor | compile s |"
+    "| size | d | optimizer | tau | block | passes | ms/update | x Adam | floor ms | x floor "
+    "| compile s |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   reports: list[str] = []
   for size in args.sizes:
     shapes = SIZES[size]()
     d = sum(math.prod(s) for s in shapes)
     # Adam always runs first: it is the reference of the "x Adam" column.
-    configs = [("adam", None, None)]
+    configs = [("adam", None, None, None)]
     if "momentum" in args.optimizers:
-      configs.append(("momentum", None, None))
+      configs.append(("momentum", None, None, None))
     if "qng" in args.optimizers:
-      configs += [("qng", t, b) for t in args.qng_taus for b in args.blocks]
+      configs += [("qng", t, b, None) for t in args.qng_taus for b in args.blocks]
     if "ginger" in args.optimizers:
       configs += [
-        ("ginger" if e == "secular" else f"ginger/{e}", t, b)
+        ("ginger" if e == "secular" else f"ginger/{e}", t, b, p)
         for t in args.taus
         for b in args.blocks
         for e in args.eigensolvers
+        for p in args.passes
       ]
     adam_s = None
-    for name, tau, block in configs:
+    for name, tau, block, passes in configs:
       seconds, compile_s, report = time_update(
-        make_optimizer(name, tau, block),
+        make_optimizer(name, tau, block, passes or "jnp"),
         shapes,
         args.scan,
         args.repeats,
         args.kernels if name.startswith("ginger") else 0,
       )
       if report:
-        reports.append(f"{size} {name} tau={tau} {block}:\n{report}")
+        reports.append(f"{size} {name} tau={tau} {block} passes={passes}:\n{report}")
       adam_s = adam_s or seconds
       floor = ratio = ""
       if name.startswith("ginger") and bandwidth:
         floor_s = 2 * d * tau * 4 / bandwidth
         floor, ratio = f"{1e3 * floor_s:.3f}", f"{seconds / floor_s:.1f}"
       print(
-        f"| {size} | {d / 1e6:.1f}M | {name} | {tau or ''} | {block or ''} | "
+        f"| {size} | {d / 1e6:.1f}M | {name} | {tau or ''} | {block or ''} | {passes or ''} | "
         f"{1e3 * seconds:.3f} | {seconds / adam_s:.1f} | {floor} | {ratio} | "
         f"{compile_s:.1f} |",
         flush=True,
