@@ -9,7 +9,8 @@ the unit roundoff (Higham, Accuracy and Stability of Numerical Algorithms, 2nd e
 therefore differ by at most ``2 gamma_N A`` with ``A = sum_t |x_t|``, which the tests compute in
 float64 from the inputs: e.g. ``A_j = (|U|^T |v|)_j`` and ``N = rows`` for ``U^T v``. The bound
 is worst-case (the typical error is ~``sqrt(N) u A``) but per entry and exact: a missed mask, a
-lost tile or a wrong operand gives errors of order ``A`` itself.
+lost tile or a wrong operand gives errors of order ``A`` itself. The operands and bounds live in
+bench/kernels_check.py, which checks the compiled kernels on a GPU against the same bounds.
 """
 
 import functools
@@ -21,93 +22,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from bench.kernels_check import PASSES, bounds, call, gamma_n, random_inputs
 from ginger import kernels
-
-PASSES = (
-  "project_pair",
-  "residual_sums",
-  "rotate_and_precondition",
-  "rotate_from_residual",
-  "precondition",
-)
-
-
-def gamma_n(n: int, dtype) -> float:
-  u = float(jnp.finfo(dtype).eps) / 2
-  assert n * u < 0.5, "bound vacuous at this size: use smaller test shapes"
-  return n * u / (1 - n * u)
-
-
-def random_inputs(seed: int, m: int, n: int, k: int, dtype=jnp.float32) -> dict:
-  """Operands of all four passes, in the ranges a step produces (``inv_l1 = 1 / sum |v|``,
-  ``sigma >= 0`` with trailing zeros, ``gamma > 0``)."""
-  rng = np.random.default_rng(seed)
-  normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
-  v = normal(m, n) * 10.0 ** rng.uniform(-3, 3, (m, 1))
-  sigma = np.abs(normal(m, k)) * (np.arange(k) < rng.integers(0, k + 1, (m, 1)))
-  arrays = {
-    "u": normal(m, n, k),
-    "v": v,
-    "g": normal(m, n),
-    "a1": normal(m, k),
-    "inv_l1": 1.0 / np.sum(np.abs(v), -1),
-    "a2": normal(m, k),
-    "inv_r": np.exp(normal(m)),
-    "rot": normal(m, k, k),
-    "b": normal(m, k),
-    "z": normal(m, k),
-    "gamma": 10.0 ** rng.uniform(-3, 0, m),
-    "sigma": sigma,
-    "p1": normal(m, n),
-  }
-  return {key: jnp.asarray(x, dtype) for key, x in arrays.items()}
-
-
-def call(name: str, x: dict, **kw):
-  fn = getattr(kernels, name)
-  if name == "project_pair":
-    return fn(x["u"], x["v"], x["g"], **kw)
-  if name == "residual_sums":  # with p1, the fifth output
-    return fn(x["u"], x["v"], x["g"], x["a1"], x["inv_l1"], with_p1=True, **kw)
-  if name == "rotate_and_precondition":
-    keys = ("u", "v", "g", "a1", "inv_l1", "a2", "inv_r", "rot", "b", "z", "gamma")
-    return fn(*(x[key] for key in keys), **kw)
-  if name == "rotate_from_residual":
-    keys = ("u", "p1", "g", "a2", "inv_r", "rot", "b", "z", "gamma")
-    return fn(*(x[key] for key in keys), **kw)
-  return fn(x["u"], x["sigma"], x["g"], x["gamma"], **kw)
-
-
-def bounds(name: str, x: dict) -> list[tuple[np.ndarray, int]]:
-  """``(A, N)`` of every output of pass ``name`` (see the module docstring)."""
-  f = {key: np.abs(np.asarray(val, np.float64)) for key, val in x.items()}
-  u, v, g = f["u"], f["v"], f["g"]
-  n, k = u.shape[-2:]
-  ut = lambda w: np.einsum("...nk,...n->...k", u, w)  # noqa: E731  |U|^T w
-  ua = lambda a: np.einsum("...nk,...k->...n", u, a)  # noqa: E731  |U| a
-  if name == "project_pair":
-    return [(ut(v), n), (ut(g), n), (v.sum(-1), n)]
-  if name == "rotate_from_residual":
-    p1, depth = f["p1"], 0  # an input
-  else:
-    p1, depth = (v + ua(f["a1"])) * f["inv_l1"][..., None], k + 2  # a sum of k products, -, *
-  if name == "residual_sums":
-    vs = v * f["inv_l1"][..., None]
-    return [
-      (ut(p1), n + k + 3),
-      ((p1 * p1).sum(-1), n + 2 * k + 5),
-      ((p1 * g).sum(-1), n + k + 4),
-      ((vs * vs).sum(-1), n + 3),
-      (p1, k + 3),
-    ]
-  gamma = f["gamma"][..., None]
-  if name.startswith("rotate"):
-    p = (p1 + ua(f["a2"])) * f["inv_r"][..., None]  # depth + k + 2
-    u_new = np.einsum("...nk,...kl->...nl", u, f["rot"]) + p[..., None] * f["b"][..., None, :]
-    out = (g + np.einsum("...nk,...k->...n", u_new, f["z"])) / gamma
-    return [(u_new, depth + k + 4), (out, depth + 2 * k + 8)]
-  w = f["sigma"] / (gamma + f["sigma"])
-  return [((g + ua(w * ut(g))) / gamma, n + k + 6)]
 
 
 def assert_close(name: str, x: dict, got, want, dtype=jnp.float32, extra: int = 0):
