@@ -13,7 +13,8 @@ products are written as ``k`` multiply-adds (:func:`rowdot`, :func:`rowmatmul`) 
 dots so that XLA can fuse them into the pass that needs them, and so that no float32 product
 of ``U`` runs in TF32 on GPUs (a dot's default precision there), which would break
 ``U^T U = I``. What XLA makes of this on a GPU (it does not fuse everything) is measured in
-bench/RESULTS.md.
+bench/RESULTS.md. Ginger's step runs these passes through :mod:`ginger.kernels`, which holds
+the same formulas (``passes="jnp"``) next to fused Pallas kernels (``passes="pallas"``).
 """
 
 from __future__ import annotations

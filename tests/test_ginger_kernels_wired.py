@@ -231,17 +231,20 @@ def test_row_blocks_change_no_update(x64, monkeypatch):
 
 def test_optax_wrappers_with_pallas():
   """``passes`` is static under ``optax.inject_hyperparams`` (a string) and survives the
-  composed optimizer."""
+  composed optimizer. With ``gamma = 1`` and ``sigma = (1 - alpha) ||g||^2 ~ 0.1`` here, ``G``
+  has condition number ~1.1, so the two implementations' roundings (``2 gamma_N`` with ``N``
+  ~ rows + a few operations, ~4e-6) are not amplified (with ``gamma = 1e-5`` the directions
+  outside ``span U`` are scaled by ``1e5``, and so is their rounding)."""
+  kwargs = dict(learning_rate=1e-2, tau=2, gamma=1.0)
   tx = optax.inject_hyperparams(ginger.ginger, static_args=("tau", "passes"))(
-    learning_rate=1e-2, tau=2, passes="pallas"
+    passes="pallas", **kwargs
   )
   params = {"w": jnp.ones((5, 3))}
   grads = {"w": jnp.arange(15.0).reshape(5, 3) / 10}
   out, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-  ref_tx = ginger.ginger(1e-2, tau=2)
+  ref_tx = ginger.ginger(**kwargs)
   ref, _ = ref_tx.update(grads, ref_tx.init(params), params)
-  # Within the float32 bound of both implementations (module docstring).
-  assert np.max(np.abs(out["w"] - ref["w"])) <= 1e-3 * np.max(np.abs(ref["w"]))
+  assert np.max(np.abs(out["w"] - ref["w"])) <= 1e-5 * np.max(np.abs(ref["w"]))
 
 
 # ---- the Hydra config ---------------------------------------------------------------------
