@@ -222,9 +222,20 @@ def device_info() -> dict[str, Any]:
   return {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count()}
 
 
+def device_memory() -> dict[str, int]:
+  """The largest ``bytes_in_use`` and ``peak_bytes_in_use`` of this process's devices (one
+  device's figures, also on a mesh); each key absent where the backend does not report it
+  (CPU)."""
+  out: dict[str, int] = {}
+  for device in jax.local_devices():
+    stats = device.memory_stats() or {}
+    for key in ("bytes_in_use", "peak_bytes_in_use"):
+      if key in stats:
+        out[key] = max(out.get(key, 0), int(stats[key]))
+  return out
+
+
 def peak_memory_bytes() -> int | None:
-  """The largest ``peak_bytes_in_use`` of this process's devices (one device's peak, also on
-  a mesh); None where the backend does not report it (CPU)."""
-  stats = [device.memory_stats() for device in jax.local_devices()]
-  peaks = [int(s["peak_bytes_in_use"]) for s in stats if s and "peak_bytes_in_use" in s]
-  return max(peaks) if peaks else None
+  """The largest ``peak_bytes_in_use`` of this process's devices; None where the backend does
+  not report it (CPU)."""
+  return device_memory().get("peak_bytes_in_use")

@@ -505,7 +505,7 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
   # What is resident before the first step (state, data, compiled code) and the high-water
   # mark so far (compilation and autotuning): the end's peak_memory_bytes above this one
   # means the training steps or the evaluations raised it.
-  before = device_memory()
+  before = logs.device_memory()
   summary_base["memory_in_use_before_training_bytes"] = before.get("bytes_in_use")
   summary_base["peak_memory_before_training_bytes"] = before.get("peak_bytes_in_use")
   progress = logs.Progress(total_steps, start)
@@ -664,18 +664,6 @@ def step_memory_bytes(analyses) -> int | None:
     if a and all(k in a for k in (*keys, "temp_size_in_bytes"))
   ]
   return max(totals) if totals else None
-
-
-def device_memory() -> dict[str, int]:
-  """The largest ``bytes_in_use`` and ``peak_bytes_in_use`` of this process's devices
-  (each key absent where the backend does not report it: CPU)."""
-  out: dict[str, int] = {}
-  for device in jax.local_devices():
-    stats = device.memory_stats() or {}
-    for key in ("bytes_in_use", "peak_bytes_in_use"):
-      if key in stats:
-        out[key] = max(out.get(key, 0), int(stats[key]))
-  return out
 
 
 def _xla_memory(compiled) -> dict[str, int] | None:
