@@ -26,7 +26,9 @@ for phase in "$@"; do
         +sweep/arm=qng,ginger,adam,momentum seed=0 && $PY -m sweeps.best_lr ;;
     table1_r18) pool +sweep=table1 +sweep/exp=standin/cifar100_resnet18 "+sweep/arm=$ARMS" seed=$SEEDS ;;
     table1_r50) pool +sweep=table1 +sweep/exp=standin/cifar100_resnet50 "+sweep/arm=$ARMS" seed=$SEEDS ;;
-    table34) pool +sweep=table34 seed=$SEEDS ;;
+    table34)  # alpha 0.99 x tau 2, 4, 8 are table1_r18's Ginger runs (the same resolved config;
+      # results/tables.py falls back to them), so only alpha 0.9 and 0.999 run here
+      pool +sweep=table34 alpha=0.9,0.999 seed=$SEEDS ;;
     ablation) pool +sweep=ablation seed=$SEEDS ;;
     table2) pool +sweep=table2 "+sweep/arm=$ARMS" seed=$SEEDS ;;
     curvature_every)  # the sweep lists its arms longest first (K = 1, 2, 4, 8, then Adam)
