@@ -128,4 +128,5 @@ curvature_every: $(STAMP)
 tables: $(STAMP)
 	$(PY) -m results.tables
 	$(PY) -m results.tables results/cifar10/runs --out results/cifar10 --standin-only
+	rm -rf results/cifar10/plots  # nothing stale: a plot no longer made does not linger
 	$(PY) -m results.plots results/cifar10/runs --out results/cifar10/plots

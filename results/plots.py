@@ -511,7 +511,8 @@ def plot_spectrum(
     ax.set(title=param, xlabel="step", ylabel="σ (curvature eigenvalue)")
     if sigma.shape[1] <= 8 and ax.get_lines():
       ax.legend(fontsize="x-small")
-  name = slug("-".join(Path(run_dir).resolve().parts[-3:]))
+  # <sweep>/<exp>/<arm>/<seed>: the sweep too, as one arm and seed can run in several sweeps
+  name = slug("-".join(Path(run_dir).resolve().parts[-4:]))
   fig.suptitle(f"Ginger spectrum: {run_dir}")
   fig.tight_layout()
   path = out / f"spectrum_{name}.png"
@@ -521,15 +522,25 @@ def plot_spectrum(
 
 
 def default_spectrum_runs(infos: Sequence[RunInfo], limit: int) -> list[Path]:
-  """The first `limit` Ginger runs whose metrics.jsonl holds spectrum events (table sweeps
-  first, then by path)."""
-  chosen = []
-  # Runs of the table sweeps first (they are what the tables show), then the rest.
-  for info in sorted(infos, key=lambda i: i.meta.get("sweep") not in TABLE_SWEEPS):
+  """The first `limit` Ginger runs whose metrics.jsonl holds spectrum events: the table sweeps'
+  runs first, in TABLE_SWEEPS' order (Table 1 first), then the rest by path; one seed per
+  configuration (everything but the seed), so that the few plots show different ones."""
+
+  def rank(info: RunInfo) -> int:
+    sweep = info.meta.get("sweep")
+    return TABLE_SWEEPS.index(sweep) if sweep in TABLE_SWEEPS else len(TABLE_SWEEPS)
+
+  chosen: list[Path] = []
+  configurations: set[Any] = set()
+  for info in sorted(infos, key=rank):
     if len(chosen) >= limit:
       break
-    if info.meta.get("optimizer") in ("ginger", None) and read_series(info.path).spectrum:
+    configuration = tables.config_key(info.summary) if info.summary else info.path
+    if configuration in configurations or info.meta.get("optimizer") not in ("ginger", None):
+      continue
+    if read_series(info.path).spectrum:
       chosen.append(info.path)
+      configurations.add(configuration)
   return chosen
 
 

@@ -100,7 +100,7 @@ def test_cli_writes_pngs(tmp_path: Path) -> None:
   assert "curves_no-summary-outputs.png" in names
   assert "tau_cifar10.png" in names
   assert [n for n in names if n.startswith("spectrum_")] == [
-    "spectrum_" + plots.slug("-".join((root / "g2").resolve().parts[-3:])) + ".png"
+    "spectrum_" + plots.slug("-".join((root / "g2").resolve().parts[-4:])) + ".png"
   ]
   assert all(is_png(out / n) for n in names)
 
@@ -161,3 +161,42 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
   md = next(p for p in written if p.suffix == ".md").read_text()
   assert "| adam | 80.00 | 40 | 30 | never |" in md
   assert is_png(next(p for p in written if p.suffix == ".png"))
+
+
+def test_spectrum_files_of_two_sweeps_do_not_collide(tmp_path: Path) -> None:
+  """multirun/<sweep>/<exp>/<arm>/<seed>: the same arm and seed in two sweeps (Table 1's
+  ginger_tau8 and the curvature_every sweep's) get two spectrum files, not one overwritten."""
+  root = tmp_path / "multirun"
+  paths = [
+    write_run(
+      root,
+      f"{sweep}/exp/ginger_tau8/seed=0",
+      {"optimizer": "ginger", "tau": 8, "sweep": sweep},
+      events(2.0, True),
+    )
+    for sweep in ("table1", "curvature_every")
+  ]
+  (out := tmp_path / "plots").mkdir()
+  written = {plots.plot_spectrum(p, out) for p in paths}
+  assert len(written) == 2 and all(p is not None and is_png(p) for p in written)
+
+
+def test_default_spectrum_runs_prefer_table1_and_one_seed_per_arm(tmp_path: Path) -> None:
+  """The main table's runs first, and one seed per configuration, so that the few spectrum
+  plots show different configurations."""
+  root = tmp_path / "multirun"
+  for sweep, arm, seed in [
+    ("curvature_every", "ginger_tau8_k2", 0),
+    ("table1", "ginger_tau2", 0),
+    ("table1", "ginger_tau2", 1),
+    ("table1", "ginger_tau8", 0),
+  ]:
+    tau = int(arm.split("_")[1][3:])
+    run = {"optimizer": "ginger", "tau": tau, "sweep": sweep, "seed": seed}
+    write_run(root, f"{sweep}/exp/{arm}/seed={seed}", run, events(2.0, True))
+  infos = plots.load_runs([root])
+  chosen = plots.default_spectrum_runs(infos, limit=2)
+  assert [p.relative_to(root).as_posix() for p in chosen] == [
+    "table1/exp/ginger_tau2/seed=0",
+    "table1/exp/ginger_tau8/seed=0",
+  ]
