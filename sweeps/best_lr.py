@@ -35,6 +35,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from results.tables import DEFAULT_ROOTS, Run, collect_runs, is_done, is_number, rfield
+from training.run_record import lr_key
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -199,7 +200,7 @@ def best_lrs(
   notes = [] if notes is None else notes
   groups: dict[tuple[str, str], list[Run]] = {}
   for run in newest_per_setting(tuning_runs(runs, notes)):
-    key = (str(rfield(run, "experiment")), str(rfield(run, "optimizer")))
+    key = (str(rfield(run, "experiment")), lr_key(rfield(run, "optimizer"), rfield(run, "rho")))
     groups.setdefault(key, []).append(run)
   result: dict[str, dict[str, dict[str, Any]]] = {}
   for (experiment, optimizer), group in sorted(groups.items()):
@@ -241,7 +242,7 @@ def write(
     if path.exists():
       old = yaml.safe_load(path.read_text()) or {}
       kept = {k: v for k, v in old.items() if k not in tuned}
-    for optimizer in optimizers(config_dir):
+    for optimizer in sorted(set(optimizers(config_dir)) | set(tuned) | set(kept)):
       if optimizer in tuned:
         e = tuned[optimizer]
         lines.append(f"{experiment} {optimizer}: lr {e['lr']} ({e['source']})")

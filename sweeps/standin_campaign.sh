@@ -16,6 +16,10 @@ EXTRA=${CAMPAIGN_ARGS:-logger=none}
 # Longest jobs first (ms/step measured in bench/RESULTS.md), so that the pool finishes sooner.
 ARMS="qng_tau32,qng_tau16,ginger_tau32,qng_tau8,ginger_tau16,qng_tau4,qng_tau2,ginger_tau8"
 ARMS="$ARMS,qng_tau1,ginger_tau4,ginger_tau2,ginger_tau1,adam,momentum"
+# Unclipped Ginger's lr grid: the paper's {1, 5} x 10^{-1..-4} times 1e-4. Without the clip a
+# direction outside span U moves by lr/gamma times the momentum (gamma = 1e-5), so lr/gamma spans
+# 5 .. 1e-3 (Momentum's tuned lr is 0.05); the paper's grid would step by 1e1..1e4 per entry.
+UNCLIPPED_LRS=5e-5,1e-5,5e-6,1e-6,5e-7,1e-7,5e-8,1e-8
 pool() { $PY -m sweeps.gpu_pool -- scale=standin $EXTRA "$@"; }
 status=0
 for phase in "$@"; do
@@ -29,7 +33,13 @@ for phase in "$@"; do
     table34)  # alpha 0.99 x tau 2, 4, 8 are table1_r18's Ginger runs (the same resolved config;
       # results/tables.py falls back to them), so only alpha 0.9 and 0.999 run here
       pool +sweep=table34 alpha=0.9,0.999 seed=$SEEDS ;;
-    ablation) pool +sweep=ablation seed=$SEEDS ;;
+    ablation)  # unclipped Ginger's own lr (best_lr's ginger_unclipped entry), then the variants
+      # Table 1 lacks: rho 1 (clip) x per_tensor at tau 4 is table1_r18's ginger_tau4 run (the same
+      # resolved config; results/tables.py's ablation table takes it as that row)
+      pool +sweep=lr_tune +sweep/exp=standin/cifar100_resnet18 +sweep/arm=ginger rho=null \
+        "lr=$UNCLIPPED_LRS" seed=0 && $PY -m sweeps.best_lr \
+        && pool +sweep=ablation rho=null seed=$SEEDS \
+        && pool +sweep=ablation rho=1.0 block=global seed=$SEEDS ;;
     table2) pool +sweep=table2 "+sweep/arm=$ARMS" seed=$SEEDS ;;
     curvature_every)  # the sweep lists its arms longest first (K = 1, 2, 4, 8, then Adam)
       pool +sweep=curvature_every seed=$SEEDS ;;

@@ -242,6 +242,7 @@ def _summary(
   status="completed",
   family="resnet",
   holdout=5000,
+  rho=None,
   **metrics,
 ):
   run_dir = root / name
@@ -257,6 +258,7 @@ def _summary(
       "alpha": None,
       "model": "m",
       "dataset": "d",
+      "rho": rho,
     },
     "config": {"model": {"family": family}, "data": {"holdout": holdout}},
     "status": status,
@@ -282,9 +284,13 @@ def test_best_lr_picks_writes_and_falls_back(tmp_path, cfg_dir, capsys):
   _summary(
     runs, "adam-table1", optimizer="adam", lr=0.05, sweep="table1", best_val_accuracy=99.0, **c18
   )
-  _summary(runs, "ginger-ok", optimizer="ginger", lr=0.0005, best_val_accuracy=70.0, **c18)
-  _summary(runs, "ginger-unstable-0", optimizer="ginger", lr=0.005, best_val_accuracy=71.0, **c18)
-  _summary(runs, "ginger-unstable-1", optimizer="ginger", lr=0.005, seed=1, status="failed", **c18)
+  _summary(runs, "ginger-ok", optimizer="ginger", lr=0.0005, rho=1.0, best_val_accuracy=70.0, **c18)
+  _summary(
+    runs, "ginger-unstable-0", optimizer="ginger", lr=0.005, rho=1.0, best_val_accuracy=71.0, **c18
+  )
+  _summary(
+    runs, "ginger-unstable-1", optimizer="ginger", lr=0.005, rho=1.0, seed=1, status="failed", **c18
+  )
   lora = dict(experiment="xsum_t5_lora", family="t5", holdout=0)
   _summary(runs, "qng-a", optimizer="qng", lr=0.01, rougeL=20.0, val_loss=2.0, **lora)
   _summary(runs, "qng-b", optimizer="qng", lr=0.001, rougeL=25.0, val_loss=2.5, **lora)
@@ -331,6 +337,48 @@ def test_best_lr_picks_writes_and_falls_back(tmp_path, cfg_dir, capsys):
   finally:
     for f in out.glob("*.yaml"):
       f.unlink()
+
+
+def test_unclipped_ginger_gets_its_own_tuned_lr(tmp_path, cfg_dir, capsys):
+  """Unclipped Ginger (rho=null) steps ~lr/gamma along directions outside span U, a scale
+  ~1e5 away from the clipped update's (at most lr per entry): its lr_tune runs make their own
+  entry, ginger_unclipped, which the ablation's rho=null arms read; they never average into the
+  clipped ginger entry that Tables 1-4 read."""
+  runs = tmp_path / "runs"
+  c18 = dict(experiment="cifar100_resnet18")
+  _summary(runs, "g-clip-a", optimizer="ginger", lr=5e-4, rho=1.0, best_val_accuracy=80.0, **c18)
+  _summary(runs, "g-clip-b", optimizer="ginger", lr=1e-4, rho=1.0, best_val_accuracy=79.0, **c18)
+  _summary(runs, "g-free-a", optimizer="ginger", lr=1e-4, rho=None, best_val_accuracy=85.0, **c18)
+  _summary(runs, "g-free-b", optimizer="ginger", lr=5e-7, rho=None, best_val_accuracy=82.0, **c18)
+  _summary(runs, "g-free-c", optimizer="ginger", lr=5e-4, rho=None, status="failed", **c18)
+  out = cfg_dir / "best_lr"
+  try:
+    assert best_lr.main([str(runs), "--out", str(out), "--config-dir", str(cfg_dir)]) == 0
+    assert "cifar100_resnet18 ginger_unclipped: lr 0.0001" in capsys.readouterr().out
+    tuned = OmegaConf.load(out / "cifar100_resnet18.yaml")
+    assert tuned.ginger.lr == 0.0005 and len(tuned.ginger.candidates) == 2
+    assert tuned.ginger_unclipped.lr == 0.0001 and len(tuned.ginger_unclipped.candidates) == 3
+    jobs = expand(["+sweep=ablation", "+sweep/exp=full/cifar100_resnet18"], cfg_dir)
+    lrs = {(j.run["rho"], j.run["block"]): j.run["lr"] for j in jobs}
+    assert lrs == {
+      (1.0, "per_tensor"): 0.0005,
+      (1.0, "global"): 0.0005,
+      (None, "per_tensor"): 0.0001,
+      (None, "global"): 0.0001,
+    }
+    unclipped = next(j for j in jobs if j.run["rho"] is None)
+    assert unclipped.config["lr_from"] == tuned.ginger_unclipped.source
+  finally:
+    for f in out.glob("*.yaml"):
+      f.unlink()
+
+
+def test_unclipped_ginger_without_its_own_tuning_runs_at_the_default_lr(ablation):
+  """No ginger_unclipped entry: the optimizer config's lr, said so in lr_from (not the clipped
+  variant's tuned lr, which is a different scale)."""
+  for job in (j for j in ablation if j.run["rho"] is None):
+    assert job.run["lr"] == _default_lr("ginger")
+    assert job.config["lr_from"] == "optimizer default (no lr_tune result)"
 
 
 # ----------------------------------------------------------------------------- GPU pool

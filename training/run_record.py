@@ -79,10 +79,24 @@ def _run_name(overrides: str) -> str:
   return overrides or "default"
 
 
+def lr_key(optimizer: str, rho: float | None) -> str:
+  """The optimizer's entry in configs/best_lr/: "ginger_unclipped" for Ginger without the
+  element-wise clip (rho=null), else the optimizer's name.
+
+  Unclipped, Ginger's update moves each direction outside span U by lr/gamma times the momentum
+  (gamma = 1e-5 by default); clipped, no entry moves by more than lr * rho. The two variants'
+  good lrs are therefore ~1e4-1e5 apart and are tuned, and looked up, separately.
+  """
+  return f"{optimizer}_unclipped" if optimizer == "ginger" and rho is None else str(optimizer)
+
+
 def register_resolvers() -> None:
-  """``${run_name:...}`` of configs/config.yaml: the override string, or "default"."""
+  """``${run_name:...}`` of configs/config.yaml: the override string, or "default";
+  ``${lr_key:optimizer,rho}`` of configs/sweep/common/layout.yaml (`lr_key`)."""
   if not OmegaConf.has_resolver("run_name"):
     OmegaConf.register_new_resolver("run_name", _run_name)
+  if not OmegaConf.has_resolver("lr_key"):
+    OmegaConf.register_new_resolver("lr_key", lr_key)
 
 
 register_resolvers()
