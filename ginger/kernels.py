@@ -28,7 +28,8 @@ The passes (``a``, ``rot``, ``b``, ``z`` are per-block small operands, ``(blocks
 
 Pass 3 is row-local: its ``pallas`` kernel writes ``U'`` over ``U`` (``input_output_aliases``),
 so with the state donated to the jitted step no second ``U`` is allocated. The ``jnp``
-:func:`rotate_from_residual` gets the same from XLA: on a ``U`` of more than
+:func:`rotate_from_residual` gets the same from XLA on GPUs (:data:`JNP_ROW_BLOCKS`; on the
+CPU it rotates the whole ``U`` at once, which is faster there): on a ``U`` of more than
 :data:`ROW_BLOCK_ELEMENTS` elements it applies the reference formula to row blocks in a
 ``fori_loop`` that writes each block back into the loop-carried ``U``
 (``dynamic_update_slice``, which XLA does in place), so besides ``U`` only a block of ``U'``
@@ -69,10 +70,18 @@ STEPS = 4
 NUM_WARPS = 4
 # The jnp rotation of a U with more elements than this runs in row blocks of about this many
 # elements, written in place (two such blocks are what it keeps alive besides U), in at most
-# MAX_ROW_BLOCKS blocks (each one a loop iteration: a few kernel launches on a GPU). On the
-# 2-core CPU, ResNet-18 tau=8, blocks of 2^24 cost no measurable time; of 2^22, ~20%.
+# MAX_ROW_BLOCKS blocks (each one a loop iteration: a few kernel launches on a GPU).
 ROW_BLOCK_ELEMENTS = 1 << 24
 MAX_ROW_BLOCKS = 16
+# Whether the jnp rotation (rows_per_block=None) runs in row blocks, read when the step is
+# traced: None on GPUs only, True always (the tests of the blocked path on the CPU), False
+# never. Not on the CPU by default: there the blocks cost time and the in-place rotation is
+# bought with a second U's memory instead. XLA:CPU (jax 0.10) copies each block's slice of U
+# out and back (dynamic-slice / dynamic-update-slice, ~59 of ~117 ms a step at ResNet-18
+# tau=8 on the 2-core CPU), and inside the loop the output's k multiply-adds (below) no longer
+# fuse (k column copies of every block, +50% on the whole step): ResNet-18 tau=8 per_tensor,
+# both changes 0.62x the authors' step, each alone 0.84x / 1.27x, neither 0.89x.
+JNP_ROW_BLOCKS: bool | None = None
 
 
 # ---- arguments -------------------------------------------------------------------------------
@@ -167,11 +176,21 @@ def _residual_sums_jnp(u, v, g, a, inv_l1, with_p1=False):
   return sums + (p1,) if with_p1 else sums
 
 
-def _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma):
+def _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma, *, out_rowdot=True):
+  """``out_rowdot``: ``U' z`` as ``k`` multiply-adds (:func:`_rowdot`, as
+  :func:`_precondition_jnp`), else as a reduction over the rank axis. XLA:CPU (jax 0.10)
+  turns that reduction into a YNNPACK reduce that runs at ~0.5 GB/s: 41 ms against 1.8 ms for
+  the multiply-adds on a (1, 2^20, 8) ``U``, ~84 ms of a ~375 ms ResNet-18 tau=8 step. With
+  row blocks (:func:`_jnp_row_blocks`: on GPUs, as before) the reduction stays."""
   p = (p1 - _rowdot(u, a2)) * inv_r[..., None]
   u_new = _rowmatmul(u, rot) + p[..., None] * b[..., None, :]
-  out = (g - jnp.sum(u_new * z[..., None, :], axis=-1)) / gamma[..., None]
-  return u_new, out
+  u_z = _rowdot(u_new, z) if out_rowdot else jnp.sum(u_new * z[..., None, :], axis=-1)
+  return u_new, (g - u_z) / gamma[..., None]
+
+
+def _jnp_row_blocks() -> bool:
+  """Whether the jnp rotation runs in row blocks (:data:`JNP_ROW_BLOCKS`, when traced)."""
+  return _on_gpu() if JNP_ROW_BLOCKS is None else bool(JNP_ROW_BLOCKS)
 
 
 def row_block(shape, rows_per_block: int | None = None) -> int:
@@ -203,7 +222,7 @@ def _rotate_in_row_blocks(u, p1, g, a2, inv_r, rot, b, z, gamma, *, rows_per_blo
   n = u.shape[-2]
   rows = row_block(u.shape, rows_per_block)
   if rows >= n:
-    return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma)
+    return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma, out_rowdot=False)
   row_axis = u.ndim - 2
   small = (a2, inv_r, rot, b, z, gamma)
 
@@ -212,7 +231,7 @@ def _rotate_in_row_blocks(u, p1, g, a2, inv_r, rot, b, z, gamma, *, rows_per_blo
       return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
     u_new, o = _rotate_from_residual_jnp(
-      rows_of(u, row_axis), rows_of(p1, row_axis), rows_of(g, row_axis), *small
+      rows_of(u, row_axis), rows_of(p1, row_axis), rows_of(g, row_axis), *small, out_rowdot=False
     )
     return (
       jax.lax.dynamic_update_slice_in_dim(u, u_new, start, row_axis),
@@ -230,7 +249,9 @@ def _rotate_in_row_blocks(u, p1, g, a2, inv_r, rot, b, z, gamma, *, rows_per_blo
 
 def _rotate_and_precondition_jnp(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
   p1 = _first_residual(u, v, a1, inv_l1)
-  return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma)
+  return _rotate_from_residual_jnp(
+    u, p1, g, a2, inv_r, rot, b, z, gamma, out_rowdot=not _jnp_row_blocks()
+  )
 
 
 def _precondition_jnp(u, sigma, g, gamma):
@@ -658,13 +679,20 @@ def rotate_from_residual(
   inv_r``, ``U' = U rot + p b^T`` and ``(g - U' z) / gamma``. Same as
   :func:`rotate_and_precondition` with ``p1 = (v - U a1) inv_l1``; reads ``p1`` instead of
   ``v``. ``U'`` is written into ``U``'s buffer as there: by the kernel (pallas), or block of
-  rows by block of rows in a loop (jnp, for a ``U`` of more than :data:`ROW_BLOCK_ELEMENTS`;
-  ``rows_per_block`` overrides the rows of a block, see :func:`row_block`)."""
+  rows by block of rows in a loop (jnp on GPUs, see :data:`JNP_ROW_BLOCKS`, for a ``U`` of
+  more than :data:`ROW_BLOCK_ELEMENTS`; ``rows_per_block`` overrides the rows of a block, see
+  :func:`row_block`, and forces the blocked path). The jnp path off GPUs rotates the whole
+  ``U`` at once, with the output as ``k`` multiply-adds (faster on the CPU, one more ``U``
+  of memory)."""
   _check(u, {"p1": p1, "g": g}, {"a2": a2, "b": b, "z": z}, {"rot": rot})
   inv_r, gamma = _scalar("inv_r", inv_r, u), _scalar("gamma", gamma, u)
   rows = row_block(u.shape, rows_per_block)  # checks rows_per_block before anything is traced
+  if rows_per_block is not None or _jnp_row_blocks():
+    jnp_fn = functools.partial(_rotate_in_row_blocks, rows_per_block=rows)
+  else:
+    jnp_fn = _rotate_from_residual_jnp
   return _dispatch(
-    functools.partial(_rotate_in_row_blocks, rows_per_block=rows),
+    jnp_fn,
     functools.partial(_rotate_pallas, from_p1=True),
     u,
     (p1, g, a2, inv_r, rot, b, z, gamma),
@@ -687,6 +715,7 @@ def precondition(u, sigma, g, gamma, *, impl="auto", interpret=None, tile=None, 
 
 __all__ = [
   "IMPLS",
+  "JNP_ROW_BLOCKS",
   "MAX_ROW_BLOCKS",
   "ROW_BLOCK_ELEMENTS",
   "precondition",

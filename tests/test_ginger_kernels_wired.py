@@ -187,10 +187,12 @@ def _compiled_step(tau, block, passes, rows, platforms=None):
 
 
 @pytest.mark.parametrize("block", ["per_tensor", "global"])
-def test_jnp_rotation_keeps_no_second_u(block):
+def test_jnp_rotation_keeps_no_second_u(block, monkeypatch):
   """The compiled step's temporary memory (XLA's buffer assignment, not a timing) stays well
-  below one U: the rotation runs in row blocks written back into the donated U. Before this,
-  the same step held a whole second U (``temp_size_in_bytes`` 537 MB at this size; now 153)."""
+  below one U: the rotation runs in row blocks written back into the donated U (the path of
+  GPUs, forced here on the CPU). Before this, the same step held a whole second U
+  (``temp_size_in_bytes`` 537 MB at this size; now 153)."""
+  monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", True)
   u_bytes = BIG * 32 * 4
   compiled = _compiled_step(32, block, "jnp", BIG).compile()
   memory = compiled.memory_analysis()
@@ -199,6 +201,34 @@ def test_jnp_rotation_keeps_no_second_u(block):
   # vectors (g, d, p1, the output...: 16 MiB each at this size), far from U's 512 MiB.
   block_bytes = 2 * kernels.ROW_BLOCK_ELEMENTS * 4 + 4 * BIG * 4
   assert memory.temp_size_in_bytes <= block_bytes < u_bytes / 2, memory
+
+
+def _loops(rows):
+  """Loops in the lowered jnp step (per_tensor, tau 8, ``rows`` parameters)."""
+  return _compiled_step(8, "per_tensor", "jnp", rows).as_text().count("stablehlo.while")
+
+
+def test_jnp_row_blocks_where(monkeypatch):
+  """The jnp rotation of a U of more than ROW_BLOCK_ELEMENTS runs in row blocks (one more
+  loop in the step than a U of one block has: the eigensolver's) on GPUs and wherever
+  ``JNP_ROW_BLOCKS`` forces them, and in one piece on the CPU by default."""
+  big = kernels.ROW_BLOCK_ELEMENTS // 8 * 3  # U: 3 ROW_BLOCK_ELEMENTS at tau 8
+  one_piece = _loops(4096)
+  assert _loops(big) == one_piece
+  monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", True)
+  assert _loops(4096) == one_piece
+  assert _loops(big) == one_piece + 1
+  monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", None)
+  monkeypatch.setattr(kernels, "_on_gpu", lambda: True)  # traced as on a GPU
+  assert _loops(big) == one_piece + 1
+
+
+def test_jnp_rotation_on_cpu_is_one_piece():
+  """On the CPU the jnp rotation of a large U runs in one piece: the compiled step then
+  holds a second U (the price of the faster rotation there; XLA's buffer assignment)."""
+  u_bytes = BIG * 32 * 4
+  memory = _compiled_step(32, "global", "jnp", BIG).compile().memory_analysis()
+  assert memory.temp_size_in_bytes >= u_bytes, memory
 
 
 def test_pallas_rotation_aliases_u(monkeypatch):
@@ -219,6 +249,7 @@ def test_row_blocks_change_no_update(x64, monkeypatch):
   rotation in one piece, to float64 rounding (rows are independent; only fused multiply-adds
   may round differently), over a trajectory with re-orthonormalising steps."""
   whole, refs, _ = _float64_trajectory(8, "global", "jnp", 1, 10)
+  monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", True)  # as on GPUs
   monkeypatch.setattr(kernels, "ROW_BLOCK_ELEMENTS", 40)  # 57 x 8 U: 12 blocks of 5 rows
   _update.cache_clear()
   try:
