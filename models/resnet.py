@@ -10,6 +10,13 @@ built from it, so the FLOP report can never drift from the model that is trained
 
 BatchNorm mode follows the NNX convention: ``model.train()`` uses batch statistics and updates
 the running averages, ``model.eval()`` uses the running averages.
+
+BatchNorm statistics (``batchnorm_groups``): with 1 (the default, ``batchnorm=sync`` in train.py's
+config) every BatchNorm is flax's ``nnx.BatchNorm``, whose statistics are over the whole batch the
+module sees; under SPMD data parallelism that is the global batch, and XLA inserts an all-reduce
+per BatchNorm in the forward and one in the backward. With G > 1 (``batchnorm=per_device``, G the
+size of the mesh's data axis) they are :class:`GroupedBatchNorm` s: statistics over each of the G
+consecutive slices of the batch, i.e. over each device's share, with no collective.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import normalization as _flax_norm
 
 Dtype = Any
 
@@ -90,29 +98,127 @@ def _conv(
   )
 
 
-def _bn(features: int, *, rngs: nnx.Rngs, dtype: Dtype, param_dtype: Dtype) -> nnx.BatchNorm:
-  """BatchNorm with torch's defaults (torch momentum 0.1 == flax momentum 0.9)."""
-  return nnx.BatchNorm(
-    features, momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-  )
+class GroupedBatchNorm(nnx.BatchNorm):
+  """``nnx.BatchNorm`` whose training statistics are per group of the batch (axis 0).
+
+  The batch of B examples is taken as ``groups`` = G consecutive slices of B / G examples
+  (under data parallelism: the slices the G devices of the data axis hold). In training mode
+  slice g is normalised with its own statistics, over its examples and the spatial axes (all
+  axes but the batch and the feature axis):
+
+    mu_g = E_g[x],   var_g = max(0, E_g[x^2] - mu_g^2),
+    y = (x - mu_g) * rsqrt(var_g + epsilon) * scale + bias     for x in slice g,
+
+  exactly what ``nnx.BatchNorm`` computes on slice g alone (flax's own ``_compute_stats`` and
+  ``_normalize``: statistics in at least float32, the fast variance, the same dtype promotion).
+  The reductions run over the axes within a group only, so with the batch split over the G
+  devices neither the forward nor the backward needs a collective for them.
+
+  The running statistics take the mean over the groups of the per-group statistics:
+  ``mean <- momentum * mean + (1 - momentum) * mean_g(mu_g)`` and likewise ``var`` with
+  ``mean_g(var_g)``, i.e. the mean of what G separate ``nnx.BatchNorm`` s would hold. (The mean
+  of the mu_g is the batch mean; the mean of the var_g is the within-device variance, without
+  the spread of the mu_g between devices. PyTorch DDP without SyncBN keeps rank 0's running
+  statistics instead.) Evaluation mode (``use_running_average``) is ``nnx.BatchNorm``'s.
+
+  Variables, their names and types are ``nnx.BatchNorm``'s (``scale``/``bias``: ``nnx.Param``;
+  ``mean``/``var``: ``nnx.BatchStat``), so checkpoints and optimizer partitioning do not depend
+  on G. ``train()``/``eval()`` act on it as on ``nnx.BatchNorm``.
+  """
+
+  def __init__(self, num_features: int, *, groups: int, rngs: nnx.Rngs, **kwargs):
+    if not (isinstance(groups, int) and groups >= 1):
+      raise ValueError(f"groups must be an integer >= 1, got {groups!r}.")
+    if kwargs.get("axis_name") is not None:
+      raise ValueError("GroupedBatchNorm takes no axis_name: its statistics are per group.")
+    super().__init__(num_features, rngs=rngs, **kwargs)
+    self.groups = groups
+
+  def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    use_running_average = (
+      self.use_running_average if use_running_average is None else use_running_average
+    )
+    if use_running_average is None or use_running_average or self.groups == 1:
+      # nnx.BatchNorm's own path: running averages, one group, or its error when no mode is set.
+      return super().__call__(x, use_running_average, mask=mask)
+    g = self.groups
+    if x.ndim < 2 or x.shape[0] % g:
+      raise ValueError(
+        f"GroupedBatchNorm with groups={g} needs a batch (axis 0) divisible by {g}, got input "
+        f"shape {tuple(x.shape)}: with batchnorm=per_device the batch must split evenly over "
+        "the devices of the mesh's data axis."
+      )
+    feature_axes = _flax_norm._canonicalize_axes(x.ndim, self.axis)
+    if 0 in feature_axes:
+      raise ValueError("GroupedBatchNorm groups the batch axis 0, which cannot be a feature axis.")
+    # The grouped view (G, B / G, ...): the group axis in front, every other axis shifted by 1.
+    xg = x.reshape(g, x.shape[0] // g, *x.shape[1:])
+    feature_axes = tuple(a + 1 for a in feature_axes)
+    reduction_axes = tuple(a for a in range(1, xg.ndim) if a not in feature_axes)
+    if mask is not None:
+      mask = jnp.broadcast_to(mask, x.shape).reshape(xg.shape)
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    xg, mean, var, scale, bias = self.promote_dtype(
+      (xg, self.mean[...], self.var[...], scale, bias), dtype=self.dtype
+    )
+    # (G, features) each: the statistics of each group.
+    mean, var = _flax_norm._compute_stats(
+      xg,
+      reduction_axes,
+      dtype=self.dtype,
+      use_fast_variance=self.use_fast_variance,
+      mask=mask,
+    )
+    # As nnx.BatchNorm: stop_gradient only where the variables are array refs.
+    if self.mean._can_update or self.var._can_update:
+      stop_gradient = jax.lax.stop_gradient
+    else:
+      stop_gradient = lambda v: v
+    m = self.momentum
+    self.mean[...] = stop_gradient(m * self.mean[...] + (1 - m) * jnp.mean(mean, axis=0))
+    self.var[...] = stop_gradient(m * self.var[...] + (1 - m) * jnp.mean(var, axis=0))
+    # Statistics of shape (G, features) reshape to (G, 1, .., features) inside _normalize.
+    y = _flax_norm._normalize(
+      xg, mean, var, scale, bias, reduction_axes, feature_axes, self.dtype, self.epsilon
+    )
+    return y.reshape(x.shape)
+
+
+def batchnorm(
+  features: int,
+  *,
+  groups: int = 1,
+  rngs: nnx.Rngs,
+  dtype: Dtype,
+  param_dtype: Dtype,
+) -> nnx.BatchNorm:
+  """BatchNorm with torch's defaults (torch momentum 0.1 == flax momentum 0.9): flax's
+  ``nnx.BatchNorm`` itself for ``groups`` = 1, else :class:`GroupedBatchNorm`."""
+  kwargs = dict(momentum=0.9, epsilon=1e-5, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+  if groups == 1:
+    return nnx.BatchNorm(features, **kwargs)
+  return GroupedBatchNorm(features, groups=groups, **kwargs)
 
 
 class Projection(nnx.Module):
   """Projection shortcut (1x1 conv + BN) used where a block changes shape."""
 
-  def __init__(self, cin: int, cout: int, stride: int, *, rngs: nnx.Rngs, **dtypes: Dtype):
+  def __init__(
+    self, cin: int, cout: int, stride: int, *, rngs: nnx.Rngs, bn_groups: int = 1, **dtypes
+  ):
     self.conv = _conv(cin, cout, 1, stride, rngs=rngs, **dtypes)
-    self.bn = _bn(cout, rngs=rngs, **dtypes)
+    self.bn = batchnorm(cout, groups=bn_groups, rngs=rngs, **dtypes)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.bn(self.conv(x))
 
 
-def _shortcut(cin: int, cout: int, stride: int, *, rngs: nnx.Rngs, **dtypes: Dtype):
+def _shortcut(cin: int, cout: int, stride: int, *, rngs: nnx.Rngs, bn_groups: int, **dtypes):
   """Identity (None) when shapes match, else a projection."""
   if stride == 1 and cin == cout:
     return None
-  return Projection(cin, cout, stride, rngs=rngs, **dtypes)
+  return Projection(cin, cout, stride, rngs=rngs, bn_groups=bn_groups, **dtypes)
 
 
 class BasicBlock(nnx.Module):
@@ -120,12 +226,14 @@ class BasicBlock(nnx.Module):
 
   expansion = 1
 
-  def __init__(self, cin: int, planes: int, stride: int, *, rngs: nnx.Rngs, **dtypes: Dtype):
+  def __init__(
+    self, cin: int, planes: int, stride: int, *, rngs: nnx.Rngs, bn_groups: int = 1, **dtypes
+  ):
     self.conv1 = _conv(cin, planes, 3, stride, rngs=rngs, **dtypes)
-    self.bn1 = _bn(planes, rngs=rngs, **dtypes)
+    self.bn1 = batchnorm(planes, groups=bn_groups, rngs=rngs, **dtypes)
     self.conv2 = _conv(planes, planes, 3, 1, rngs=rngs, **dtypes)
-    self.bn2 = _bn(planes, rngs=rngs, **dtypes)
-    self.shortcut = _shortcut(cin, planes, stride, rngs=rngs, **dtypes)
+    self.bn2 = batchnorm(planes, groups=bn_groups, rngs=rngs, **dtypes)
+    self.shortcut = _shortcut(cin, planes, stride, rngs=rngs, bn_groups=bn_groups, **dtypes)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = nnx.relu(self.bn1(self.conv1(x)))
@@ -139,15 +247,17 @@ class Bottleneck(nnx.Module):
 
   expansion = 4
 
-  def __init__(self, cin: int, planes: int, stride: int, *, rngs: nnx.Rngs, **dtypes: Dtype):
+  def __init__(
+    self, cin: int, planes: int, stride: int, *, rngs: nnx.Rngs, bn_groups: int = 1, **dtypes
+  ):
     cout = planes * self.expansion
     self.conv1 = _conv(cin, planes, 1, 1, rngs=rngs, **dtypes)
-    self.bn1 = _bn(planes, rngs=rngs, **dtypes)
+    self.bn1 = batchnorm(planes, groups=bn_groups, rngs=rngs, **dtypes)
     self.conv2 = _conv(planes, planes, 3, stride, rngs=rngs, **dtypes)
-    self.bn2 = _bn(planes, rngs=rngs, **dtypes)
+    self.bn2 = batchnorm(planes, groups=bn_groups, rngs=rngs, **dtypes)
     self.conv3 = _conv(planes, cout, 1, 1, rngs=rngs, **dtypes)
-    self.bn3 = _bn(cout, rngs=rngs, **dtypes)
-    self.shortcut = _shortcut(cin, cout, stride, rngs=rngs, **dtypes)
+    self.bn3 = batchnorm(cout, groups=bn_groups, rngs=rngs, **dtypes)
+    self.shortcut = _shortcut(cin, cout, stride, rngs=rngs, bn_groups=bn_groups, **dtypes)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = nnx.relu(self.bn1(self.conv1(x)))
@@ -177,7 +287,8 @@ class ResNet(nnx.Module):
   """CIFAR ResNet: 3x3 stem, four stages, global average pool, linear classifier.
 
   Call with float NHWC images that are already normalised; returns float32 logits whatever
-  the compute ``dtype``.
+  the compute ``dtype``. ``batchnorm_groups`` = G > 1 makes every BatchNorm a
+  :class:`GroupedBatchNorm` of G groups (training batches must then be divisible by G).
   """
 
   def __init__(
@@ -189,12 +300,14 @@ class ResNet(nnx.Module):
     rngs: nnx.Rngs,
     dtype: Dtype = jnp.float32,
     param_dtype: Dtype = jnp.float32,
+    batchnorm_groups: int = 1,
   ):
     dtypes = dict(dtype=dtype, param_dtype=param_dtype)
     block_cls = BLOCKS[spec.block]
     width = spec.base_width
+    bn_groups = batchnorm_groups
     self.conv1 = _conv(in_channels, width, 3, 1, rngs=rngs, **dtypes)
-    self.bn1 = _bn(width, rngs=rngs, **dtypes)
+    self.bn1 = batchnorm(width, groups=bn_groups, rngs=rngs, **dtypes)
     blocks = []
     cin = width
     for num_blocks, stride, mult in zip(
@@ -202,7 +315,8 @@ class ResNet(nnx.Module):
     ):
       planes = width * mult
       for i in range(num_blocks):
-        blocks.append(block_cls(cin, planes, stride if i == 0 else 1, rngs=rngs, **dtypes))
+        stride_i = stride if i == 0 else 1
+        blocks.append(block_cls(cin, planes, stride_i, rngs=rngs, bn_groups=bn_groups, **dtypes))
         cin = planes * block_cls.expansion
     self.blocks = nnx.List(blocks)
     self.fc = nnx.Linear(
@@ -230,6 +344,7 @@ def build_resnet(
   dtype: Dtype = jnp.float32,
   param_dtype: Dtype = jnp.float32,
   in_channels: int = 3,
+  batchnorm_groups: int = 1,
 ) -> ResNet:
   """Builds a ResNet from ``ARCHS`` by name.
 
@@ -240,9 +355,14 @@ def build_resnet(
     dtype: compute dtype (e.g. ``jnp.bfloat16``); logits are always float32.
     param_dtype: storage dtype of the parameters.
     in_channels: image channels (3 for CIFAR, 1 for digits).
+    batchnorm_groups: 1 (default): every BatchNorm is ``nnx.BatchNorm``, statistics over the
+      whole batch; G > 1: :class:`GroupedBatchNorm` s, statistics over each of G slices of the
+      batch (train.py's ``batchnorm=per_device``: G = the devices of the mesh's data axis).
   """
   if name not in ARCHS:
     raise ValueError(f"Unknown ResNet name {name!r}; allowed names: {sorted(ARCHS)}.")
+  if not (isinstance(batchnorm_groups, int) and batchnorm_groups >= 1):
+    raise ValueError(f"batchnorm_groups must be an integer >= 1, got {batchnorm_groups!r}.")
   return ResNet(
     ARCHS[name],
     num_classes,
@@ -250,6 +370,7 @@ def build_resnet(
     rngs=rngs,
     dtype=dtype,
     param_dtype=param_dtype,
+    batchnorm_groups=batchnorm_groups,
   )
 
 

@@ -40,6 +40,23 @@ def build_task(cfg) -> Task:
   return TASKS[family].from_config(cfg)
 
 
+BATCHNORMS = ("sync", "per_device")
+
+
+def resolve_batchnorm_groups(cfg) -> int:
+  """The groups of the ResNet's BatchNorm statistics for ``cfg.batchnorm``: 1 for "sync" (or
+  absent: configs from before the key), the size of the mesh's data axis for "per_device"
+  (statistics over each device's share of the batch; models.resnet.GroupedBatchNorm)."""
+  mode = cfg.get("batchnorm") or "sync"
+  if mode not in BATCHNORMS:
+    raise ValueError(f"batchnorm must be one of {list(BATCHNORMS)}, got {mode!r}.")
+  if mode == "sync":
+    return 1
+  from training.sharding import plan_from_config
+
+  return plan_from_config(cfg.get("mesh")).data_size
+
+
 @dataclasses.dataclass
 class Task:
   """Shared plumbing. Subclasses set the fields and implement the marked methods.
@@ -149,9 +166,19 @@ class ImageClassification(Task):
       precision=cfg.precision,
       seed=int(cfg.seed),
       augment=bool(cfg.data.augment),
+      batchnorm_groups=resolve_batchnorm_groups(cfg),
     )
 
-  def __init__(self, model_cfg, dataset, *, precision: str, seed: int, augment: bool = True):
+  def __init__(
+    self,
+    model_cfg,
+    dataset,
+    *,
+    precision: str,
+    seed: int,
+    augment: bool = True,
+    batchnorm_groups: int = 1,
+  ):
     from models.flops import resnet_forward_macs
     from models.resnet import build_resnet
 
@@ -163,6 +190,7 @@ class ImageClassification(Task):
         rngs=nnx.Rngs(seed),
         dtype=compute_dtype(precision),
         in_channels=channels,
+        batchnorm_groups=batchnorm_groups,
       )
     )()
     super().__init__(

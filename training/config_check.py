@@ -35,6 +35,7 @@ DISTRIBUTED = ("auto", True, False)
 LOGGERS = ("wandb", "none")
 WANDB_MODES = ("online", "offline", "disabled", "shared")
 FAMILIES = ("resnet", "t5")
+BATCHNORMS = ("sync", "per_device")  # models.tasks.BATCHNORMS
 IMAGE_DATASETS = ("cifar100", "cifar10", "digits")
 IMAGE_SOURCES = ("hf", "tfds", "local")
 XSUM_SOURCES = ("hf", "tfds", "local", "demo")
@@ -315,9 +316,24 @@ def _check_model_and_data(c: _Checker) -> None:
       c.number("model.lora.alpha", 0, closed=(False, True))
       c.text("model.lora.targets")
       c.boolean("model.lora.train_1d")
+  _check_batchnorm(c, family)
   path = c.get("data.path")
   if path is not _MISSING and path is not None and not isinstance(path, str):
     c.bad("data.path", path, "a file or folder path, or null")
+
+
+def _check_batchnorm(c: _Checker, family: str | None) -> None:
+  # Absent or null: sync (configs from before the key).
+  value = c.get("batchnorm")
+  if value is _MISSING or value is None:
+    return
+  if c.choice("batchnorm", BATCHNORMS) == "per_device" and family == "t5":
+    c.bad(
+      "batchnorm",
+      value,
+      "'sync' for model.family='t5' (T5 has no BatchNorm; per_device only changes the "
+      "BatchNorm statistics of the ResNet models)",
+    )
 
 
 def _check_devices_and_logger(c: _Checker) -> None:

@@ -59,7 +59,7 @@ NOT_FINGERPRINTED = frozenset(
 # Keys added after runs were recorded, with the value every run from before them had: at that
 # value (or null) a key is left out of fingerprints and config comparisons, so older run dirs
 # still resume and their summaries still count as done.
-IMPLIED = {"curvature_every": 1, "passes": "jnp"}
+IMPLIED = {"curvature_every": 1, "passes": "jnp", "batchnorm": "sync"}
 
 # The paper-notation hyperparameters each optimizer reads (the others are not its identity).
 OPTIMIZER_KEYS = {
