@@ -7,7 +7,9 @@ For every device count N and optimizer, ``train.py`` runs in a fresh process (as
 --per-device-batch``, with the optimizer state sharded over the mesh (arrays of at least
 ``mesh.min_shard_size`` elements) and replicated. Columns: median step time, images/s,
 scaling efficiency (images/s over N times the same optimizer's 1-device images/s), one
-device's peak memory and optimizer-state bytes.
+device's peak memory and optimizer-state bytes. ``--batchnorm per_device`` runs with
+``batchnorm=per_device`` (BatchNorm statistics over each device's batch, no per-layer
+all-reduce; at 1 device the same as ``sync``).
 """
 
 from __future__ import annotations
@@ -32,13 +34,19 @@ def main(argv=None) -> None:
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--out", type=Path, default=Path("outputs/bench_scaling"))
   parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+  parser.add_argument(
+    "--batchnorm",
+    choices=["sync", "per_device"],
+    default="sync",
+    help="BatchNorm statistics: over the global batch (sync) or each device's (per_device)",
+  )
   args = parser.parse_args(argv)
   if 1 not in args.devices:
     parser.error("--devices must include 1 (the efficiency baseline)")
 
   print(
     f"# {datetime.date.today()} ResNet-18, batch {args.per_device_batch} per device, "
-    f"steps={args.steps}"
+    f"steps={args.steps}, batchnorm={args.batchnorm}"
   )
   print(
     "| optimizer | devices | optimizer state | ms/step | images/s | efficiency "
@@ -56,6 +64,9 @@ def main(argv=None) -> None:
           f"mesh.shard_optimizer_state={str(shard).lower()}",
         ]
         out = args.out / f"d{n}_{'sharded' if shard else 'replicated'}"
+        if args.batchnorm != "sync":
+          extra.append(f"batchnorm={args.batchnorm}")
+          out = out.with_name(f"{out.name}_bn_{args.batchnorm}")
         summary = train_step.run("resnet18", name, args.data, args.steps, out, args.timeout, extra)
         layout = "sharded" if shard and n > 1 else "replicated"
         if not summary:

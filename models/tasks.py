@@ -52,9 +52,11 @@ def resolve_batchnorm_groups(cfg) -> int:
     raise ValueError(f"batchnorm must be one of {list(BATCHNORMS)}, got {mode!r}.")
   if mode == "sync":
     return 1
-  from training.sharding import plan_from_config
-
-  return plan_from_config(cfg.get("mesh")).data_size
+  # The data axis as training.sharding.make_mesh sizes it (mesh.data=-1: all the devices
+  # mesh.model leaves); the loop has checked the mesh before building the task.
+  mesh = cfg.get("mesh") or {}
+  data = int(mesh.get("data", -1))
+  return jax.device_count() // int(mesh.get("model", 1)) if data == -1 else data
 
 
 @dataclasses.dataclass

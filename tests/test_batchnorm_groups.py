@@ -265,9 +265,19 @@ _COLLECTIVES = """
 import json, re, sys
 import numpy as np
 from hydra import compose, initialize_config_dir
-from training import loop
+from training import loop, sharding
+from models.tasks import resolve_batchnorm_groups
 
-out = {}
+def compose_(*overrides):
+  with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
+    return compose(config_name="config", overrides=["experiment=demo", *overrides])
+
+# The groups are the data axis of the mesh the loop builds.
+out = {"groups_vs_mesh": [
+  [resolve_batchnorm_groups(cfg), sharding.plan_from_config(cfg.mesh).data_size]
+  for cfg in (compose_("batchnorm=per_device", *mesh) for mesh in (
+    [], ["mesh.data=2"], ["mesh.model=2"], ["mesh.data=1", "mesh.model=2"]))
+]}
 for mode in ("sync", "per_device"):
   with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
     cfg = compose(config_name="config", overrides=[
@@ -304,6 +314,7 @@ def test_per_device_statistics_need_no_collective_on_four_devices():
   )
   assert run.returncode == 0, run.stderr[-3000:]
   out = json.loads(run.stdout.strip().splitlines()[-1])
+  assert out["groups_vs_mesh"] == [[4, 4], [2, 2], [2, 2], [1, 1]]
   sync, per_device = out["sync"], out["per_device"]
   assert sync["groups"] == [1] and per_device["groups"] == [4]
   # resnet_tiny has 12 BatchNorms: sync needs their statistics' all-reduces in the forward and
