@@ -25,6 +25,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -164,13 +165,60 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
   curvature = cfg.optimizer.name in CURVATURE
   precondition_step = jitted(False) if curvature and curvature_every(cfg) > 1 else None
   train_step = jitted(curvature)
-  eval_on_mesh = jax.jit(eval_step, out_shardings=replicated)
+  return train_step, EvalStep(jax.jit(eval_step, out_shardings=replicated), plan), precondition_step
 
-  def eval_step_on_host_indices(trainable, frozen, rest, arrays, idx):
-    # `arrays` are placed once by the caller (replicated); only the indices move per batch.
-    return eval_on_mesh(trainable, frozen, rest, arrays, plan.indices(idx))
 
-  return train_step, eval_step_on_host_indices, precondition_step
+class EvalStep(NamedTuple):
+  """The jitted evaluation step on host indices: ``(trainable, frozen, rest, arrays, idx)``
+  -> the task's additive statistics of the batch ``idx`` (numpy indices into ``arrays``, which
+  the caller places once, replicated; only the indices move per batch).
+
+  ``compiled`` maps a batch size to an executable compiled ahead of time (:meth:`lower`, then
+  :meth:`with_compiled`; the training loop does this beside the training steps); batches of
+  other sizes, and every batch before that, go through the jitted function, which compiles
+  at the first call. Either way the same program runs.
+  """
+
+  jitted: Any
+  plan: sharding.Plan
+  compiled: dict = {}
+
+  def __call__(self, trainable, frozen, rest, arrays, idx):
+    run = self.compiled.get(len(idx), self.jitted)
+    return run(trainable, frozen, rest, arrays, self.plan.indices(idx))
+
+  def lower(self, trainable, frozen, rest, arrays, idx):
+    return self.jitted.lower(trainable, frozen, rest, arrays, self.plan.indices(idx))
+
+  def with_compiled(self, compiled: dict) -> EvalStep:
+    return self._replace(compiled={**self.compiled, **compiled})
+
+
+def eval_batch_sizes(num_val: int, batch_size: int) -> list[int]:
+  """The batch sizes :func:`evaluate` runs: ``batch_size`` and the remainder, if any."""
+  sizes = [min(batch_size, num_val)] if num_val else []
+  return sizes + ([num_val % batch_size] if num_val > batch_size and num_val % batch_size else [])
+
+
+# Threads that compile a run's programs (None: one per program; 1: one after the other).
+COMPILE_THREADS: int | None = None
+
+
+def compile_all(lower: dict[Any, Callable[[], Any]], threads: int | None = None) -> dict:
+  """``{key: lower[key]().compile()}``, the compilations running at once in threads.
+
+  Lowering (tracing Python) holds the GIL and runs here, one program after the other; XLA's
+  compilation releases it, so each program's compilation starts as soon as it is lowered and
+  runs beside the lowering and compilation of the next ones. The executables are those that
+  compiling one after the other gives (the same programs, the same compiler options).
+  ``threads``: at most this many compilations at once (default: all of them).
+  """
+  threads = len(lower) if threads is None else int(threads)
+  if threads < 2 or len(lower) < 2:
+    return {key: fn().compile() for key, fn in lower.items()}
+  with ThreadPoolExecutor(min(threads, len(lower)), thread_name_prefix="compile") as pool:
+    futures = {key: pool.submit(fn().compile) for key, fn in lower.items()}
+    return {key: future.result() for key, future in futures.items()}
 
 
 # ----------------------------------------------------------------------------- building
@@ -452,13 +500,25 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
 
   # Compile once, ahead of time: the same executable gives XLA's cost/memory analysis and
   # runs every step (calling the jitted function would compile a second time). With
-  # curvature_every = K > 1 two executables, with and without the curvature update.
+  # curvature_every = K > 1 two executables, with and without the curvature update. The
+  # evaluation step too, so that the first evaluation does not stop training to compile.
+  # All of them at once, in threads (compile_all): start-up waits for the slowest
+  # compilation, not for their sum.
   every = setup.curvature_every
   steps = {True: setup.train_step} | ({False: setup.precondition_step} if every > 1 else {})
-  compiled = {
-    update: fn.lower(state, frozen, train_arrays, batch_indices(start)).compile()
+  lower: dict[Any, Callable[[], Any]] = {
+    update: functools.partial(fn.lower, state, frozen, train_arrays, batch_indices(start))
     for update, fn in steps.items()
   }
+  for size in eval_batch_sizes(task.num_val, int(cfg.eval_batch_size)):
+    lower["eval", size] = functools.partial(
+      setup.eval_step.lower, state.trainable, frozen, state.rest, val_arrays, np.arange(size)
+    )
+  executables = compile_all(lower, COMPILE_THREADS)
+  compiled = {update: executables[update] for update in steps}
+  eval_step = setup.eval_step.with_compiled(
+    {key[1]: c for key, c in executables.items() if key not in steps}
+  )
   xla = [_xla_flops(c) for c in compiled.values()]  # with the curvature update, without
   memory = {update: _xla_memory(c) for update, c in compiled.items()}
   flops_per_iter = {
@@ -554,7 +614,7 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
       elif progress.due():  # no terminal, log steps far apart: a line with rate and ETA
         progress.update(done, loss=float(jax.device_get(state.stats["last_loss"])))
       if at_eval:
-        result = evaluate(task, setup.eval_step, state, frozen, val_arrays, cfg)
+        result = evaluate(task, eval_step, state, frozen, val_arrays, cfg)
         epoch_mean = float(stats["loss_sum"] / max(int(stats["loss_count"]), 1))
         record = metrics.write("eval", done, **result, train_loss_mean=epoch_mean)
         evals.append(record)

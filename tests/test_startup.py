@@ -1,0 +1,160 @@
+"""Start-up: the training loop compiles every program a run needs before its first step, all at
+once in threads, and the executables compute what compiling them one after the other gives.
+
+Checked on the demo experiment (curvature_every = 3: the step with the curvature update, the
+step without it, and the evaluation step): no training or evaluation program is compiled after
+the first step (before, the evaluation step compiled at the first evaluation, in the middle of
+training), :func:`training.loop.compile_all` really compiles at once, and a run whose programs
+were compiled concurrently logs exactly the numbers of one compiled one after the other.
+"""
+
+import json
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from training import loop as train
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = [
+  "experiment=demo",
+  "optimizer=ginger",
+  "curvature_every=3",
+  "logger=none",
+  "log_every=1",
+  "spectrum_every=0",
+  "eval_every=2",
+  "checkpoint_every=100",
+  "max_steps=4",
+  "eval_batch_size=100",  # the digits' 359 test images: batches of 100 and one of 59
+]
+PROGRAMS = ("jit(step)", "jit(eval_step)")  # the training steps and the evaluation step
+
+
+def config(*overrides):
+  with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+    return compose(config_name="config", overrides=list(overrides))
+
+
+def events(run_dir: Path) -> list[dict]:
+  """metrics.jsonl without its wall-clock fields."""
+  out = []
+  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    event = json.loads(line)
+    out.append({k: v for k, v in event.items() if k not in ("wall_time_s", "step_time_s")})
+  return [{k: v for k, v in e.items() if k != "examples_per_s"} for e in out]
+
+
+def run_logging_compiles(run_dir: Path, monkeypatch, threads) -> list[tuple]:
+  """Trains the demo run and returns, in order, ``("compiled", name)`` for every XLA
+  compilation (JAX's backend-compile event, also for ahead-of-time compilations) and
+  ``("stop asked", step)`` for every time the loop asked whether to stop (once before the
+  first step, then after every step)."""
+  monkeypatch.setattr(train, "COMPILE_THREADS", threads)
+  log: list[tuple] = []
+
+  def compiled(event, start, end, **kwargs):
+    del start, end
+    if event == "/jax/core/compile/backend_compile_duration":
+      log.append(("compiled", kwargs.get("fun_name")))
+
+  def stop(step):
+    log.append(("stop asked", step))
+
+  jax.monitoring.register_event_time_span_listener(compiled)
+  try:
+    train.train(config(*BASE), run_dir, stop=stop)
+  finally:
+    jax.monitoring.unregister_event_time_span_listener(compiled)
+  return log
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp("startup")
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    concurrent = run_logging_compiles(root / "concurrent", monkeypatch, None)
+    one_by_one = run_logging_compiles(root / "one_by_one", monkeypatch, 1)
+  return {"root": root, "concurrent": concurrent, "one_by_one": one_by_one}
+
+
+@pytest.mark.parametrize("which", ["concurrent", "one_by_one"])
+def test_every_program_is_compiled_before_the_first_step(runs, which):
+  """Both training steps and the evaluation step (both of its batch sizes) are compiled before
+  the loop first asks whether to stop, i.e. before step 0 runs; none is compiled later."""
+  log = runs[which]
+  first_stop = log.index(("stop asked", 0))
+  before = [name for kind, name in log[:first_stop] if kind == "compiled" and name in PROGRAMS]
+  after = [name for kind, name in log[first_stop:] if kind == "compiled" and name in PROGRAMS]
+  assert sorted(before) == ["jit(eval_step)"] * 2 + ["jit(step)"] * 2
+  assert after == []
+  assert [step for kind, step in log if kind == "stop asked"] == [0, 1, 2, 3]  # 4 steps ran
+
+
+def test_concurrent_compilation_changes_no_number(runs):
+  """Losses, gradient norms, evaluations: the run whose programs compiled concurrently logs
+  exactly what the run compiled one program after the other logs."""
+  concurrent = events(runs["root"] / "concurrent")
+  assert [e["event"] for e in concurrent].count("eval") == 2
+  assert concurrent == events(runs["root"] / "one_by_one")
+
+
+def test_ahead_of_time_evaluation_equals_the_jitted_one():
+  """The evaluation step's executable compiled ahead of time gives bit for bit the statistics
+  of the jitted function (which the loop used before, and still uses for other sizes)."""
+  setup = train.build(config(*BASE))
+  arrays = train.sharding.put(setup.task.val_arrays, setup.plan.replicated)
+  state = setup.state
+  idx = np.arange(100)
+  lowered = setup.eval_step.lower(state.trainable, setup.frozen, state.rest, arrays, idx)
+  ahead = setup.eval_step.with_compiled({100: lowered.compile()})
+  assert ahead.compiled and not setup.eval_step.compiled
+  got = jax.device_get(ahead(state.trainable, setup.frozen, state.rest, arrays, idx))
+  want = jax.device_get(setup.eval_step(state.trainable, setup.frozen, state.rest, arrays, idx))
+  assert got.keys() == want.keys()
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key])
+
+
+@pytest.mark.parametrize(
+  ("num_val", "batch_size", "sizes"),
+  [(360, 100, [100, 60]), (360, 360, [360]), (360, 500, [360]), (10000, 500, [500]), (0, 5, [])],
+)
+def test_eval_batch_sizes_are_those_evaluate_runs(num_val, batch_size, sizes):
+  ran = {min(batch_size, num_val - start) for start in range(0, num_val, batch_size)}
+  assert sorted(train.eval_batch_sizes(num_val, batch_size), reverse=True) == sizes
+  assert set(sizes) == ran
+
+
+class _Lowered:
+  """Stands in for a lowered program: compiling waits until ``barrier``'s other parties are
+  compiling too (with compilations one after the other it never returns; the timeout only
+  turns that hang into an error)."""
+
+  def __init__(self, name, barrier, lowered_in):
+    self.name, self.barrier = name, barrier
+    lowered_in.append((name, threading.current_thread() is threading.main_thread()))
+
+  def compile(self):
+    self.barrier.wait()
+    return f"executable of {self.name}"
+
+
+def test_compile_all_compiles_at_once():
+  """All compilations are in flight at the same time (each waits for the others at a barrier);
+  lowering runs in the calling thread, in the order given."""
+  names = ["train", "precondition", "eval"]
+  barrier = threading.Barrier(len(names), timeout=120)
+  lowered_in: list = []
+  lower = {n: (lambda n=n: _Lowered(n, barrier, lowered_in)) for n in names}
+  assert train.compile_all(lower) == {n: f"executable of {n}" for n in names}
+  assert lowered_in == [(n, True) for n in names]
+
+
+def test_compile_all_one_by_one():
+  lower = {n: (lambda n=n: _Lowered(n, threading.Barrier(1), [])) for n in ("a", "b")}
+  assert train.compile_all(lower, threads=1) == {"a": "executable of a", "b": "executable of b"}
