@@ -29,6 +29,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+# nnx.BatchNorm's private helpers (flax pinned in requirements.txt), so that GroupedBatchNorm
+# computes exactly what nnx.BatchNorm does per group; tests/test_batchnorm_groups.py compares
+# the two, so a flax upgrade that changes them fails there.
 from flax.nnx.nn import normalization as _flax_norm
 
 Dtype = Any
