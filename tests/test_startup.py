@@ -158,3 +158,62 @@ def test_compile_all_compiles_at_once():
 def test_compile_all_one_by_one():
   lower = {n: (lambda n=n: _Lowered(n, threading.Barrier(1), [])) for n in ("a", "b")}
   assert train.compile_all(lower, threads=1) == {"a": "executable of a", "b": "executable of b"}
+
+
+# ---- compilation_cache_dir -------------------------------------------------------------------
+
+
+def test_compilation_cache_dir_stores_the_compiled_steps(tmp_path):
+  """train.py with ``compilation_cache_dir`` (and no JAX_COMPILATION_CACHE_DIR: the test
+  suite's own cache is off in the child) writes the compiled training and evaluation steps
+  into that folder."""
+  import os
+  import subprocess
+  import sys
+
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # store every program
+  cache = tmp_path / "compiled"
+  out = subprocess.run(
+    [
+      sys.executable,
+      "train.py",
+      "experiment=demo",
+      "optimizer=adam",
+      "max_steps=1",
+      "eval_every=1",
+      "spectrum_every=0",
+      f"compilation_cache_dir={cache}",
+      f"hydra.run.dir={tmp_path / 'run'}",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  names = [p.name for p in cache.iterdir()]
+  assert any(n.startswith("jit_step") for n in names), names
+  assert any(n.startswith("jit_eval_step") for n in names), names
+
+
+def test_compilation_cache_dir_is_not_part_of_the_run():
+  """Where compiled programs are cached changes neither the run-dir fingerprint (a run resumes
+  with or without the cache) nor the run dir's name."""
+  from training import run_record
+
+  plain = config(*BASE)
+  cached = config(*BASE, "compilation_cache_dir=/tmp/somewhere")
+  assert run_record.fingerprint(plain) == run_record.fingerprint(cached)
+  from omegaconf import OmegaConf
+
+  hydra = OmegaConf.load(ROOT / "configs" / "config.yaml").hydra
+  assert "compilation_cache_dir" in hydra.job.config.override_dirname.exclude_keys
+
+
+@pytest.mark.parametrize("value", ["5", "''"])
+def test_bad_compilation_cache_dir_is_refused(value):
+  from training.config_check import ConfigError, check_config
+
+  with pytest.raises(ConfigError, match="compilation_cache_dir=.*: must be a non-empty string"):
+    check_config(config(*BASE, f"compilation_cache_dir={value}"))

@@ -344,6 +344,8 @@ def _check_devices_and_logger(c: _Checker) -> None:
     c.integer("mesh.min_shard_size", 0)
   if c.get("distributed") is not _MISSING:
     c.choice("distributed", DISTRIBUTED)
+  if c.get("compilation_cache_dir") is not _MISSING:  # absent in configs from before it
+    c.text("compilation_cache_dir", optional=True)
   logger = c.choice("logger.name", LOGGERS)
   if logger == "wandb":
     c.choice("logger.mode", WANDB_MODES)

@@ -254,6 +254,7 @@ def check(cfg: DictConfig) -> sharding.Plan:
   """Everything about ``cfg`` that can be checked without data or compiling; the mesh."""
   sharding.initialize_distributed(cfg.get("distributed", "auto"))  # before any JAX work
   check_config(cfg)
+  use_compilation_cache(cfg.get("compilation_cache_dir"))  # before the first compilation
   build_optimizer(cfg, learning_rate(cfg, 1, 1))  # the library's own checks of its arguments
   plan = sharding.plan_from_config(cfg.get("mesh"))
   if int(cfg.batch_size) % plan.data_size:
@@ -262,6 +263,31 @@ def check(cfg: DictConfig) -> sharding.Plan:
       "devices of the mesh's data axis (mesh.data)."
     )
   return plan
+
+
+def use_compilation_cache(folder: str | None) -> None:
+  """Points JAX's persistent compilation cache at ``folder`` (config ``compilation_cache_dir``;
+  None leaves JAX's own setting: off unless ``JAX_COMPILATION_CACHE_DIR`` is set).
+
+  Every program that takes longer to compile than ``jax_persistent_cache_min_compile_time_secs``
+  (JAX's default: 1 s; the training and evaluation steps) is written there, keyed by the
+  program, its devices and the compiler's version and options, and a later process that
+  compiles the same program reads the executable back instead of compiling it: another seed
+  of a sweep (the seed is an argument of the step, not part of the program) or a resumed run.
+  A change of lr, tau, K, batch size or code is another program and compiles anew. On GPUs
+  JAX also keeps XLA's per-fusion autotuning results there, which other programs of the same
+  shapes reuse. The executable read back is what this program compiled to before (on a CPU
+  the very code a fresh compilation gives; on a GPU with the autotuner's choices of that
+  compilation, which a fresh one may make differently, as two fresh ones may): it changes
+  start-up time, not the program (compare start-up times only between runs that both hit, or
+  both missed, the cache). JAX decides whether to use the cache at a process's first compilation:
+  set it before (train.py and evaluate.py do, in :func:`check`).
+  """
+  if folder is None:
+    return
+  path = Path(folder).expanduser().resolve()
+  path.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(path))
 
 
 def build(cfg: DictConfig, plan: sharding.Plan | None = None) -> Setup:

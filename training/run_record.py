@@ -50,6 +50,7 @@ NOT_FINGERPRINTED = frozenset(
     "resume",
     "mesh",  # results agree across meshes to float rounding; checkpoints move between them
     "distributed",
+    "compilation_cache_dir",  # where compiled programs are cached: start-up time only
     "eval_batch_size",  # the same sums in other batches
     "lr_from",  # provenance of the lr (the lr itself is fingerprinted)
     "best_lr",  # the tuned-lr table a sweep reads (only this run's lr matters)
