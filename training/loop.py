@@ -200,6 +200,25 @@ def eval_batch_sizes(num_val: int, batch_size: int) -> list[int]:
   return sizes + ([num_val % batch_size] if num_val > batch_size and num_val % batch_size else [])
 
 
+def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> dict:
+  """The lowerings of every program a run needs, to pass to :func:`compile_all`: ``True``,
+  the training step (with the curvature update, if any); ``False``, the step without it
+  (``curvature_every`` > 1 only); ``("eval", n)``, the evaluation step on batches of ``n``
+  (:func:`eval_batch_sizes`). ``indices``: a training batch's, placed (``plan.indices``)."""
+  steps = {True: setup.train_step}
+  if setup.curvature_every > 1:
+    steps[False] = setup.precondition_step
+  lower: dict[Any, Callable[[], Any]] = {
+    update: functools.partial(fn.lower, state, frozen, train_arrays, indices)
+    for update, fn in steps.items()
+  }
+  for size in eval_batch_sizes(setup.task.num_val, int(cfg.eval_batch_size)):
+    lower["eval", size] = functools.partial(
+      setup.eval_step.lower, state.trainable, frozen, state.rest, val_arrays, np.arange(size)
+    )
+  return lower
+
+
 # Threads that compile a run's programs (None: one per program; 1: one after the other).
 COMPILE_THREADS: int | None = None
 
@@ -531,19 +550,11 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
   # All of them at once, in threads (compile_all): start-up waits for the slowest
   # compilation, not for their sum.
   every = setup.curvature_every
-  steps = {True: setup.train_step} | ({False: setup.precondition_step} if every > 1 else {})
-  lower: dict[Any, Callable[[], Any]] = {
-    update: functools.partial(fn.lower, state, frozen, train_arrays, batch_indices(start))
-    for update, fn in steps.items()
-  }
-  for size in eval_batch_sizes(task.num_val, int(cfg.eval_batch_size)):
-    lower["eval", size] = functools.partial(
-      setup.eval_step.lower, state.trainable, frozen, state.rest, val_arrays, np.arange(size)
-    )
+  lower = programs(setup, state, frozen, train_arrays, val_arrays, batch_indices(start), cfg)
   executables = compile_all(lower, COMPILE_THREADS)
-  compiled = {update: executables[update] for update in steps}
+  compiled = {key: c for key, c in executables.items() if isinstance(key, bool)}
   eval_step = setup.eval_step.with_compiled(
-    {key[1]: c for key, c in executables.items() if key not in steps}
+    {key[1]: c for key, c in executables.items() if not isinstance(key, bool)}
   )
   xla = [_xla_flops(c) for c in compiled.values()]  # with the curvature update, without
   memory = {update: _xla_memory(c) for update, c in compiled.items()}
