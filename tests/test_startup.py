@@ -217,3 +217,20 @@ def test_bad_compilation_cache_dir_is_refused(value):
 
   with pytest.raises(ConfigError, match="compilation_cache_dir=.*: must be a non-empty string"):
     check_config(config(*BASE, f"compilation_cache_dir={value}"))
+
+
+def test_another_seed_is_the_same_program():
+  """What lets the cache serve the other seeds of a sweep: the seed enters the steps as an
+  argument (the state's parameters and key), so both seeds lower to the same program text,
+  which is the cache's key (with the devices and the compiler's version and options)."""
+  texts = []
+  for seed in (0, 1):
+    setup = train.build(config(*BASE, f"seed={seed}"))
+    arrays = train.sharding.put(setup.task.train_arrays, setup.plan.replicated)
+    val = train.sharding.put(setup.task.val_arrays, setup.plan.replicated)
+    idx = setup.plan.indices(np.arange(64))  # the demo's batch_size
+    lower = train.programs(setup, setup.state, setup.frozen, arrays, val, idx, config(*BASE))
+    texts.append({key: fn().as_text() for key, fn in lower.items()})
+  assert texts[0].keys() == texts[1].keys() and len(texts[0]) == 4
+  for key in texts[0]:
+    assert texts[0][key] == texts[1][key], key
