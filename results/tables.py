@@ -61,6 +61,8 @@ CONFIG_KEYS = (
   "lr",
   "length",
   "curvature_every",
+  "batchnorm",
+  "batchnorm_groups",
 )
 # The paper's protocols: only runs matching one fill the paper's tables.
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
@@ -125,6 +127,8 @@ def load_summary(run_dir: str | Path) -> Run | None:
   data["run"]["length"] = run_length(data)
   if data["run"].get("optimizer") == "ginger":  # recorded since curvature_every exists
     data["run"].setdefault("curvature_every", 1)
+  if str(data["run"].get("model", "")).startswith("resnet"):  # recorded since batchnorm exists
+    data["run"].setdefault("batchnorm", "sync")
   return data
 
 

@@ -239,9 +239,20 @@ def test_bad_values_are_refused_up_front(overrides, named):
   assert named in str(info.value)
 
 
+def test_per_device_needs_an_explicit_data_axis():
+  """The statistics groups are the data axis's size: with mesh.data=-1 ("all devices") they
+  would depend on the machine a run happens to start or resume on."""
+  overrides = ("experiment=demo", "batchnorm=per_device")
+  with pytest.raises(ConfigError) as info:
+    check_config(config(*overrides), overrides=overrides)
+  assert "mesh.data=-1: must be an explicit number of devices (>= 1) with batchnorm=per_device" in (
+    str(info.value)
+  )
+
+
 def test_good_values_pass():
   for overrides in (
-    ("experiment=demo", "batchnorm=per_device"),
+    ("experiment=demo", "batchnorm=per_device", "mesh.data=1"),
     ("experiment=demo", "batchnorm=sync"),
     ("experiment=demo_xsum", "batchnorm=sync"),
     ("experiment=demo", "batchnorm=null"),
@@ -257,6 +268,20 @@ def test_fingerprints_of_older_run_dirs_are_kept():
   assert run_record.fingerprint(cfg) == run_record.fingerprint(older)
   per_device = dict(cfg, batchnorm="per_device")
   assert run_record.fingerprint(per_device) != run_record.fingerprint(cfg)
+
+
+def test_per_device_runs_on_other_data_axes_are_other_runs():
+  """per_device's statistics groups are part of what a run computes: a run dir trained on 4
+  devices never resumes on 2 (the fingerprints differ), while sync runs move between meshes."""
+  cfg = run_record.plain(config("experiment=demo"))
+  on = lambda data, mode: dict(cfg, batchnorm=mode, mesh=dict(cfg["mesh"], data=data))  # noqa: E731
+  assert run_record.fingerprint(on(2, "sync")) == run_record.fingerprint(on(4, "sync"))
+  assert run_record.fingerprint(on(2, "per_device")) != run_record.fingerprint(on(4, "per_device"))
+  sync, per_device = run_record.identity(on(4, "sync")), run_record.identity(on(4, "per_device"))
+  assert (sync["batchnorm"], sync["batchnorm_groups"]) == ("sync", None)
+  assert (per_device["batchnorm"], per_device["batchnorm_groups"]) == ("per_device", 4)
+  xsum = run_record.identity(run_record.plain(config("experiment=demo_xsum")))
+  assert (xsum["batchnorm"], xsum["batchnorm_groups"]) == (None, None)  # T5: no BatchNorm
 
 
 # ------------------------------------------------------------------- collectives on 4 devices
@@ -282,7 +307,7 @@ for mode in ("sync", "per_device"):
   with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
     cfg = compose(config_name="config", overrides=[
       "experiment=demo", "logger=none", "optimizer=momentum", "batch_size=32", "max_steps=2",
-      f"batchnorm={mode}"])
+      f"batchnorm={mode}", "mesh.data=4"])
   setup = loop.build(cfg)
   groups = sorted({getattr(m, "groups", 1) for _, m in __import__("flax").nnx.iter_graph(
     setup.task.model) if hasattr(m, "use_running_average")})

@@ -463,3 +463,26 @@ def test_curvature_every_runs_enter_no_other_table(tmp_path: Path) -> None:
     "curvature_every_cifar10_10ep.tex",
   ]
   assert r"\times" in (out / "curvature_every_cifar10_10ep.tex").read_text()
+
+
+def test_batchnorm_modes_never_share_a_cell(tmp_path: Path) -> None:
+  """Runs recorded before the batchnorm key (no field) count as sync; per_device runs, and
+  per_device runs on other device counts, are other configurations."""
+
+  def run(name: str, seed: int, **fields: Any) -> None:
+    d = tmp_path / name
+    d.mkdir()
+    base = {"experiment": "e", "model": "resnet18", "dataset": "cifar10", "optimizer": "adam"}
+    summary = {"run": {**base, "lr": 1e-3, "seed": seed, **fields}, "status": "completed"}
+    (d / "summary.json").write_text(json.dumps(summary))
+
+  run("older", 0)
+  run("sync", 1, batchnorm="sync", batchnorm_groups=None)
+  run("per4", 0, batchnorm="per_device", batchnorm_groups=4)
+  run("per2", 0, batchnorm="per_device", batchnorm_groups=2)
+  runs = tables.collect_runs([tmp_path])
+  keys = {tables.config_key(r) for r in runs}
+  assert len(keys) == 3
+  older = next(r for r in runs if r["path"].endswith("older"))
+  sync = next(r for r in runs if r["path"].endswith("sync"))
+  assert tables.config_key(older) == tables.config_key(sync)

@@ -327,12 +327,24 @@ def _check_batchnorm(c: _Checker, family: str | None) -> None:
   value = c.get("batchnorm")
   if value is _MISSING or value is None:
     return
-  if c.choice("batchnorm", BATCHNORMS) == "per_device" and family == "t5":
+  if c.choice("batchnorm", BATCHNORMS) != "per_device":
+    return
+  if family == "t5":
     c.bad(
       "batchnorm",
       value,
       "'sync' for model.family='t5' (T5 has no BatchNorm; per_device only changes the "
       "BatchNorm statistics of the ResNet models)",
+    )
+  data = c.get("mesh.data")
+  if data is _MISSING or data is None or (isinstance(data, int) and data < 1):
+    # The groups are part of the run (its fingerprint): "all devices" would make them depend
+    # on the machine a run starts or resumes on.
+    c.bad(
+      "mesh.data",
+      -1 if data is _MISSING else data,
+      "an explicit number of devices (>= 1) with batchnorm=per_device: its statistics groups "
+      "are that many, and part of the run's identity",
     )
 
 

@@ -136,7 +136,19 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
     "sweep": c.get("sweep"),
     **{k: c.get(k) if k in used else None for k in IDENTITY_HYPERPARAMETERS[5:]},
     "curvature_every": curvature_every(c),
+    **batchnorm(c),
   }
+
+
+def batchnorm(config: Mapping) -> dict[str, Any]:
+  """``batchnorm`` ("sync" | "per_device") and ``batchnorm_groups`` (per_device: the data
+  axis's size, the number of statistics groups; else None) of a ResNet run; both None for
+  models without BatchNorm (T5)."""
+  if config["model"].get("family") != "resnet":
+    return {"batchnorm": None, "batchnorm_groups": None}
+  mode = config.get("batchnorm") or IMPLIED["batchnorm"]
+  groups = int(config["mesh"]["data"]) if mode == "per_device" else None
+  return {"batchnorm": mode, "batchnorm_groups": groups}
 
 
 def curvature_every(config: Mapping) -> int | None:
@@ -151,8 +163,13 @@ def curvature_every(config: Mapping) -> int | None:
 
 
 def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
-  """The part of the resolved config that determines the run's result."""
-  return {k: v for k, v in _explicit(plain(config)).items() if k not in NOT_FINGERPRINTED}
+  """The part of the resolved config that determines the run's result. ``mesh`` is not part
+  of it, except the data axis's size under ``batchnorm=per_device`` (the statistics groups)."""
+  c = plain(config)
+  out = {k: v for k, v in _explicit(c).items() if k not in NOT_FINGERPRINTED}
+  if c.get("batchnorm") == "per_device":
+    out["batchnorm_groups"] = (c.get("mesh") or {}).get("data")
+  return out
 
 
 def _explicit(config: Mapping) -> dict[str, Any]:
