@@ -234,3 +234,33 @@ def test_another_seed_is_the_same_program():
   assert texts[0].keys() == texts[1].keys() and len(texts[0]) == 4
   for key in texts[0]:
     assert texts[0][key] == texts[1][key], key
+
+
+@pytest.mark.parametrize("optimizer", ["ginger", "adam"])
+def test_optimizer_state_is_initialised_as_op_by_op(optimizer):
+  """build() initialises the optimizer state as one jitted program (op by op, Ginger's init
+  compiled dozens of small programs at start-up), which gives the very arrays (values, dtypes,
+  weak types, structure) of running ``tx.init`` op by op."""
+  from training.optimizers import build_optimizer, learning_rate
+
+  cfg = config(*BASE, f"optimizer={optimizer}")
+  compiled: list[str] = []
+
+  def listen(event, duration, **kwargs):
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    setup = train.build(cfg)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert "jit(init_fn)" in compiled, compiled  # one program, not op by op
+  tx = build_optimizer(cfg, learning_rate(cfg, setup.steps_per_epoch, setup.total_steps))
+  want = tx.init(setup.state.trainable)
+  got = setup.state.opt_state
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert (a.shape, a.dtype, a.weak_type) == (b.shape, b.dtype, b.weak_type)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

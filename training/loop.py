@@ -335,7 +335,10 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None) -> Setup:
     jnp.zeros([], jnp.int32),
     trainable,
     rest,
-    tx.init(trainable),
+    # One program: run op by op, Ginger's init compiles dozens of small ones (a reshape per
+    # tensor, a basis per bucket), several seconds of start-up. The values (zeros, unit
+    # vectors) are exact either way.
+    jax.jit(tx.init)(trainable),
     jax.random.key(int(cfg.seed)),
     initial_stats(),
   )
