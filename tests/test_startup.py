@@ -264,3 +264,12 @@ def test_optimizer_state_is_initialised_as_op_by_op(optimizer):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert (a.shape, a.dtype, a.weak_type) == (b.shape, b.dtype, b.weak_type)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_summary_reports_the_start_up(runs):
+  """summary.json says how long building and compiling took, and how many programs."""
+  from training import run_record
+
+  startup = run_record.read_summary(runs["root"] / "concurrent")["startup_s"]
+  assert startup["programs"] == 4  # two training steps, the evaluation step at two sizes
+  assert startup["build"] > 0 and startup["lower_and_compile"] > 0

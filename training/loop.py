@@ -492,7 +492,9 @@ def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) ->
   plan = check(cfg)
   run_dir.mkdir(parents=True, exist_ok=True)
   claim_run_dir(run_dir, cfg)
+  began = time.perf_counter()
   setup = build(cfg, plan)
+  build_s = time.perf_counter() - began
   state = setup.state
   log.info(
     "model %s: %s parameters (%s trained)",
@@ -520,12 +522,12 @@ def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) ->
   config = OmegaConf.to_container(cfg, resolve=True)
   metrics = logs.MetricsLog(run_dir, cfg.logger, config, resume_step=start if start else None)
   try:
-    return _run(cfg, run_dir, setup, state, start, checkpointer, metrics, config, stop)
+    return _run(cfg, run_dir, setup, state, start, checkpointer, metrics, config, stop, build_s)
   finally:
     metrics.close()
 
 
-def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config, stop):
+def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config, stop, build_s):
   task, frozen, plan, schedule = setup.task, setup.frozen, setup.plan, setup.schedule
   steps_per_epoch, total_steps = setup.steps_per_epoch, setup.total_steps
   batch_size = int(cfg.batch_size)
@@ -553,8 +555,10 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
   # All of them at once, in threads (compile_all): start-up waits for the slowest
   # compilation, not for their sum.
   every = setup.curvature_every
+  began = time.perf_counter()
   lower = programs(setup, state, frozen, train_arrays, val_arrays, batch_indices(start), cfg)
   executables = compile_all(lower, COMPILE_THREADS)
+  compile_s = time.perf_counter() - began
   compiled = {key: c for key, c in executables.items() if isinstance(key, bool)}
   eval_step = setup.eval_step.with_compiled(
     {key[1]: c for key, c in executables.items() if not isinstance(key, bool)}
@@ -590,7 +594,14 @@ def _run(cfg, run_dir, setup: Setup, state, start, checkpointer, metrics, config
     "step_memory_bytes": step_memory_bytes(memory.values()),
     "step_memory_method": STEP_MEMORY_METHOD,
     "train_data_bytes_per_device": sharding.bytes_per_device(train_arrays),
+    # Start-up of this attempt (a resumed run's is its last attempt's): building (data, model,
+    # optimizer state) and lowering + compiling every program (compile_all; much less where
+    # compilation_cache_dir already holds them).
+    "startup_s": {"build": build_s, "lower_and_compile": compile_s, "programs": len(lower)},
   }
+  log.info(
+    "built in %.1f s; %d programs lowered and compiled in %.1f s", build_s, len(lower), compile_s
+  )
   log.info(
     "%d steps (%d per epoch), batch %d; FLOPs/iter analytic %.3g, XLA %s",
     total_steps,
