@@ -80,7 +80,8 @@ MAX_ROW_BLOCKS = 16
 # out and back (dynamic-slice / dynamic-update-slice, ~59 of ~117 ms a step at ResNet-18
 # tau=8 on the 2-core CPU), and inside the loop the output's k multiply-adds (below) no longer
 # fuse (k column copies of every block, +50% on the whole step): ResNet-18 tau=8 per_tensor,
-# both changes 0.62x the authors' step, each alone 0.84x / 1.27x, neither 0.89x.
+# both changes 0.62x the authors' step, each alone 0.84x / 1.27x, neither 0.89x (a profile's
+# variants); as committed, ours / authors in one process 0.76 -> 0.54 (2026-11-26).
 JNP_ROW_BLOCKS: bool | None = None
 
 
@@ -155,7 +156,7 @@ def _row_sums(u, xs):
   elsewhere one vector-matrix product ``x_i^T U`` each. XLA:CPU (jax 0.10) runs the
   ``(k, n) x (n, j)`` product at about half the speed of ``j`` such products, each one more
   read of ``U`` (pass 1, ``j = 2``, on a (3, 2359296, 8) ``U`` on the 2-core CPU: 148 against
-  72 ms; the whole ResNet-18 tau=8 step ~0.87x)."""
+  72 ms; the whole ResNet-18 tau=8 step ~0.9x)."""
   if _on_gpu():
     return jnp.einsum("...nk,...nj->...kj", u, jnp.stack(xs, -1), precision=HIGHEST)
   return jnp.stack([jnp.einsum("...n,...nk->...k", x, u, precision=HIGHEST) for x in xs], -1)
