@@ -205,13 +205,20 @@ def check_shape(m, n, k, interpret: bool, seed: int = 0) -> list[dict]:
 
 
 def step_memory(rows: int, tau: int, passes: str) -> tuple[float, float]:
-  """``(temporary bytes, bytes of U)`` of the compiled Ginger update with the state donated."""
+  """``(temporary bytes, bytes of U)`` of the compiled Ginger update with the state donated.
+  The jnp rotation is traced with its row blocks (:data:`ginger.kernels.JNP_ROW_BLOCKS`), as
+  on a GPU, also where it runs: the CPU rotates ``U`` in one piece, which is faster there but
+  holds a second ``U`` by design, so only the GPU's form has the bound below."""
   tx = ginger.scale_by_ginger(tau, block="global", passes=passes)
   params = {"w": jax.ShapeDtypeStruct((rows,), jnp.float32)}
   state = jax.eval_shape(tx.init, params)
 
   def step(state, g, d):
-    return tx.update(g, state, fisher_grads=d)
+    forced, kernels.JNP_ROW_BLOCKS = kernels.JNP_ROW_BLOCKS, True
+    try:
+      return tx.update(g, state, fisher_grads=d)
+    finally:
+      kernels.JNP_ROW_BLOCKS = forced
 
   compiled = jax.jit(step, donate_argnums=(0,)).lower(state, params, params).compile()
   return float(compiled.memory_analysis().temp_size_in_bytes), rows * min(tau, rows) * 4.0
