@@ -32,11 +32,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["experiment=cifar10_resnet18", "batch_size=128", "logger=none", "eval_batch_size=500"]
@@ -137,20 +138,14 @@ def child(spec: dict) -> dict:
 def run(name: str, mode: str, data: str | None, cache_dir: str | None, timeout: float) -> dict:
   spec = {"overrides": RUNS[name], "mode": mode, "data": data, "cache_dir": cache_dir}
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  try:
-    done = subprocess.run(
-      [sys.executable, "-m", "bench.startup", "--child", json.dumps(spec)],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-    )
-  except subprocess.TimeoutExpired:
-    print(f"TIMEOUT {name} ({mode}) after {timeout} s", file=sys.stderr)
-    return {}
-  if done.returncode != 0:
-    print(f"FAILED {name} ({mode}):\n{done.stderr[-3000:]}", file=sys.stderr)
+  done = train_step.run_child(
+    [sys.executable, "-m", "bench.startup", "--child", json.dumps(spec)],
+    f"{name} ({mode})",
+    timeout,
+    cwd=ROOT,
+    env=env,
+  )
+  if done is None:
     return {}
   return json.loads(done.stdout.strip().splitlines()[-1])
 

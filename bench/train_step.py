@@ -98,15 +98,24 @@ def run(
     f"hydra.run.dir={run_dir}",
     *extra,
   ]
+  done = run_child(cmd, name, timeout)
+  return json.loads((run_dir / "summary.json").read_text()) if done else {}
+
+
+def run_child(
+  cmd: list[str], label: str, timeout: float, **kwargs
+) -> subprocess.CompletedProcess | None:
+  """Runs a benchmark's child process (output captured); on a timeout or a non-zero exit says
+  so on stderr, with the output's tail, and returns None."""
   try:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
   except subprocess.TimeoutExpired:
-    print(f"TIMEOUT {name} after {timeout} s", file=sys.stderr)
-    return {}
+    print(f"TIMEOUT {label} after {timeout} s", file=sys.stderr)
+    return None
   if done.returncode != 0:
-    print(f"FAILED {name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}", file=sys.stderr)
-    return {}
-  return json.loads((run_dir / "summary.json").read_text())
+    print(f"FAILED {label}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}", file=sys.stderr)
+    return None
+  return done
 
 
 TABLE_HEADER = (
