@@ -45,6 +45,10 @@ PAPER_ALPHA = 0.99  # the paper's "second moment" for all optimizers
 # Never in a paper table: lr_tune's candidates, and the studies beyond the paper, which have
 # their own tables (curvature_every: build_curvature_every).
 EXCLUDED_SWEEPS = frozenset({"lr_tune", "curvature_every"})
+# The variant an optimizer's cells in Tables 1-4 stand for: Ginger's config defaults, as the
+# authors' code runs it (clip rho=1, one (U, sigma) per tensor). The other variants (sweep
+# ablation) share tau and alpha with it and belong to the ablation table.
+DEFAULT_VARIANT = {"ginger": {"rho": 1.0, "block": "per_tensor"}}
 DONE_STATUSES = ("completed", None)  # a summary without "status" counts as completed
 SKIP_DIRS = frozenset({"checkpoints", "wandb"})
 CONFIG_KEYS = (
@@ -209,7 +213,9 @@ def select_runs(
   """Completed runs matching `criteria` ({run field: value or tuple of values}).
 
   Runs of an excluded sweep (lr_tune, curvature_every) count only where `sweeps` names that
-  sweep. Runs of one of `sweeps` are preferred over others. If the remaining runs hold several
+  sweep. Runs of one of `sweeps` are preferred over others, then runs of the optimizer's default
+  variant (DEFAULT_VARIANT: an ablation variant fills a cell only where the default has no run,
+  and the note says so). If the remaining runs hold several
   configurations (e.g. two learning rates), the one with the most seeds (then the newest) is
   used and the note says so.
   """
@@ -221,6 +227,14 @@ def select_runs(
     and all(_accepts(rfield(r, k), w) for k, w in criteria.items())
   ]
   pool = [r for r in pool if rfield(r, "sweep") in sweeps] or pool
+  default = [r for r in pool if is_default_variant(r)]
+  fallback = None
+  if pool and not default:  # every run left is a non-default variant of one optimizer
+    want = DEFAULT_VARIANT[rfield(pool[0], "optimizer")]
+    fallback = (
+      "no run of the default variant (" + ", ".join(f"{k}={v}" for k, v in want.items()) + ")"
+    )
+  pool = default or pool
   groups: dict[tuple, list[Run]] = {}
   for run in pool:
     groups.setdefault(config_key(run), []).append(run)
@@ -229,12 +243,23 @@ def select_runs(
   chosen = {k: dedupe_seeds(v) for k, v in groups.items()}
   best = max(chosen.values(), key=lambda rs: (len(rs), max(r.get("mtime", 0) for r in rs)))
   if len(chosen) == 1:
+    if fallback:
+      used = _describe(best[0], list(DEFAULT_VARIANT[rfield(best[0], "optimizer")]))
+      return Selection(best, f"{fallback}; used {used} (n={len(best)})")
     return Selection(best)
   varying = [k for i, k in enumerate(CONFIG_KEYS) if len({repr(g[i]) for g in chosen}) > 1]
+  matched = f"{len(chosen)} configurations matched"
   return Selection(
     best,
-    f"{len(chosen)} configurations matched; used {_describe(best[0], varying)} (n={len(best)})",
+    f"{fallback + '; ' if fallback else ''}{matched}; used {_describe(best[0], varying)} "
+    f"(n={len(best)})",
   )
+
+
+def is_default_variant(run: Run) -> bool:
+  """Whether `run` is its optimizer's default variant (DEFAULT_VARIANT; others have one)."""
+  want = DEFAULT_VARIANT.get(rfield(run, "optimizer"), {})
+  return all(rfield(run, k) == v for k, v in want.items())
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -977,8 +1002,9 @@ def standin_tables(runs: Sequence[Run], flops: str = "analytic") -> list[tuple[s
   """(file name, table) for every set of runs outside the paper's protocols.
 
   Image runs are grouped by (dataset, run length), XSUM-style runs (those with a fine-tuning
-  setting) by (model, run length); each set gets Tables 1, 3, 4 and the ablation (images) or
-  Table 2 and the ablation (text), named ``<table>_<dataset or model>_<length>``.
+  setting) by (model, run length); each set gets Tables 1, 3, 4 (images) or Table 2 (text), and
+  the ablation where one of its settings has two or more Ginger variants, named
+  ``<table>_<dataset or model>_<length>``.
   """
   done = tabulated(runs)
   out: list[tuple[str, Table]] = []
@@ -996,8 +1022,8 @@ def standin_tables(runs: Sequence[Run], flops: str = "analytic") -> list[tuple[s
       ("table1" + suffix, build_table1(runs, dataset, models, flops, length)),
       ("table3" + suffix, build_table3(runs, dataset, models[0], length)),
       ("table4" + suffix, build_table4(runs, dataset, models[0], length)),
-      ("table_ablation" + suffix, build_ablation(runs, protocol)),
     ]
+    out += _ablation_if_any(build_ablation(runs, protocol), suffix)
   texts = {
     (rfield(r, "model"), rfield(r, "length"))
     for r in done
@@ -1008,9 +1034,14 @@ def standin_tables(runs: Sequence[Run], flops: str = "analytic") -> list[tuple[s
     protocol = {"model": model, "length": length}
     out += [
       ("table2" + suffix, build_table2(runs, flops, model, length)),
-      ("table_ablation" + suffix, build_ablation(runs, protocol)),
     ]
+    out += _ablation_if_any(build_ablation(runs, protocol), suffix)
   return out
+
+
+def _ablation_if_any(table: Table, suffix: str) -> list[tuple[str, Table]]:
+  """A stand-in set's ablation table, unless none of its settings has two Ginger variants."""
+  return [("table_ablation" + suffix, table)] if table.rows else []
 
 
 def slug(value: Any) -> str:

@@ -319,16 +319,25 @@ def test_only_the_papers_protocol_fills_paper_cells(tmp_path: Path) -> None:
     **{"config": {"epochs": 2, "max_steps": None}},
   )
   short = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "sweep": "table34"}
+  short |= {"rho": 1.0, "block": "per_tensor"}
   make_run(
     tmp_path, "short", short, best_val_accuracy=50.0, config={"epochs": 20, "max_steps": None}
+  )
+  unclipped = {**short, "rho": None, "lr": 1e-6, "sweep": "ablation"}
+  make_run(
+    tmp_path,
+    "unclipped",
+    unclipped,
+    best_val_accuracy=49.0,
+    config={"epochs": 20, "max_steps": None},
   )
   runs = tables.collect_runs([tmp_path])
   assert "| Ginger (τ=4) |  |  |" in tables.to_markdown(tables.build_table2(runs))
   assert "50.00" not in tables.to_markdown(tables.build_table3(runs))
   written = dict(tables.standin_tables(runs))
+  # one Ginger variant in the text set: no ablation table for it
   assert set(written) == {
     "table2_t5_small_random_2ep",
-    "table_ablation_t5_small_random_2ep",
     "table1_cifar100_20ep",
     "table3_cifar100_20ep",
     "table4_cifar100_20ep",
@@ -339,6 +348,9 @@ def test_only_the_papers_protocol_fills_paper_cells(tmp_path: Path) -> None:
   assert "7.97" in t2
   t3 = tables.to_markdown(written["table3_cifar100_20ep"])
   assert "CIFAR-100, resnet18, 20 epochs - NOT COMPARABLE" in t3 and "50.00" in t3
+  assert "49.00" not in t3 and "49.00" in tables.to_markdown(
+    written["table_ablation_cifar100_20ep"]
+  )
 
 
 def test_runs_of_different_lengths_never_share_a_cell(tmp_path: Path) -> None:
@@ -486,3 +498,29 @@ def test_batchnorm_modes_never_share_a_cell(tmp_path: Path) -> None:
   older = next(r for r in runs if r["path"].endswith("older"))
   sync = next(r for r in runs if r["path"].endswith("sync"))
   assert tables.config_key(older) == tables.config_key(sync)
+
+
+def test_ginger_cells_prefer_the_default_variant(tmp_path: Path) -> None:
+  """A Ginger cell of Tables 1-4 takes the default variant (rho=1, per-tensor: the optimizer
+  config's and the authors' code's) even when ablation variants of the same (tau, alpha) have
+  more seeds or are newer; with no default-variant run it falls back and says which it used."""
+  ginger = {"optimizer": "ginger", "tau": 4, "alpha": 0.99}
+  specs = [
+    ("default", {"rho": 1.0, "block": "per_tensor", "sweep": "table1"}, 0, 88.0),
+    ("unclipped0", {"rho": None, "block": "per_tensor", "sweep": "ablation"}, 0, 86.0),
+    ("unclipped1", {"rho": None, "block": "per_tensor", "sweep": "ablation"}, 1, 86.5),
+    ("global0", {"rho": 1.0, "block": "global", "sweep": "ablation"}, 0, 86.2),
+  ]
+  for i, (name, variant, seed, acc) in enumerate(specs):
+    run_dir = make_run(tmp_path, name, {**ginger, **variant, "seed": seed}, best_val_accuracy=acc)
+    os.utime(run_dir / "summary.json", (1000 + i, 1000 + i))
+  runs = tables.collect_runs([tmp_path])
+  crit = tables.cell_criteria("ginger", 4)
+  for sweeps in ((), ("table34",)):
+    sel = tables.select_runs(runs, crit, sweeps)
+    assert [r["best_val_accuracy"] for r in sel.runs] == [88.0]
+    assert sel.note is None
+  others = [r for r in runs if tables.rfield(r, "sweep") == "ablation"]
+  fallback = tables.select_runs(others, crit)
+  assert [r["best_val_accuracy"] for r in fallback.runs] == [86.0, 86.5]
+  assert "default variant" in fallback.note and "rho=None" in fallback.note
