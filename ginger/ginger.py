@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from ginger import _common, kernels, lowrank
+from ginger import sharding as gsharding
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -100,6 +101,7 @@ def scale_by_ginger(
   eigensolver: str = "secular",
   curvature_every: int | None = None,
   passes: str = "jnp",
+  sharding: gsharding.StateSharding | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Preconditions updates by Ginger's damped low-rank curvature model.
 
@@ -147,6 +149,13 @@ def scale_by_ginger(
       kernel aliases ``U``; the jnp path rotates large buckets in row blocks). A
       ``pallas_call`` cannot be split by GSPMD: do not shard this state over several
       devices with ``"pallas"``.
+    sharding: where the state's bases are placed when it is split over devices
+      (:class:`ginger.sharding.StateSharding`, the arguments the state was placed with), or
+      None (default: nothing is pinned; one device, a replicated state, or plain ``jit``).
+      Given, the step's stacked ``g``, ``d``, update and new ``U`` are pinned to the rows of
+      ``U`` each device holds (``jax.lax.with_sharding_constraint``), so that XLA slices
+      the gradients into local rows instead of re-laying them out around the passes. Values
+      are the same either way (to float summation order).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -176,20 +185,33 @@ def scale_by_ginger(
       sigma = sigmas[0] if sigmas else jnp.zeros((0,), state_dtype)
     return ScaleByGingerState(count=jnp.zeros([], jnp.int32), u=u, sigma=sigma)
 
+  def rows(xs, us):
+    """``xs`` (one array per bucket) pinned to the rows of ``us`` each device holds."""
+    if sharding is None:
+      return list(xs)
+    return [sharding.constrain(x, u.shape) for x, u in zip(xs, us, strict=True)]
+
   def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):
     del params, extra_args
+    if sharding is not None:
+      # Whole on every device, as data parallelism makes gradients: then each device's rows
+      # of the stacked g and d are a local slice. Left free, XLA propagates the rows' split
+      # back into whatever produced them (e.g. the momentum) and gathers it to re-lay it out.
+      updates, fisher_grads = sharding.replicate((updates, fisher_grads))
     layout = state.u.layout
-    gs = _common.gather(layout, _common.flat_vectors(updates, state_dtype)[0])
+    us = list(state.u.stacks)
+    gs = rows(_common.gather(layout, _common.flat_vectors(updates, state_dtype)[0]), us)
     impl = kernels.resolve_impl(passes, None)  # on the backend the step is traced for
     if fisher_grads is None and curvature_every > 1:  # no curvature update this step
       sigmas = _sigma_stacks(layout, state.sigma, block)
       outs = [
         kernels.precondition(u, s, g, gamma, impl=impl[0], interpret=impl[1])
-        for u, s, g in zip(state.u.stacks, sigmas, gs, strict=True)
+        for u, s, g in zip(us, sigmas, gs, strict=True)
       ]
-      return _common.unflatten_like(_common.scatter(layout, outs), updates), state
-    vs = _common.gather(layout, _common.fisher_vectors(updates, fisher_grads, state_dtype))
-    us = list(state.u.stacks)
+      return _common.unflatten_like(_common.scatter(layout, rows(outs, us)), updates), state
+    vs = rows(
+      _common.gather(layout, _common.fisher_vectors(updates, fisher_grads, state_dtype)), us
+    )
     sigmas = _sigma_stacks(layout, state.sigma, block)
     count = optax.safe_increment(state.count)
     # Only the small factors leave the cond, so skipping it copies nothing of U.
@@ -201,8 +223,18 @@ def scale_by_ginger(
       sigmas,
     )
     new_us, outs, new_sigmas = brand_step(
-      us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1]
+      us,
+      factors,
+      vs,
+      gs,
+      alpha,
+      gamma,
+      eigensolver,
+      impl=impl[0],
+      interpret=impl[1],
+      row_shards=None if sharding is None else [sharding.row_shards(u.shape) for u in us],
     )
+    new_us, outs = rows(new_us, us), rows(outs, us)
     if block == "per_tensor":
       sigma = jax.tree.unflatten(
         jax.tree.structure(state.sigma), _per_leaf(layout, [s for st in new_sigmas for s in st])
@@ -216,7 +248,17 @@ def scale_by_ginger(
 
 
 def brand_step(
-  us, factors, vs, gs, alpha, gamma, eigensolver="secular", *, impl="jnp", interpret=False
+  us,
+  factors,
+  vs,
+  gs,
+  alpha,
+  gamma,
+  eigensolver="secular",
+  *,
+  impl="jnp",
+  interpret=False,
+  row_shards=None,
 ):
   """One curvature update and preconditioning for every bucket.
 
@@ -228,7 +270,8 @@ def brand_step(
   and ``G'^{-1} g``, where ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further pass. Pass 3
   reads pass 2's ``p1`` rather than recomputing it, so that it removes the rounding that pass
   2 measured from the very same ``p1`` (CGS2), whatever the compiler fuses. The passes run
-  with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`).
+  with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`);
+  ``row_shards[b]``: the devices bucket ``b``'s rows are split over (None: 1 each).
   Returns ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
   """
   kw = dict(impl=impl, interpret=interpret)
@@ -256,9 +299,10 @@ def brand_step(
     ):
       coefs[b] = part
   new_us, outs = [], []
-  for u, p1, g, co in zip(us, p1s, gs, coefs, strict=True):
+  shards = [1] * len(us) if row_shards is None else row_shards
+  for u, p1, g, co, n in zip(us, p1s, gs, coefs, shards, strict=True):
     u_new, out = kernels.rotate_from_residual(
-      u, p1, g, co["a2"], co["inv_r"], co["rot"], co["b"], co["z"], gamma, **kw
+      u, p1, g, co["a2"], co["inv_r"], co["rot"], co["b"], co["z"], gamma, row_shards=n, **kw
     )
     new_us.append(u_new)
     outs.append(out)
@@ -430,6 +474,7 @@ def ginger(
   eigensolver: str = "secular",
   curvature_every: int | None = None,
   passes: str = "jnp",
+  sharding: gsharding.StateSharding | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Ginger optimizer as the authors compose it.
 
@@ -446,7 +491,7 @@ def ginger(
   Args:
     learning_rate: a scalar or an optax schedule.
     tau, alpha, gamma, block, state_dtype, reorthonormalise_every, eigensolver,
-    curvature_every, passes: see :func:`scale_by_ginger`.
+    curvature_every, passes, sharding: see :func:`scale_by_ginger`.
     b1: momentum (EMA) decay of the gradient, bias-corrected.
     rho: if set, clip every update entry to ``[-rho, rho]`` before the learning rate.
   """
@@ -465,6 +510,7 @@ def ginger(
       eigensolver=eigensolver,
       curvature_every=curvature_every,
       passes=passes,
+      sharding=sharding,
     ),
     optax.clip(rho) if rho is not None else optax.identity(),
     optax.scale_by_learning_rate(learning_rate),

@@ -216,8 +216,15 @@ def row_block(shape, rows_per_block: int | None = None) -> int:
   return max(1, -(-n // max(blocks, 1)))
 
 
-def _rotate_in_row_blocks(u, p1, g, a2, inv_r, rot, b, z, gamma, *, rows_per_block=None):
+def _rotate_in_row_blocks(
+  u, p1, g, a2, inv_r, rot, b, z, gamma, *, rows_per_block=None, row_shards=1
+):
   """:func:`_rotate_from_residual_jnp` over blocks of rows, each written back into ``U``.
+
+  ``row_shards``: the rows are split over this many devices (``U`` sharded along its rows).
+  Then the row axis is viewed as ``(row_shards, n / row_shards)`` and the blocks step along
+  the second, so that every device rotates blocks of its own rows: a block sliced out of the
+  split axis itself would make XLA's partitioner all-gather ``U``, ``p1`` and ``g``.
 
   Every row of ``U'`` and of the output depends only on the same row of ``U``, ``p1`` and
   ``g`` (and the small operands), so applying the formula block by block computes each entry
@@ -227,6 +234,16 @@ def _rotate_in_row_blocks(u, p1, g, a2, inv_r, rot, b, z, gamma, *, rows_per_blo
   copy of ``U``; the rows past the last whole block are one more block after the loop.
   """
   n = u.shape[-2]
+  if row_shards > 1 and n % row_shards == 0:
+    rows = row_block(u.shape[:-2] + (n // row_shards,) + u.shape[-1:], rows_per_block)
+    if rows < n // row_shards:
+      split = u.ndim - 2
+      view = lambda x: x.reshape(
+        x.shape[:split] + (row_shards, n // row_shards) + x.shape[split + 1 :]
+      )
+      small = [jnp.expand_dims(x, split) for x in (a2, inv_r, rot, b, z, gamma)]
+      u_new, out = _rotate_in_row_blocks(view(u), view(p1), view(g), *small, rows_per_block=rows)
+      return u_new.reshape(u.shape), out.reshape(g.shape)
   rows = row_block(u.shape, rows_per_block)
   if rows >= n:
     return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma, out_rowdot=False)
@@ -680,7 +697,7 @@ def rotate_and_precondition(
 
 def rotate_from_residual(
   u, p1, g, a2, inv_r, rot, b, z, gamma, *, impl="auto", interpret=None, tile=None, steps=None,
-  rows_per_block=None,
+  rows_per_block=None, row_shards=1,
 ):  # fmt: skip
   """Pass 3 from pass 2's ``p1`` (``residual_sums(..., with_p1=True)``): ``p = (p1 - U a2)
   inv_r``, ``U' = U rot + p b^T`` and ``(g - U' z) / gamma``. Same as
@@ -690,12 +707,17 @@ def rotate_from_residual(
   more than :data:`ROW_BLOCK_ELEMENTS`; ``rows_per_block`` overrides the rows of a block, see
   :func:`row_block`, and forces the blocked path). The jnp path off GPUs rotates the whole
   ``U`` at once, with the output as ``k`` multiply-adds (faster on the CPU, one more ``U``
-  of memory)."""
+  of memory). ``row_shards``: the number of devices ``U``'s rows are split over (a sharded
+  state), so that the row blocks are blocks of each device's own rows."""
   _check(u, {"p1": p1, "g": g}, {"a2": a2, "b": b, "z": z}, {"rot": rot})
   inv_r, gamma = _scalar("inv_r", inv_r, u), _scalar("gamma", gamma, u)
   rows = row_block(u.shape, rows_per_block)  # checks rows_per_block before anything is traced
   if rows_per_block is not None or _jnp_row_blocks():
-    jnp_fn = functools.partial(_rotate_in_row_blocks, rows_per_block=rows)
+    jnp_fn = functools.partial(
+      _rotate_in_row_blocks,
+      rows_per_block=None if rows_per_block is None else rows,
+      row_shards=row_shards,
+    )
   else:
     jnp_fn = _rotate_from_residual_jnp
   return _dispatch(

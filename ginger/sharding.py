@@ -6,6 +6,13 @@ device mesh, replicate the small ones (``sigma``, counts, Brand's ``(k+1) x (k+1
     state = jax.device_put(state, ginger.sharding.state_shardings(state, mesh, "data"))
     step = jax.jit(step, in_shardings=..., out_shardings=...)   # GSPMD adds the all-reduces
 
+Inside the step the optimizer's own temporaries follow the same rule when it is told where the
+state lives (``ginger.ginger(..., sharding=ginger.sharding.StateSharding(mesh, "data"))``): the
+stacked ``g`` and ``d`` are pinned to the rows of ``U`` each device holds, and so is the update
+until it is scattered back to the (replicated) parameters. Without that, XLA's partitioner sees
+params-shaped vectors meet row-split bases and re-lays them out with all-gathers and
+collective-permutes (about twice the bytes of a replicated state per step, bench/RESULTS.md).
+
 The rule is generic, so it holds whatever layout the state has (per-leaf ``(d, tau)`` bases,
 stacked ``(members, rows, tau)`` buckets, params-shaped momenta): an array of at least
 ``min_size`` elements is split along its largest axis that the mesh axis size divides, never
@@ -23,6 +30,7 @@ eigensolvers resolve ``sigma`` only to about ``eps * sigma_max``, and directions
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -99,3 +107,70 @@ def state_shardings(state, mesh: Mesh, axis: Axis = "data", *, min_size: int = M
   return jax.tree.map(
     lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSharding:
+  """Where a sharded optimizer state's big arrays live: ``mesh``, the mesh ``axis`` (or tuple
+  of axes) they are split over, and the ``min_size`` below which arrays stay whole; the same
+  arguments as :func:`state_shardings`, which placed the state.
+
+  Given to :func:`ginger.ginger` / :func:`ginger.scale_by_ginger` as ``sharding``, it pins the
+  step's vectors in the stacked layout to the rows of ``U`` that each device holds
+  (:meth:`constrain`), so that XLA gives each device its rows of ``g`` and ``d`` by a slice of
+  the all-reduced gradient (or a reduce-scatter), runs the passes over ``U`` on local rows,
+  sums only the ``tau``-vectors ``U^T v`` across devices, and all-gathers the update once.
+  """
+
+  mesh: Mesh
+  axis: Axis = "data"
+  min_size: int = MIN_SIZE
+
+  def spec(self, basis_shape: Sequence[int]) -> PartitionSpec:
+    """The ``PartitionSpec`` of a basis of ``basis_shape`` (as :func:`state_shardings`)."""
+    return partition_spec(
+      basis_shape, axis_size(self.mesh, self.axis), self.axis, min_size=self.min_size
+    )
+
+  def row_shards(self, basis_shape: Sequence[int]) -> int:
+    """The number of devices the rows (``basis_shape[-2]``) of such a basis are split over."""
+    spec = tuple(self.spec(basis_shape))
+    split = len(basis_shape) >= 2 and len(spec) == len(basis_shape) and spec[-2] is not None
+    return axis_size(self.mesh, self.axis) if split else 1
+
+  def shardings(self, state):
+    """``NamedSharding``s for an optimizer ``state``: those of :func:`state_shardings`, except
+    in a state that holds Ginger's stacked bases, where only the bases are split.
+
+    The rest of such a state is small (counts, ``sigma``) or params-shaped (the momentum
+    that feeds the bases): split by the params' own axes, the momentum would be all-gathered
+    every step (XLA re-lays it out by the bases' rows: 45 MB a ResNet-18 step), while whole
+    on every device it is updated from the all-reduced gradient with no collective, for
+    ``(n - 1) / n`` of one params-sized array more memory per device.
+    """
+    from ginger.ginger import StackedBasis  # that module imports this one
+
+    def is_basis(x):
+      return isinstance(x, StackedBasis)
+
+    if not any(map(is_basis, jax.tree.leaves(state, is_leaf=is_basis))):
+      return state_shardings(state, self.mesh, self.axis, min_size=self.min_size)
+    whole = NamedSharding(self.mesh, PartitionSpec())
+
+    def place(x):
+      if is_basis(x):
+        return jax.tree.map(lambda u: NamedSharding(self.mesh, self.spec(np.shape(u))), x)
+      return whole
+
+    return jax.tree.map(place, state, is_leaf=is_basis)
+
+  def replicate(self, tree):
+    """``tree``'s arrays pinned whole on every device (data parallelism's gradients)."""
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec()))
+
+  def constrain(self, x: jax.Array, basis_shape: Sequence[int]) -> jax.Array:
+    """``x`` (a basis of ``basis_shape`` or a vector stack of its leading axes, e.g. ``g`` as
+    ``(members, rows)`` for ``U`` as ``(members, rows, rank)``) split as that basis is."""
+    spec = tuple(self.spec(basis_shape))
+    spec = (spec + (None,) * len(basis_shape))[: x.ndim]
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))

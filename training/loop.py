@@ -330,7 +330,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None) -> Setup:
     )
   total_steps = int(cfg.max_steps) if cfg.max_steps else int(cfg.epochs) * steps_per_epoch
   schedule = learning_rate(cfg, steps_per_epoch, total_steps)
-  tx = build_optimizer(cfg, schedule)
+  tx = build_optimizer(cfg, schedule, plan.optimizer_sharding)
   state = TrainState(
     jnp.zeros([], jnp.int32),
     trainable,

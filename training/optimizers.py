@@ -57,8 +57,12 @@ def learning_rate(cfg, steps_per_epoch: int, total_steps: int) -> optax.Schedule
   raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}.")
 
 
-def build_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
-  """The optimizer named by ``cfg.optimizer.name`` with the top-level paper notation."""
+def build_optimizer(
+  cfg, schedule: optax.Schedule, sharding: ginger.sharding.StateSharding | None = None
+) -> optax.GradientTransformationExtraArgs:
+  """The optimizer named by ``cfg.optimizer.name`` with the top-level paper notation.
+  ``sharding``: where the optimizer state's big arrays are split (``Plan.optimizer_sharding``),
+  for Ginger to pin its step's stacked vectors to the same rows; None when not split."""
   name, opt = cfg.optimizer.name, cfg.optimizer
   if name == "ginger":
     tx = ginger.ginger(
@@ -72,6 +76,7 @@ def build_optimizer(cfg, schedule: optax.Schedule) -> optax.GradientTransformati
       state_dtype=opt.state_dtype,
       curvature_every=curvature_every(cfg),
       passes=passes(cfg),
+      sharding=sharding,
     )
   elif name == "qng":
     tx = ginger.qng(

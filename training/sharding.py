@@ -135,15 +135,25 @@ class Plan:
   def data_size(self) -> int:
     return self.mesh.shape["data"]
 
+  @property
+  def optimizer_sharding(self) -> state_sharding.StateSharding | None:
+    """Where the optimizer state's big arrays are split (over all mesh axes), for the
+    optimizer to pin its step's temporaries to (``ginger.ginger(sharding=...)``); None when
+    the state is replicated or the mesh has one device (nothing to pin)."""
+    if not self.shard_optimizer_state or self.mesh.size == 1:
+      return None
+    return self._optimizer_split
+
+  @property
+  def _optimizer_split(self) -> state_sharding.StateSharding:
+    return state_sharding.StateSharding(self.mesh, ("data", "model"), self.min_shard_size)
+
   def state(self, state):
-    """Shardings of a ``TrainState``: everything replicated except the optimizer state."""
+    """Shardings of a ``TrainState``: everything replicated except the optimizer state (its
+    big arrays split, see ``ginger.sharding.StateSharding.shardings``)."""
     shardings = jax.tree.map(lambda _: self.replicated, state)
     if self.shard_optimizer_state:
-      shardings = shardings._replace(
-        opt_state=state_sharding.state_shardings(
-          state.opt_state, self.mesh, ("data", "model"), min_size=self.min_shard_size
-        )
-      )
+      shardings = shardings._replace(opt_state=self._optimizer_split.shardings(state.opt_state))
     return shardings
 
   def indices(self, idx) -> jax.Array:

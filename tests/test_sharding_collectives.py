@@ -1,0 +1,139 @@
+"""What a data-parallel Ginger step with a split state sends between devices (4 simulated CPU
+devices, the compiled HLO of a small model): with ``sharding=`` (``ginger.sharding.
+StateSharding``) each device slices its rows of the stacked ``g`` and ``d`` out of the
+all-reduced gradients, runs the passes on them, sums only ``tau``-vectors and all-gathers the
+update once; and the values are those of the unsharded step."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ginger
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import ginger
+from bench.collectives import collectives
+from ginger.sharding import StateSharding
+
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+# Three blocks of 73728 rows (one bucket, each device holding a quarter of every member's
+# rows) and one of 3 (rank 3: its own, small bucket, replicated).
+params = {"conv": jnp.ones((3, 3, 64, 128)), "dense": jnp.ones((576, 128)),
+          "wide": jnp.ones((64, 1152)), "scale": jnp.ones((3,))}
+keys = iter(jax.random.split(jax.random.key(0), 100))
+like = lambda: jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+# d of a realistic size (sampled-Fisher vectors are scaled by 1/sqrt(N)): see the bound below.
+batches = [(like(), jax.tree.map(lambda x: 1e-2 * x, like())) for _ in range(3)]
+split = StateSharding(mesh, "data", min_size=1 << 14)
+whole = NamedSharding(mesh, P())
+out = {"param_bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
+for name, blocks in {"pinned": None, "pinned_row_blocks": True}.items():
+  # GPUs rotate U in row blocks (kernels.JNP_ROW_BLOCKS, read when traced); forced here, with
+  # blocks small enough that this U has several per device.
+  ginger.kernels.JNP_ROW_BLOCKS, ginger.kernels.ROW_BLOCK_ELEMENTS = blocks, 1 << 16
+  tx = ginger.ginger(1e-3, tau=4, gamma=1e-2, sharding=split)
+  state = tx.init(params)
+  shardings = split.shardings(state)
+
+  def step(params, state, g, d):  # as training/loop.py: gradients all-reduced, params whole
+    g, d = jax.lax.with_sharding_constraint((g, d), whole)
+    updates, state = tx.update(g, state, params, fisher_grads=d)
+    return optax.apply_updates(params, updates), state
+
+  jitted = jax.jit(step, in_shardings=(whole, shardings, whole, whole),
+                   out_shardings=(whole, shardings))
+  hlo = jitted.lower(params, state, params, params).compile().as_text()
+  rows = {}
+  for (kind, _), (count, nbytes) in collectives(hlo).items():
+    rows.setdefault(kind, []).append(nbytes)
+  plain = jax.jit(step)
+  sharded, err = jax.device_put(state, shardings), 0.0
+  for g, d in batches:
+    new, sharded = jitted(params, sharded, g, d)
+    ref, state = plain(params, state, g, d)
+    err = max([err] + [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+                       for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref))])
+  inner = [s for s in jax.tree.leaves(sharded, is_leaf=lambda x: isinstance(
+      x, ginger.ScaleByGingerState)) if isinstance(s, ginger.ScaleByGingerState)][0]
+  out[name] = {"bytes": {k: sorted(v) for k, v in rows.items()}, "max_rel_error": err,
+               "bases": [list(u.sharding.spec) for u in inner.u.stacks]}
+specs = lambda tree: jax.tree.map(lambda s: list(s.spec), tree,
+                                  is_leaf=lambda x: isinstance(x, NamedSharding))
+out["momentum"] = specs(split.shardings(state)[0].ema)
+out["adam"] = specs(split.shardings(optax.adam(1e-3).init(params))[0].mu)
+print(json.dumps(out))
+"""
+
+
+def test_pinned_step_slices_g_and_d_locally_and_gathers_the_update_once():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  run = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(_SCRIPT)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = json.loads(run.stdout.strip().splitlines()[-1])
+  params = out["param_bytes"]
+  for name in ("pinned", "pinned_row_blocks"):
+    sent = out[name]["bytes"]
+    assert out[name]["bases"][-1] == [None, "data", None]  # the big bucket: rows split
+    # Only the update is gathered, once (the parameters are whole on every device); no
+    # re-layout of g, d or U by permutes or all-to-alls, no U gathered for its row blocks.
+    assert sum(sent.get("all-gather", [])) <= params, (name, sent)
+    for kind in ("collective-permute", "all-to-all", "reduce-scatter"):
+      assert kind not in sent, (name, sent)
+    # The all-reduces are the tau-vectors U^T v and the small cores' inputs: kilobytes.
+    assert max(sent.get("all-reduce", [0])) < 10_000, (name, sent)
+    # Rounding of two summation orders, magnified by sigma_max / gamma (see test_sharding.py's
+    # four-device test: <= ~1e-4); a row dropped or a sum not all-reduced changes it by O(1).
+    assert out[name]["max_rel_error"] < 1e-4, (name, out[name]["max_rel_error"])
+  # A Ginger state: only the bases are split (the momentum whole, see StateSharding.shardings);
+  # any other state: the generic rule.
+  assert all(spec == [] for spec in out["momentum"].values()), out["momentum"]
+  assert out["adam"]["dense"] == ["data", None], out["adam"]
+
+
+def test_without_sharding_the_step_has_no_constraint():
+  """``sharding=None`` (the default) traces the optax-level step as before: no mesh, no
+  sharding constraint, usable on one device and under plain ``jit``."""
+  params = {"w": jnp.ones((8, 6)), "b": jnp.ones((6,))}
+  tx = ginger.ginger(1e-3, tau=2)
+  state = tx.init(params)
+  jaxpr = jax.make_jaxpr(lambda s, g: tx.update(g, s, params, fisher_grads=g))(state, params)
+  assert "sharding_constraint" not in str(jaxpr)
+
+
+def test_row_blocks_of_each_devices_rows_rotate_as_the_whole():
+  """``row_shards``: blocks of each shard's rows give the one-piece rotation's values (every
+  row depends only on itself, so only the order of rows visited changes)."""
+  keys = iter(jax.random.split(jax.random.key(1), 10))
+  normal = lambda *shape: jax.random.normal(next(keys), shape)
+  m, n, k = 2, 96, 3
+  u, p1, g = normal(m, n, k), normal(m, n), normal(m, n)
+  small = (normal(m, k), 1.0 + jnp.abs(normal(m)), normal(m, k, k), normal(m, k), normal(m, k))
+  args = (u, p1, g, *small, 0.5)
+  whole = ginger.kernels.rotate_from_residual(*args, impl="jnp", rows_per_block=n)
+  for shards, rows in ((4, 5), (4, 24), (3, 7), (5, 10)):  # 5 does not divide 96: unsplit
+    got = ginger.kernels.rotate_from_residual(
+      *args, impl="jnp", rows_per_block=rows, row_shards=shards
+    )
+    for a, b in zip(got, whole, strict=True):
+      assert a.shape == b.shape
+      # The same operations on every entry; only XLA's fusion of them may differ.
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
