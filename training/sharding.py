@@ -4,8 +4,10 @@ One jitted step runs on all devices (GSPMD, no pmap): the batch's index vector, 
 gathered batch, is split along the mesh's ``data`` axis; parameters, model state and the
 dataset are replicated; the optimizer state's big arrays (Ginger's ``U``, QNG's factors,
 momenta) are split over all mesh axes (``data`` x ``model``), the small ones replicated
-(:mod:`ginger.sharding`). XLA inserts the gradient all-reduce and the all-reduces of the
-``tau``-vectors of the passes over ``U``.
+(:mod:`ginger.sharding`); in a Ginger state only ``U`` is split, and Ginger's step is told
+where (``Plan.optimizer_sharding``) so that each device slices its rows of ``g`` and ``d``.
+XLA inserts the gradient all-reduce, the all-reduces of the ``tau``-vectors of the passes
+over ``U`` and the all-gather of the update.
 
 Multi-host: every process loads the whole dataset and computes the same global permutation;
 each builds only its own devices' shards of a global array (``jax.make_array_from_callback``),
