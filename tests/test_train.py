@@ -3,6 +3,7 @@ NaN handling, clear errors, run-dir fingerprints, SIGTERM, the Hydra CLI."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -312,6 +313,20 @@ def _files(run_dir):
   }
 
 
+RERUN_BASE = ["experiment=demo", "optimizer=ginger", "lr=0.001", *FAST]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+  """A finished run dir of RERUN_BASE (trained once for the cases below)."""
+  run_dir = tmp_path_factory.mktemp("first_run")
+  first = config(*RERUN_BASE)
+  _hydra_writes(run_dir, first)
+  train.train(first, run_dir)
+  (run_dir / "eval_step2_test.json").write_text("{}")  # what evaluate.py would have written
+  return run_dir
+
+
 @pytest.mark.parametrize(
   "changed, named",
   [
@@ -323,13 +338,10 @@ def _files(run_dir):
   ],
 )
 def test_rerun_with_another_config_is_refused_and_changes_nothing(
-  tmp_path, monkeypatch, changed, named
+  first_run, tmp_path, monkeypatch, changed, named
 ):
-  base = ["experiment=demo", "optimizer=ginger", "lr=0.001", *FAST]
-  first = config(*base)
-  _hydra_writes(tmp_path, first)
-  train.train(first, tmp_path)
-  (tmp_path / "eval_step2_test.json").write_text("{}")  # what evaluate.py would have written
+  base, first = RERUN_BASE, config(*RERUN_BASE)
+  shutil.copytree(first_run, tmp_path, dirs_exist_ok=True)  # a copy: each case changes it
   before = _files(tmp_path)
   assert json.loads((tmp_path / "run.json").read_text())["fingerprint"] == (
     run_record.fingerprint(first)
@@ -373,6 +385,39 @@ def test_resume_false_discards_the_old_run(tmp_path):
 
 
 def test_nan_before_any_checkpoint_says_so(tmp_path):
+  # The program of the test above (checkpoint_every is not part of it): compiled once.
+  cfg = _diverging("optimizer=momentum", "max_steps=40", "checkpoint_every=100")
+  with pytest.raises(NonFiniteLossError, match="No checkpoint was saved before it") as e:
+    train.train(cfg, tmp_path)
+  assert "(checkpoint_every=100)" in str(e.value)
+  assert "last good checkpoint" not in str(e.value)
+  assert Checkpointer(tmp_path).latest_step() is None
+
+
+def test_divergence_advice_names_the_optimizers_own_knobs():
+  """The advice that a NaN/Inf loss's error gives (the tests above show it reaches the error):
+  Ginger's gamma, its update clip only where it is off, the gradient clip only where it is
+  off; no gamma for an optimizer without one."""
+  from training.optimizers import divergence_advice
+
+  advice = lambda *o: divergence_advice(config("experiment=demo", "lr=0.001", *o))  # noqa: E731
+  unclipped = advice("optimizer=ginger", "rho=null")
+  assert unclipped == (
+    "lower lr (now 0.001), raise gamma (now 1e-05) or clip the update (rho=1), "
+    "or clip the gradient (grad_clip=1.0)"
+  )
+  clipped = advice("optimizer=ginger", "grad_clip=1.0")
+  assert "gamma" in clipped and "rho=" not in clipped and "grad_clip" not in clipped
+  momentum = advice("optimizer=momentum")
+  assert momentum == "lower lr (now 0.001), or clip the gradient (grad_clip=1.0)"
+
+
+@pytest.mark.slow
+def test_ginger_divergence_before_any_checkpoint_says_so(tmp_path):
+  """Unclipped Ginger at lr 1e12 end to end (a Ginger step of its own to compile, ~20 s): the
+  NaN/Inf loss stops the run with Ginger's advice. In `make test`:
+  test_nan_before_any_checkpoint_says_so (the error without a checkpoint) and
+  test_divergence_advice_names_the_optimizers_own_knobs (Ginger's advice)."""
   cfg = _diverging("optimizer=ginger", "rho=null", "max_steps=20", "checkpoint_every=100")
   with pytest.raises(NonFiniteLossError, match="No checkpoint was saved before it") as e:
     train.train(cfg, tmp_path)
@@ -416,11 +461,8 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
   assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
   assert run_record.read_summary(run_dir)["status"] == "completed"
 
-  straight = tmp_path / "straight"  # the same command, never interrupted
-  done = subprocess.run(
-    [*command[:-1], f"hydra.run.dir={straight}"], cwd=ROOT, capture_output=True, text=True
-  )
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  straight = tmp_path / "straight"  # the same run, never interrupted (in this process: what
+  train.train(config(*args), straight)  # train.py runs, without another start-up)
   # Every step's loss and gradient norm and the final evaluation, bit for bit.
   logs = [list(run_record.read_events(d)) for d in (straight, run_dir)]
   assert [e["step"] for e in logs[0]] == [e["step"] for e in logs[1]] == list(range(1, 61)) + [60]
