@@ -84,12 +84,21 @@ def _float64_trajectory(tau, block, passes, curvature_every, steps, seed=0):
   return outs, refs, state
 
 
+# In `make test` tau 8 every 2, both blocks: its steps with d run every pass of the steps of
+# every = 1, and the others the preconditioning kernel; tau = 1 differs only in U's width.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("block", ["per_tensor", "global"])
-@pytest.mark.parametrize(("tau", "every"), [(1, 1), (8, 1), (8, 2)])
+@pytest.mark.parametrize(
+  ("tau", "every"),
+  [pytest.param(1, 1, marks=_SLOW), pytest.param(8, 1, marks=_SLOW), (8, 2)],
+)
 def test_pallas_updates_match_jnp_and_dense_float64(x64, block, tau, every):
   """``tau = 8`` over 11 curvature updates: the warm phase (rank below tau, ``sigma`` with
   exact zeros) and the steady state; ``every = 2``: every other step preconditions only
-  (``kernels.precondition``)."""
+  (``kernels.precondition``). The cases marked slow (tau 1, every 1) run no code that
+  ``[8-2-per_tensor]`` and ``[8-2-global]`` do not (kept in `make test`)."""
   steps = 11 * every
   got, refs, p_state = _float64_trajectory(tau, block, "pallas", every, steps)
   want, _, j_state = _float64_trajectory(tau, block, "jnp", every, steps)
@@ -133,9 +142,12 @@ def _float32_errors(tau, block, passes, steps=12, sizes=(10, 37, 130)):
   return np.array(errors), outs
 
 
-@pytest.mark.parametrize("block", ["per_tensor", "global"])
-@pytest.mark.parametrize("tau", [1, 8])
+@pytest.mark.parametrize("block", ["per_tensor", pytest.param("global", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tau", [pytest.param(1, marks=pytest.mark.slow), 8])
 def test_pallas_float32_is_exact_from_the_first_step(block, tau):
+  """In `make test` ``[8-per_tensor]``: tau 8 has a warm phase with exact zeros (tau 1 has
+  none), per tensor three blocks of them; the global block's wiring is
+  ``test_pallas_updates_match_jnp_and_dense_float64[8-2-global]``'s."""
   p_err, p_out = _float32_errors(tau, block, "pallas")
   j_err, j_out = _float32_errors(tau, block, "jnp")
   assert np.all(j_err < 5e-4), j_err
@@ -186,12 +198,13 @@ def _compiled_step(tau, block, passes, rows, platforms=None):
   return traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
 
 
-@pytest.mark.parametrize("block", ["per_tensor", "global"])
+@pytest.mark.parametrize("block", [pytest.param("per_tensor", marks=pytest.mark.slow), "global"])
 def test_jnp_rotation_keeps_no_second_u(block, monkeypatch):
   """The compiled step's temporary memory (XLA's buffer assignment, not a timing) stays well
   below one U: the rotation runs in row blocks written back into the donated U (the path of
   GPUs, forced here on the CPU). Before this, the same step held a whole second U
-  (``temp_size_in_bytes`` 537 MB at this size; now 153)."""
+  (``temp_size_in_bytes`` 537 MB at this size; now 153). With one leaf both blocks are one
+  block of the same rows: ``[global]`` in `make test`, ``[per_tensor]`` slow."""
   monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", True)
   u_bytes = BIG * 32 * 4
   compiled = _compiled_step(32, block, "jnp", BIG).compile()
@@ -274,7 +287,7 @@ def test_optax_wrappers_with_pallas():
   grads = {"w": jnp.arange(15.0).reshape(5, 3) / 10}
   out, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   ref_tx = ginger.ginger(**kwargs)
-  ref, _ = ref_tx.update(grads, ref_tx.init(params), params)
+  ref, _ = jax.jit(ref_tx.update)(grads, ref_tx.init(params), params)  # op by op: ~15 s
   assert np.max(np.abs(out["w"] - ref["w"])) <= 1e-5 * np.max(np.abs(ref["w"]))
 
 
