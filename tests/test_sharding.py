@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ginger
+from ginger.ginger import StackedBasis
 from training import sharding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -489,12 +490,13 @@ def _compare_meshes(configs: str, variants: dict) -> dict:
 
   states, twin = [_host(one.state)], []
   for t, idx in enumerate(batches):
-    states.append(step(one, one_arrays, states[t], one.plan.indices(idx)))
+    idx = one.plan.indices(idx)  # the twin's too: a numpy index vector compiles another program
+    states.append(step(one, one_arrays, states[t], idx))
     nudged = _nudge(states[t], seed=t)
     twin.append(
       _step_differences(states[t], states[t + 1], nudged, step(one, one_arrays, nudged, idx))
     )
-  out = {"twin": twin, "one": {"state_bytes": sharding.bytes_per_device(one.state.opt_state)}}
+  out = {"twin": twin, "one": _state_bytes(one.state.opt_state)}
   built, one_eval = {}, None
   for name, extra in variants.items():
     bug = name if name in BUGS else None
@@ -521,9 +523,19 @@ def _compare_meshes(configs: str, variants: dict) -> dict:
     out[name] = {
       "steps": steps,
       "mesh": setup.plan.describe()["shape"],
-      "state_bytes": sharding.bytes_per_device(setup.state.opt_state),
+      **_state_bytes(setup.state.opt_state),
     }
   return out
+
+
+def _state_bytes(opt_state) -> dict[str, int]:
+  """Bytes per device of the optimizer state and of its bases ``U`` alone."""
+  is_basis = lambda x: isinstance(x, StackedBasis)
+  bases = [x for x in jax.tree.leaves(opt_state, is_leaf=is_basis) if is_basis(x)]
+  return {
+    "state_bytes": sharding.bytes_per_device(opt_state),
+    "basis_bytes": sharding.bytes_per_device(bases),
+  }
 
 
 @contextlib.contextmanager
@@ -588,11 +600,16 @@ def test_four_devices_give_the_one_device_results(four_device_comparison):
   steps from the 1-device state gives the 1-device step's loss, gradient, BatchNorm
   statistics, curvature and update, to within the rounding the step itself amplifies (the
   step-by-step comparison cannot drift); evaluation on 4 devices gives the 1-device metrics;
-  the state's bytes per device fall 4 ways."""
+  the bases' bytes per device fall 4 ways, the rest of the state is whole on every device
+  (ginger.sharding.StateSharding.shardings)."""
   result = four_device_comparison
+  one = result["one"]
   for name in CORRECT:
     assert result[name]["mesh"] == {"data": 4, "model": 1}
-    assert 3.0 * result[name]["state_bytes"] < result["one"]["state_bytes"], result[name]
+    four = result[name]
+    assert 3.0 * four["basis_bytes"] < one["basis_bytes"], (four, one)
+    rest = lambda r: r["state_bytes"] - r["basis_bytes"]
+    assert rest(four) == rest(one), (four, one)
     assert len(result[name]["steps"]) == STEPS
     assert not _violations(result, name), (name, _violations(result, name))
     # accuracy over 360 examples: a near-tie argmax may go the other way (1/360 each)
@@ -689,18 +706,36 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# How far the 2-process run may be from the 1-process one. Measured (demo, Ginger, 40 steps,
+# log_every=1) between three pairs of legitimately different float summation orders: 1 device
+# vs 4 devices in one process, vs 2 devices in one process, vs this 2 x 2-process run. Over
+# steps 1-11 train_loss and grad_norm agree to <= 4.2e-7 (a few float32 ulps: the sums of one
+# step in another order; the step-10 evaluation to 0) in all three; from step 12-23 on the
+# rounding grows (Ginger magnifies it by about sigma_max / gamma, a ReLU input near its kink
+# flips) and by step 40 reaches 7e-3 in the loss, 1.9e-2 in grad_norm, 7.7e-3 in the val_loss
+# and 2 of the 360 validation images: steps after EARLY_STEPS are compared only to LATE_RTOL
+# (2.5x the measured drift), and the multi-host plumbing is what the early steps check: a second
+# process with another seed or other batches moves the first steps' loss and gradient norm by
+# far more than EARLY_RTOL (see the test).
+EARLY_STEPS = 10  # the first run's steps up to its checkpoint
+EARLY_RTOL = 1e-5  # ~170 float32 ulps: 25x the measured early differences
+EARLY_ACCURACY = 100 / 360  # one near-tie argmax of the 360 validation images (measured: 0)
+LATE_RTOL = 5e-2
+LATE_ACCURACY = 100 * 6 / 360  # validation accuracy in percent: 6 of 360 images (measured 2)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # its three launches have 600 s each
 def test_two_processes_give_the_one_process_results(tmp_path):
   """A multi-host launch (COORDINATOR_ADDRESS / NUM_PROCESSES / PROCESS_ID, as a launcher
   sets them), simulated by two local processes with two CPU devices each, preempted with
   SIGTERM after step 10 and rerun to step 40 from its (orbax multi-host) checkpoint: only
-  process 0 writes metrics.jsonl and summary.json, and the metrics are those of one process
-  (~4 min).
+  process 0 writes metrics.jsonl and summary.json, and the metrics are those of one process:
+  to rounding over the first 10 steps (the same data, parameters and optimizer state on both
+  processes), within the measured drift of two summation orders after them (~4 min).
 
-  Free-running trajectories on different meshes drift apart by rounding that Ginger
-  magnifies (the step-by-step test above checks the sharded math itself), so the values are
-  compared only as the same run: 1e-2."""
+  Free-running trajectories on different meshes drift apart by rounding that Ginger magnifies
+  (the step-by-step test above checks the sharded math itself; see EARLY_STEPS)."""
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
@@ -709,10 +744,11 @@ def test_two_processes_give_the_one_process_results(tmp_path):
     XLA_FLAGS="--xla_force_host_platform_device_count=2",
   )
   steps = 40
+  run = [a for a in RUN if not a.startswith("log_every=")] + ["log_every=1"]  # every step
   cmd = [
     sys.executable,
     "train.py",
-    *RUN,
+    *run,
     f"max_steps={steps}",
     "checkpoint_every=10",
     f"hydra.run.dir={tmp_path / 'multi'}",
@@ -767,7 +803,7 @@ def test_two_processes_give_the_one_process_results(tmp_path):
     [
       sys.executable,
       "train.py",
-      *RUN,
+      *run,
       f"max_steps={steps}",
       f"hydra.run.dir={tmp_path / 'single'}",
     ],
@@ -786,8 +822,6 @@ def test_two_processes_give_the_one_process_results(tmp_path):
     "processes": 2,
     "shard_optimizer_state": True,
   }
-  for key in ("final_train_loss", "min_train_loss", "val_loss_at_best", "best_val_accuracy"):
-    assert _close(one[key], multi[key], rtol=1e-2), key
   read = lambda run: [
     json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
   ]
@@ -797,10 +831,18 @@ def test_two_processes_give_the_one_process_results(tmp_path):
   extra = set(keys) - {(e["event"], e["step"]) for e in reference}
   assert all(step == stopped for _, step in extra), extra  # at most the preemption's
   by_key = dict(zip(keys, events, strict=True))
+  assert sum(a["step"] <= EARLY_STEPS and "train_loss" in a for a in reference) == EARLY_STEPS
   for a in reference:
     b = by_key[(a["event"], a["step"])]
-    for key in ("train_loss", "grad_norm", "val_loss", "val_accuracy"):
+    early = a["step"] <= EARLY_STEPS
+    for key in ("train_loss", "grad_norm", "val_loss"):
       if key in a:
-        assert _close(a[key], b[key], rtol=1e-2), (a, b)
+        assert _close(a[key], b[key], rtol=EARLY_RTOL if early else LATE_RTOL), (key, a, b)
+    if "val_accuracy" in a:
+      bound = EARLY_ACCURACY if early else LATE_ACCURACY
+      assert abs(a["val_accuracy"] - b["val_accuracy"]) <= bound, (a, b)
+  for key in ("final_train_loss", "min_train_loss", "val_loss_at_best"):
+    assert _close(one[key], multi[key], rtol=LATE_RTOL), key
+  assert abs(one["best_val_accuracy"] - multi["best_val_accuracy"]) <= LATE_ACCURACY
   checkpoints = {p.name for p in (tmp_path / "multi" / "checkpoints").iterdir()}
   assert checkpoints == {"30", "40"}, checkpoints  # orbax keeps the last two
