@@ -70,9 +70,24 @@ def _run_against_dense(shapes, block, tau, alpha, gamma, steps=10, seed=0, eigen
   return worst
 
 
+# In `make test` (each case compiles its own update): every tree and block, the smallest and
+# largest tau, and each kind of leaf on both sides of tau (a leaf of size <= tau keeps full
+# rank): tau 1, 5 on matrix+vectors (5: b and tiny full rank, w truncated), tau 2, 8 on nested
+# (size-1 leaf; 8: the 6-vector full rank too), tau 8 on single (tau = size - 1). The other
+# combinations run the same code on other sizes: slow.
+FAST_TAU_TREES = {(1, "matrix+vectors"), (5, "matrix+vectors"), (2, "nested"), (8, "nested")}
+FAST_TAU_TREES |= {(8, "single")}
+
+
 @pytest.mark.parametrize("block", ["per_tensor", "global"])
-@pytest.mark.parametrize("tree", sorted(PYTREES))
-@pytest.mark.parametrize("tau", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(
+  ("tau", "tree"),
+  [
+    pytest.param(tau, tree, marks=() if (tau, tree) in FAST_TAU_TREES else pytest.mark.slow)
+    for tau in (1, 2, 3, 5, 8)
+    for tree in sorted(PYTREES)
+  ],
+)
 def test_matches_dense_reference_over_tau(x64, block, tree, tau):
   assert _run_against_dense(PYTREES[tree], block, tau, alpha=0.9, gamma=1e-2) < 1e-8
 
@@ -147,11 +162,12 @@ def test_sigma_is_the_dense_spectrum(x64):
   rng = np.random.default_rng(1)
   params = {"x": jnp.zeros(7, jnp.float64)}
   tx = ginger.scale_by_ginger(3, 0.9, 1e-3, state_dtype="float64")
+  update = jax.jit(tx.update)  # one program (op by op: hundreds of small ones)
   state = tx.init(params)
   dense = np.zeros((7, 7))
   for _ in range(10):
     d = _random_like(rng, params)
-    _, state = tx.update(d, state, fisher_grads=d)
+    _, state = update(d, state, fisher_grads=d)
     dense, w = ginger_step(dense, np.asarray(d["x"]), 0.9, 3)
   np.testing.assert_allclose(state.sigma["x"], w, rtol=1e-10, atol=1e-14)
   u = np.asarray(state.u["x"])
@@ -164,7 +180,7 @@ def test_first_step_is_rank_one_exact(x64):
   g = jnp.array([1.0, -2.0, 5.0])
   alpha, gamma = 0.5, 0.1
   tx = ginger.scale_by_ginger(2, alpha, gamma, "global", state_dtype="float64")
-  out, state = tx.update(g, tx.init(g), fisher_grads=d)
+  out, state = jax.jit(tx.update)(g, tx.init(g), fisher_grads=d)
   s = (1 - alpha) * float(d @ d)
   dhat = d / jnp.linalg.norm(d)
   expected = (g - (s / (gamma + s)) * (dhat @ g) * dhat) / gamma
@@ -222,13 +238,14 @@ def test_ginger_composition_matches_manual_chain(x64):
   tx = ginger.ginger(lr, tau=2, alpha=0.9, gamma=1e-2, b1=b1, rho=rho, state_dtype="float64")
   pre = ginger.scale_by_ginger(2, 0.9, 1e-2, state_dtype="float64")
   state, pre_state = tx.init(params), pre.init(params)
+  update, pre_update = jax.jit(tx.update), jax.jit(pre.update)
   m = jax.tree.map(jnp.zeros_like, params)
   for t in range(1, 6):
     g, d = _random_like(rng, params), _random_like(rng, params)
-    out, state = tx.update(g, state, params, fisher_grads=d)
+    out, state = update(g, state, params, fisher_grads=d)
     m = jax.tree.map(lambda m_, g_: b1 * m_ + (1 - b1) * g_, m, g)
     m_hat = jax.tree.map(lambda x, t=t: x / (1 - b1**t), m)
-    u, pre_state = pre.update(m_hat, pre_state, fisher_grads=d)
+    u, pre_state = pre_update(m_hat, pre_state, fisher_grads=d)
     expected = jax.tree.map(lambda x: -lr * jnp.clip(x, -rho, rho), u)
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-10), out, expected)
 
@@ -259,9 +276,10 @@ def test_works_with_optax_wrappers():
 
   multi = optax.MultiSteps(ginger.ginger(0.1, tau=2), every_k_schedule=2)
   state = multi.init(params)
-  out1, state = multi.update(grads, state, params, fisher_grads=grads)
+  update = jax.jit(multi.update)
+  out1, state = update(grads, state, params, fisher_grads=grads)
   assert all(jnp.all(x == 0) for x in jax.tree.leaves(out1))
-  out2, state = multi.update(grads, state, params, fisher_grads=grads)
+  out2, state = update(grads, state, params, fisher_grads=grads)
   assert any(jnp.any(x != 0) for x in jax.tree.leaves(out2))
 
   mask = {"w": True, "b": False}
@@ -282,7 +300,7 @@ def test_works_with_optax_wrappers():
 def test_learning_rate_schedule():
   params = {"w": jnp.ones(3)}
   tx = ginger.ginger(optax.linear_schedule(0.0, 1.0, 10), tau=1)
-  out, _ = tx.update(params, tx.init(params), params)
+  out, _ = jax.jit(tx.update)(params, tx.init(params), params)
   np.testing.assert_array_equal(out["w"], 0.0)  # lr(0) = 0
 
 
@@ -384,19 +402,22 @@ def test_curvature_spectrum_finds_the_state_at_any_depth():
   d = {"w": jnp.arange(6.0).reshape(3, 2), "b": jnp.ones(2)}
   injected = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(0.1, tau=2)
   chained = optax.chain(optax.clip(1.0), ginger.scale_by_ginger(2, block="global"))
-  for tx, keys in [
-    (ginger.scale_by_ginger(2), ["['b']", "['w']"]),
-    (injected, ["['b']", "['w']"]),
-    (chained, ["global"]),
+  states = {}
+  for name, tx, keys in [
+    ("plain", ginger.scale_by_ginger(2), ["['b']", "['w']"]),
+    ("injected", injected, ["['b']", "['w']"]),
+    ("chained", chained, ["global"]),
   ]:
-    _, state = tx.update(d, tx.init(params), params, fisher_grads=d)
-    spectrum = jax.jit(ginger.curvature_spectrum)(state)
+    # One program per update (op by op: hundreds of small ones); the spectrum found inside it.
+    update = jax.jit(lambda s, tx=tx: tx.update(d, s, params, fisher_grads=d))
+    _, states[name] = update(tx.init(params))
+    spectrum = jax.jit(ginger.curvature_spectrum)(states[name])
     assert sorted(spectrum) == keys
     for key, sigma in spectrum.items():
       assert sigma.shape == (2,) and float(sigma[0]) > 0, key
   w_only = (1 - 0.99) * float(jnp.sum(d["w"] ** 2))
-  _, state = injected.update(d, injected.init(params), params, fisher_grads=d)
-  np.testing.assert_allclose(ginger.curvature_spectrum(state)["['w']"][0], w_only, rtol=1e-5)
+  spectrum = ginger.curvature_spectrum(states["injected"])  # outside jit too
+  np.testing.assert_allclose(spectrum["['w']"][0], w_only, rtol=1e-5)
   adam = optax.adam(0.1)
   assert ginger.curvature_spectrum(adam.init(params)) == {}
   two = optax.multi_transform(
