@@ -17,17 +17,13 @@ magnitude below the differences between grouped and whole-batch statistics that 
 below make sure exist.
 """
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_devices import run_on_cpu_devices
 from flax import nnx
 from hydra import compose, initialize_config_dir
 
@@ -325,22 +321,7 @@ print(json.dumps(out))
 
 
 def test_per_device_statistics_need_no_collective_on_four_devices():
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=4",
-    HF_HUB_OFFLINE="1",
-  )
-  run = subprocess.run(
-    [sys.executable, "-c", textwrap.dedent(_COLLECTIVES), CONFIGS],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert run.returncode == 0, run.stderr[-3000:]
-  out = json.loads(run.stdout.strip().splitlines()[-1])
+  out = run_on_cpu_devices(_COLLECTIVES, CONFIGS, timeout=600, HF_HUB_OFFLINE="1")
   assert out["groups_vs_mesh"] == [[4, 4], [2, 2], [2, 2], [1, 1]]
   sync, per_device = out["sync"], out["per_device"]
   assert sync["groups"] == [1] and per_device["groups"] == [4]

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_devices import run_on_cpu_devices
 from jax.sharding import PartitionSpec as P
 
 import ginger
@@ -38,30 +38,6 @@ RUN_DEFAULT = [
 # The demo's optimizer state is small: split arrays from 16384 elements (default 1M elements)
 # so that these runs really are sharded.
 RUN = RUN_DEFAULT + ["mesh.min_shard_size=16384"]
-
-
-def _run_on_cpu_devices(
-  script: str, *args: str, devices: int = 4, timeout: int = 300, **env
-) -> dict:
-  """Runs ``script`` (with ``args`` as ``sys.argv[1:]``) in a fresh Python with ``devices``
-  CPU devices (XLA reads the flag when JAX starts, hence the subprocess); the script prints
-  one JSON line last."""
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-    **env,
-  )
-  out = subprocess.run(
-    [sys.executable, "-c", textwrap.dedent(script), *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------------ partition specs
@@ -188,7 +164,7 @@ def test_sharded_optimizer_state_on_four_devices():
   """Ginger's ``U`` and QNG's factors are split along their rows over 4 devices, per-device
   state bytes fall ~4x, a jitted update keeps them there and gives the unsharded result; the
   mesh and batch placement of training.sharding."""
-  result = _run_on_cpu_devices(
+  result = run_on_cpu_devices(
     """
       import json, sys
       import jax, jax.numpy as jnp, numpy as np
@@ -580,7 +556,7 @@ def four_device_comparison(request):
     for item in request.session.items
     if item.originalname == "test_the_comparison_catches_an_injected_sharding_bug"
   }
-  return _run_on_cpu_devices(
+  return run_on_cpu_devices(
     f"""
       import json, sys
       sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
@@ -630,7 +606,7 @@ def test_resume_on_four_devices_and_on_another_mesh(tmp_path):
   """On a 4-device mesh a resumed run is bit for bit the straight one; a checkpoint written on
   4 devices restores bit for bit on 1 and the run resumes there; evaluate.py reloads a
   4-device run (~70 s)."""
-  result = _run_on_cpu_devices(
+  result = run_on_cpu_devices(
     """
       import json, sys
       from pathlib import Path

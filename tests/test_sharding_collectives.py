@@ -4,20 +4,12 @@ StateSharding``) each device slices its rows of the stacked ``g`` and ``d`` out 
 all-reduced gradients, runs the passes on them, sums only ``tau``-vectors and all-gathers the
 update once; and the values are those of the unsharded step."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cpu_devices import run_on_cpu_devices
 
 import ginger
-
-ROOT = Path(__file__).resolve().parents[1]
 
 _SCRIPT = """
 import json
@@ -78,17 +70,7 @@ print(json.dumps(out))
 
 
 def test_pinned_step_slices_g_and_d_locally_and_gathers_the_update_once():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  run = subprocess.run(
-    [sys.executable, "-c", textwrap.dedent(_SCRIPT)],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert run.returncode == 0, run.stderr[-3000:]
-  out = json.loads(run.stdout.strip().splitlines()[-1])
+  out = run_on_cpu_devices(_SCRIPT)
   params = out["param_bytes"]
   for name in ("pinned", "pinned_row_blocks"):
     sent = out[name]["bytes"]
