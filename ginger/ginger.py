@@ -222,18 +222,11 @@ def scale_by_ginger(
       us,
       sigmas,
     )
+    shards = None if sharding is None else [sharding.row_shards(u.shape) for u in us]
     new_us, outs, new_sigmas = brand_step(
-      us,
-      factors,
-      vs,
-      gs,
-      alpha,
-      gamma,
-      eigensolver,
-      impl=impl[0],
-      interpret=impl[1],
-      row_shards=None if sharding is None else [sharding.row_shards(u.shape) for u in us],
-    )
+      us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1],
+      row_shards=shards,
+    )  # fmt: skip
     new_us, outs = rows(new_us, us), rows(outs, us)
     if block == "per_tensor":
       sigma = jax.tree.unflatten(
