@@ -90,7 +90,7 @@ def runs_root(tmp_path: Path) -> Path:
   return tmp_path
 
 
-R50_ADAM_BLANK = "|  |  | 71.59 |  |  | 1.241 |  |  | 60.65 |  |  | 1.16e10 |  |  | 6.50 |  |"
+R50_ADAM_BLANK = "|  |  | 71.59 |  |  | 1.241 |  |  | 60.65 |  |  | 1.16e10 |  |  | 6.50 |  |  |"
 
 
 def test_collect_runs_skips_dir_without_summary(runs_root: Path) -> None:
@@ -108,16 +108,16 @@ def test_table1_markdown_rows(runs_root: Path) -> None:
   adam = (
     "| Adam | 2 | 72.50 ± 0.71 | 71.61 | +0.89 | 1.250 ± 0.071 | 1.249 | +0.001 "
     "| 15.00 ± 7.07 | 9.57 | +5.43 | 2.40e9 ± 0.00e0 | 2.36e9 | +4.00e7 "
-    "| 3.25 ± 0.07 | 3.16 | +0.09 " + R50_ADAM_BLANK
+    "| 3.25 ± 0.07 | 3.16 | +0.09 |  " + R50_ADAM_BLANK
   )
   ginger4 = (
     "| Ginger (τ=4) | 1 | 73.50 | 72.90 | +0.60 | 1.250 | 1.263 | -0.013 "
-    "| 5.00 | 13.37 | -8.37 | 4.10e9 | 4.08e9 | +2.00e7 | 3.40 | 3.33 | +0.07 "
-    "|  |  | 75.83 |  |  | 1.249 |  |  | 3.90 |  |  | 1.91e10 |  |  | 6.91 |  |"
+    "| 5.00 | 13.37 | -8.37 | 4.10e9 | 4.08e9 | +2.00e7 | 3.40 | 3.33 | +0.07 |  "
+    "|  |  | 75.83 |  |  | 1.249 |  |  | 3.90 |  |  | 1.91e10 |  |  | 6.91 |  |  |"
   )
   qng2 = (
-    "| QNG (τ=2) |  |  | 72.30 |  |  | 1.347 |  |  | 23.97 |  |  | 3.70e9 |  |  | 3.25 |  "
-    "|  |  | 73.92 |  |  | 1.255 |  |  | 42.12 |  |  | 1.83e10 |  |  | 6.78 |  |"
+    "| QNG (τ=2) |  |  | 72.30 |  |  | 1.347 |  |  | 23.97 |  |  | 3.70e9 |  |  | 3.25 |  |  "
+    "|  |  | 73.92 |  |  | 1.255 |  |  | 42.12 |  |  | 1.83e10 |  |  | 6.78 |  |  |"
   )
   lines = md.splitlines()
   assert adam in lines
@@ -135,8 +135,8 @@ def test_table1_latex(runs_root: Path) -> None:
     r"    Adam & 2 & 72.50 $\pm$ 0.71 & 71.61 & +0.89 & 1.250 $\pm$ 0.071 & 1.249 & "
     r"+0.001 & 15.00 $\pm$ 7.07 & 9.57 & +5.43 & "
   ) in tex
-  assert r"\multicolumn{16}{c}{ResNet-18} & \multicolumn{16}{c}{ResNet-50} \\" in tex
-  assert r"\cmidrule(lr){2-17} \cmidrule(lr){18-33}" in tex
+  assert r"\multicolumn{17}{c}{ResNet-18} & \multicolumn{17}{c}{ResNet-50} \\" in tex
+  assert r"\cmidrule(lr){2-18} \cmidrule(lr){19-35}" in tex
   assert r" &  & \multicolumn{3}{c}{Acc} & \multicolumn{3}{c}{Val loss} & " in tex
   assert "    Optimizer & n & ours & paper & $\\Delta$ & ours & paper & $\\Delta$ & " in tex
   assert r"\caption{CIFAR-100, 200 epochs (paper Table 1). Best validation accuracy (\%)" in tex
@@ -192,12 +192,13 @@ def test_table2_xsum(tmp_path: Path) -> None:
       rougeL=24.0,
       train_perplexity=10.0,
       peak_memory_bytes=2_700_000_000,
+      step_memory_bytes=1_900_000_000,
       flops_per_iter={"analytic": None, "xla": 5.6e9},
     )
   table = tables.build_table2(tables.collect_runs([tmp_path]), flops="xla")
   adam = table.rows[0]
   assert adam.label == "Adam"
-  assert adam.cells[:19] == [
+  assert adam.cells[:20] == [
     "2",
     "31.50 ± 0.71",
     "31.06",
@@ -217,9 +218,11 @@ def test_table2_xsum(tmp_path: Path) -> None:
     "2.70 ± 0.00",
     "2.67",
     "+0.03",
+    "1.90 ± 0.00",  # the step's own memory, beside the lifetime high-water mark (no paper cell)
   ]
-  assert adam.cells[19:21] == ["", ""] and adam.cells[21] == "32.61"  # Full: paper only
+  assert adam.cells[20:22] == ["", ""] and adam.cells[22] == "32.61"  # Full: paper only
   assert [c.label for c in table.columns][13] == "FLOPs (xla)"
+  assert [c.label for c in table.columns][16:20] == ["Mem GB", "Mem GB", "Mem GB", "Step GB"]
 
 
 def test_tables_3_and_4(tmp_path: Path) -> None:
@@ -276,11 +279,11 @@ def test_ablation_rows(tmp_path: Path) -> None:
   md = tables.to_markdown(table).splitlines()
   assert (
     "| cifar100 resnet18 200ep τ=4 α=0.99 | 1.0 | per_tensor | 0.0002 | 1e-05 | 1 | 72.00 "
-    "| 72.90 | -0.90 |  | 1.263 |  |  | 13.37 |  | 0.050 |  |"
+    "| 72.90 | -0.90 |  | 1.263 |  |  | 13.37 |  | 0.050 |  |  |"
   ) in md
   assert (
     "| cifar100 resnet18 200ep τ=4 α=0.99 | none | per_tensor | 0.0002 | 1e-05 | 1 | 70.00 "
-    "| 72.90 | -2.90 |  | 1.263 |  |  | 13.37 |  |  |  |"
+    "| 72.90 | -2.90 |  | 1.263 |  |  | 13.37 |  |  |  |  |"
   ) in md
   assert len(table.rows) == 2  # tau=8 has a single variant: no ablation
 
