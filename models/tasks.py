@@ -185,16 +185,19 @@ class ImageClassification(Task):
     from models.resnet import build_resnet
 
     channels = dataset.train_images.shape[-1]
+    # The key is an argument, not a constant of the program: every seed runs the one compiled
+    # initialisation (its compilation is several seconds; the persistent compilation cache
+    # then serves a sweep's other seeds). nnx.Rngs(seed) starts from jax.random.key(seed).
     model = nnx.jit(
-      lambda: build_resnet(
+      lambda key: build_resnet(
         model_cfg.name,
         dataset.num_classes,
-        rngs=nnx.Rngs(seed),
+        rngs=nnx.Rngs(key),
         dtype=compute_dtype(precision),
         in_channels=channels,
         batchnorm_groups=batchnorm_groups,
       )
-    )()
+    )(jax.random.key(seed))
     super().__init__(
       model=model,
       train_arrays={"images": dataset.train_images, "labels": dataset.train_labels},
@@ -331,7 +334,7 @@ class Seq2Seq(Task):
       config = t5.T5Config(
         vocab_size=vocab, dropout_rate=model_cfg.dropout_rate, dtype=precision, **sizes
       )
-      model = nnx.jit(lambda: t5.T5(config, rngs=nnx.Rngs(seed)))()
+      model = nnx.jit(lambda key: t5.T5(config, rngs=nnx.Rngs(key)))(jax.random.key(seed))
     if config.vocab_size < tokenizer.vocab_size:
       raise ValueError(
         f"model vocab_size {config.vocab_size} < tokenizer vocab_size {tokenizer.vocab_size}"
