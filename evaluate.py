@@ -39,8 +39,8 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
   cfg = load_run_config(run_dir, list(overrides))
   checkpointer = Checkpointer(run_dir)
   step = checkpointer.check_step(step)  # before any data is loaded or compiled
-  setup = loop.build(cfg)
-  state = checkpointer.restore(setup.state, step)
+  setup = loop.build(cfg, materialize=False)  # no fresh optimizer state beside the saved one
+  state = checkpointer.restore(setup.init_state, step)
   metrics = loop.evaluate(
     setup.task,
     setup.eval_step,

@@ -2,6 +2,8 @@
 buckets its bases, checkpoints of earlier versions, every optimizer's state bit for bit, the
 metrics log truncated to the checkpoint, and the batch order of an epoch."""
 
+import collections
+import gc
 import json
 import signal
 from pathlib import Path
@@ -227,6 +229,57 @@ def test_every_optimizer_state_round_trips_bit_for_bit(tmp_path, overrides):
   _assert_bitwise(restored, state)
   for x, like in zip(jax.tree.leaves(restored), jax.tree.leaves(setup.state)):
     assert x.sharding == like.sharding
+
+
+def test_a_resume_reads_the_checkpoint_without_a_fresh_basis_beside_it(tmp_path, monkeypatch):
+  """Given a builder instead of a state, restore makes the template, keeps only its shapes and
+  shardings, and reads the checkpoint after the template's ``U`` is gone: a resumed run holds
+  one ``U`` fewer than the fresh one plus the restored one (T5-small, tau 32: 7.7 GB); the
+  state comes back bit for bit on the template's placement."""
+  setup = train.build(config("experiment=demo", "logger=none", "optimizer=ginger", "tau=8"))
+  largest_param = max(x.size for x in jax.tree.leaves(setup.state.trainable))
+  bases = {
+    (x.shape, x.dtype) for x in jax.tree.leaves(setup.state.opt_state) if x.size > largest_param
+  }
+  assert bases  # the stacked U outgrows every parameter
+  rng = np.random.default_rng(1)
+
+  def noise(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.asarray(rng.normal(size=x.shape), x.dtype)
+    return x
+
+  # Random bases per leaf, stacked by Ginger: the padding rows of a bucket stay zero.
+  per_leaf = jax.tree.map(noise, ginger.checkpoint_state(setup.state))
+  state = ginger.restore_checkpoint_state(per_leaf, setup.state)
+  del per_leaf
+  state = sharding.put(state, setup.plan.state(setup.state))
+  checkpointer = Checkpointer(tmp_path)
+  checkpointer.save(4, state)
+  checkpointer.wait()
+  seen = []
+  read = Checkpointer._read
+
+  def recording(self, step, abstract):
+    gc.collect()
+    seen.append(collections.Counter((x.shape, x.dtype) for x in jax.live_arrays()))
+    return read(self, step, abstract)
+
+  monkeypatch.setattr(Checkpointer, "_read", recording)
+  del setup  # its state is a template with a U of its own
+  built = []
+
+  def build_template():
+    built.append(True)
+    return train.build(config("experiment=demo", "logger=none", "optimizer=ginger", "tau=8")).state
+
+  restored = Checkpointer(tmp_path).restore(build_template, 4)
+  assert built == [True] and len(seen) == 1
+  # While the checkpoint is read, the only stacked U of each shape is the saved state's own
+  # (still alive here, as `state`), none the template's.
+  held = collections.Counter((x.shape, x.dtype) for x in jax.tree.leaves(state.opt_state))
+  assert {b: seen[0][b] for b in bases} == {b: held[b] for b in bases}
+  _assert_bitwise(restored, state)
 
 
 def test_a_corrupt_checkpoint_fails_clearly(tmp_path):

@@ -22,6 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 
 import ginger
+from ginger.ginger import StackedBasis
 from training import sharding
 from training.errors import TrainingError
 
@@ -55,11 +56,26 @@ def _from_saveable(saved, like):
 
 
 def _placed_like(tree, like):
-  """``tree`` on the shardings of ``like``: the restacked bases come out of eager ops, and
-  the compiled training step takes its state only as it was placed."""
-  return jax.tree.map(
-    lambda x, t: sharding.put(x, t.sharding) if isinstance(t, jax.Array) else x, tree, like
-  )
+  """``tree`` on the shardings of ``like`` (arrays, or the shapes and shardings that
+  :func:`_bases_abstract` leaves): the restacked bases come out of eager ops, and the compiled
+  training step takes its state only as it was placed."""
+
+  def place(x, t):
+    return sharding.put(x, t.sharding) if isinstance(t, jax.Array | jax.ShapeDtypeStruct) else x
+
+  return jax.tree.map(place, tree, like)
+
+
+def _bases_abstract(tree):
+  """``tree`` with the arrays of Ginger's bases replaced by their shapes, dtypes and shardings
+  (all that restoring into them reads); the rest, small, as it is."""
+
+  def abstract(x):
+    if not isinstance(x, StackedBasis):
+      return x
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, x)
+
+  return jax.tree.map(abstract, tree, is_leaf=lambda x: isinstance(x, StackedBasis))
 
 
 def _shapes(tree) -> Shapes:
@@ -136,12 +152,20 @@ class Checkpointer:
 
   def restore(self, like, step: int | None = None):
     """Restores the checkpoint at ``step`` (default: latest) into the structure, bucket plan
-    and shardings of ``like`` (a freshly built state of the same run)."""
+    and shardings of ``like`` (a freshly built state of the same run).
+
+    ``like`` may also be a function that builds one: restore then keeps only the template's
+    shapes and shardings, and its bases (Ginger's ``U``, zeros) are gone before the checkpoint
+    is read, so that a resumed run does not hold a fresh ``U`` beside the restored one.
+    """
     step = self.check_step(step)
+    if callable(like):
+      like = like()
     # The per-leaf view of `like` gives the entries' shapes and, for the bases, shardings
     # (its U is a fresh zero state: the copy lives only until `abstract` is made).
     per_leaf = _abstract(ginger.checkpoint_state(like))
     stacked = _abstract(like)
+    like = _bases_abstract(like)  # a template built here loses its U now
     on_disk = self._shapes_on_disk(step)
     if on_disk != _shapes(per_leaf):
       if on_disk == _shapes(stacked):

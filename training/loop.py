@@ -550,10 +550,10 @@ def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) ->
 
   def initial_state() -> TrainState:
     """The state the first step starts from: built, or restored from the latest checkpoint."""
-    state = setup.init_state()
     if resume_from is None:
-      return state
-    state = checkpointer.restore(state, resume_from)
+      return setup.init_state()
+    # Given the builder, restore drops the fresh U before it reads the saved one.
+    state = checkpointer.restore(setup.init_state, resume_from)
     if int(state.step) != resume_from:
       raise CheckpointError(
         f"checkpoint {resume_from} in {checkpointer.directory} holds step {int(state.step)}"
