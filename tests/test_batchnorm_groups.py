@@ -74,6 +74,11 @@ def _layers(groups: int, dtype=jnp.float32):
   return (g_def, g_rest), (p_def, p_rest), params
 
 
+# The two computations below run jitted in the tests (one program each; op by op they compiled
+# a small program per operation and shape, most of these tests' time): the same operations on
+# the same numbers, so the tolerances above hold either way.
+
+
 def _grouped(layer, params, x, train=True):
   """Output and running statistics of the grouped layer."""
   graphdef, rest = layer
@@ -106,13 +111,14 @@ def _per_slice(layer, params, x, groups, train=True):
 def test_train_mode_is_nnx_batchnorm_per_slice(groups):
   grouped, plain, params = _layers(groups)
   x = _inputs(groups)
-  y, (mean, var) = _grouped(grouped, params, x)
-  y_ref, (mean_ref, var_ref) = _per_slice(plain, params, x, groups)
+  y, (mean, var) = jax.jit(lambda p, x: _grouped(grouped, p, x))(params, x)
+  per_slice = jax.jit(lambda p, x, groups: _per_slice(plain, p, x, groups), static_argnums=2)
+  y_ref, (mean_ref, var_ref) = per_slice(params, x, groups)
   np.testing.assert_allclose(y, y_ref, **TOL)
   np.testing.assert_allclose(mean, mean_ref, **TOL)
   np.testing.assert_allclose(var, var_ref, **TOL)
   # The test can fail: whole-batch statistics give other outputs and running variances.
-  y_whole, (_, var_whole) = _per_slice(plain, params, x, 1)
+  y_whole, (_, var_whole) = per_slice(params, x, 1)
   assert np.max(np.abs(y - y_whole)) > 0.1
   assert np.max(np.abs(var - var_whole)) > 0.01
 
@@ -126,15 +132,16 @@ def test_gradients_are_those_of_the_per_slice_computation(groups):
   def loss(apply):
     return lambda p, x: jnp.sum(apply(p, x)[0] * w)
 
-  g_params, g_x = jax.grad(loss(lambda p, x: _grouped(grouped, p, x)), (0, 1))(params, x)
-  r_params, r_x = jax.grad(loss(lambda p, x: _per_slice(plain, p, x, groups)), (0, 1))(params, x)
+  grad = lambda apply, argnums=(0, 1): jax.jit(jax.grad(loss(apply), argnums))  # noqa: E731
+  g_params, g_x = grad(lambda p, x: _grouped(grouped, p, x))(params, x)
+  r_params, r_x = grad(lambda p, x: _per_slice(plain, p, x, groups))(params, x)
   np.testing.assert_allclose(g_x, r_x, **TOL)
   for key in ("scale", "bias"):
     # Sums of B x H x W terms of O(1): relative to their size.
     ref = np.asarray(r_params[key].value)
     np.testing.assert_allclose(g_params[key].value, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
   # No gradient flows into the running statistics (nnx.BatchNorm's behaviour).
-  whole_x = jax.grad(loss(lambda p, x: _per_slice(plain, p, x, 1)), 1)(params, x)
+  whole_x = grad(lambda p, x: _per_slice(plain, p, x, 1), 1)(params, x)
   assert np.max(np.abs(g_x - whole_x)) > 1e-2
 
 
@@ -156,8 +163,8 @@ def test_bfloat16_compute_within_one_bfloat16_ulp_of_nnx_per_slice():
   # float32 ulps of reduction order can move a result across one bfloat16 rounding boundary.
   grouped, plain, params = _layers(2, dtype=jnp.bfloat16)
   x = _inputs(2).astype(jnp.bfloat16)
-  y, _ = _grouped(grouped, params, x)
-  y_ref, _ = _per_slice(plain, params, x, 2)
+  y, _ = jax.jit(lambda p, x: _grouped(grouped, p, x))(params, x)
+  y_ref, _ = jax.jit(lambda p, x: _per_slice(plain, p, x, 2))(params, x)
   assert y.dtype == y_ref.dtype == jnp.bfloat16
   y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
   np.testing.assert_allclose(y, y_ref, rtol=2**-8, atol=2**-8)
@@ -176,6 +183,12 @@ def test_batch_not_divisible_by_the_groups_is_refused():
 # ------------------------------------------------------------------- the ResNet and the config
 
 
+def _resnet(**kwargs):
+  """resnet_tiny initialised as models/tasks.py does: one jitted program (op by op, its
+  initialisation compiled a program per layer shape)."""
+  return nnx.jit(lambda: build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0), **kwargs))()
+
+
 def _bns(model):
   return [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.BatchNorm)]
 
@@ -183,8 +196,8 @@ def _bns(model):
 def test_one_group_is_nnx_batchnorm_itself():
   kw = dict(dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
   assert type(batchnorm(8, groups=1, **kw)) is nnx.BatchNorm
-  default = build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0))
-  one = build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0), batchnorm_groups=1)
+  default = _resnet()
+  one = _resnet(batchnorm_groups=1)
   assert {type(m) for m in _bns(default)} == {type(m) for m in _bns(one)} == {nnx.BatchNorm}
   x = _inputs(1, per_group=4)[..., :3]
   x = jnp.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))  # 8x8x3 images
@@ -194,8 +207,8 @@ def test_one_group_is_nnx_batchnorm_itself():
 
 def test_variables_do_not_depend_on_the_groups():
   # Same names, types, shapes and values: checkpoints and the optimizer's partitioning agree.
-  one = build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0))
-  four = build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0), batchnorm_groups=4)
+  one = _resnet()
+  four = _resnet(batchnorm_groups=4)
   assert len(_bns(four)) == len(_bns(one)) == 12
   assert all(type(m) is GroupedBatchNorm and m.groups == 4 for m in _bns(four))
   s1, s4 = nnx.state(one), nnx.state(four)
