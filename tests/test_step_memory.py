@@ -63,7 +63,7 @@ def test_xla_reports_a_donated_state_as_aliased_on_cpu():
 
 
 @pytest.mark.parametrize("every", [1, 2])
-def test_summary_reports_the_steps_own_memory(tmp_path, every):
+def test_summary_reports_the_steps_own_memory(tmp_path, monkeypatch, every):
   cfg = config(
     "experiment=demo",
     "optimizer=ginger",
@@ -74,7 +74,25 @@ def test_summary_reports_the_steps_own_memory(tmp_path, every):
     "log_every=1",
     "checkpoint_every=2",
   )
+  # The programs compile before the optimizer state exists: on a GPU, XLA's autotuning at
+  # compile time takes scratch of the order of the programs' operands (T5-small + Ginger tau
+  # 32: ~13 GB beside the 8 GB state); compiled first, the peak is the larger, not the sum.
+  state = train.build(cfg, materialize=False).state  # the optimizer state's shapes only
+  largest_param = max(x.size for x in jax.tree.leaves(state.trainable))
+  bases = {(x.shape, x.dtype) for x in jax.tree.leaves(state.opt_state) if x.size > largest_param}
+  assert bases  # Ginger's stacked U outgrows every parameter
+  del state
+  seen = []
+  compile_all = train.compile_all
+
+  def recording(lower, threads=None):
+    gc.collect()
+    seen.append({(x.shape, x.dtype) for x in jax.live_arrays()})
+    return compile_all(lower, threads)
+
+  monkeypatch.setattr(train, "compile_all", recording)
   summary = train.train(cfg, tmp_path)
+  assert len(seen) == 1 and not bases & seen[0]
   step = summary["step_memory_bytes"]
   analyses = [summary["xla_memory_analysis"], summary["xla_memory_analysis_precondition"]]
   assert (analyses[1] is None) == (every == 1)
@@ -102,30 +120,3 @@ def test_bench_table_has_both_memory_columns():
   # One cell per column, in a row as main() prints it.
   row = f"| name | 1 | 2.0 | 3 | 1.00 | {bench.memory_cells(summary)} | 9 |"
   assert row.count("|") == header.count("|")
-
-
-def test_programs_compile_before_the_optimizer_state_exists(tmp_path, monkeypatch):
-  # On a GPU, XLA's autotuning at compile time takes scratch memory of the order of the
-  # programs' operands (T5-small + Ginger tau 32: ~13 GB beside the 8 GB state); compiled
-  # before the state is built, the process's peak is the larger of the two, not their sum.
-  cfg = config(
-    "experiment=demo", "optimizer=ginger", "tau=8", "logger=none", "max_steps=1", "eval_every=1"
-  )
-  state = train.build(cfg, materialize=False).state  # the optimizer state's shapes only
-  largest_param = max(x.size for x in jax.tree.leaves(state.trainable))
-  bases = {(x.shape, x.dtype) for x in jax.tree.leaves(state.opt_state) if x.size > largest_param}
-  assert bases  # Ginger's stacked U (tau = 8 columns per row) outgrows every parameter
-  del state
-  seen = []
-  compile_all = train.compile_all
-
-  def recording(lower, threads=None):
-    gc.collect()
-    seen.append({(x.shape, x.dtype) for x in jax.live_arrays()})
-    return compile_all(lower, threads)
-
-  monkeypatch.setattr(train, "compile_all", recording)
-  summary = train.train(cfg, tmp_path)
-  assert summary["status"] == "completed" and len(seen) == 1
-  assert not bases & seen[0]
-  assert summary["optimizer_state_bytes_per_device"] > 0
