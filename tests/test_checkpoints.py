@@ -195,6 +195,22 @@ def test_an_earlier_checkpoint_under_another_plan_says_what_to_do(across_plans):
   assert "BUCKET_OVERHEAD in ginger/_common.py" in message and "resume=false" in message
 
 
+def _random_state(setup, seed: int):
+  """``setup.state`` with random numbers in every float leaf (so that nothing passes by being
+  zero), placed as the template: the bases random per leaf and stacked by Ginger, so that the
+  padding rows of a bucket stay zero (a checkpoint saves per leaf, without them)."""
+  rng = np.random.default_rng(seed)
+
+  def noise(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.asarray(rng.normal(size=x.shape), x.dtype)
+    return x
+
+  per_leaf = jax.tree.map(noise, ginger.checkpoint_state(setup.state))
+  state = ginger.restore_checkpoint_state(per_leaf, setup.state)
+  return sharding.put(state, setup.plan.state(setup.state))
+
+
 @pytest.mark.parametrize(
   "overrides",
   [
@@ -209,18 +225,7 @@ def test_every_optimizer_state_round_trips_bit_for_bit(tmp_path, overrides):
   """A state of random numbers in every float leaf (so that nothing passes by being zero)
   comes back bit for bit, in the structure and placement of the template."""
   setup = train.build(config("experiment=demo", "logger=none", *overrides))
-  rng = np.random.default_rng(0)
-
-  def noise(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return jnp.asarray(rng.normal(size=x.shape), x.dtype)
-    return x
-
-  # Random bases per leaf, stacked by Ginger: the padding rows of a bucket stay zero.
-  per_leaf = jax.tree.map(noise, ginger.checkpoint_state(setup.state))
-  state = sharding.put(
-    ginger.restore_checkpoint_state(per_leaf, setup.state), setup.plan.state(setup.state)
-  )
+  state = _random_state(setup, seed=0)
   state = state._replace(step=jnp.asarray(7, jnp.int32), rng=jax.random.key(5))
   checkpointer = Checkpointer(tmp_path)
   checkpointer.save(7, state)
@@ -242,18 +247,7 @@ def test_a_resume_reads_the_checkpoint_without_a_fresh_basis_beside_it(tmp_path,
     (x.shape, x.dtype) for x in jax.tree.leaves(setup.state.opt_state) if x.size > largest_param
   }
   assert bases  # the stacked U outgrows every parameter
-  rng = np.random.default_rng(1)
-
-  def noise(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return jnp.asarray(rng.normal(size=x.shape), x.dtype)
-    return x
-
-  # Random bases per leaf, stacked by Ginger: the padding rows of a bucket stay zero.
-  per_leaf = jax.tree.map(noise, ginger.checkpoint_state(setup.state))
-  state = ginger.restore_checkpoint_state(per_leaf, setup.state)
-  del per_leaf
-  state = sharding.put(state, setup.plan.state(setup.state))
+  state = _random_state(setup, seed=1)
   checkpointer = Checkpointer(tmp_path)
   checkpointer.save(4, state)
   checkpointer.wait()
