@@ -380,8 +380,9 @@ class Metric:
 
 # The training step's own memory (summary.json's step_memory_bytes: XLA's memory analysis of the
 # compiled step), beside "Mem GB", the process's lifetime high-water mark, which also holds
-# compilation and autotuning scratch (T5-small full, Ginger tau 32, one H100: 21.2 GB against
-# the step's 10.1 GB, the difference XLA's autotuning at compile time).
+# compilation and autotuning scratch and the evaluation's memory (T5-small full, Ginger tau 32,
+# one H100: 16.2 GB, set by evaluation, against the step's 10.1 GB; 21.2 GB while the loop built
+# the state before compiling, the extra XLA's autotuning).
 # Ours only: the paper reports one peak (PyTorch's). Blank for records older than the field.
 MEMORY_CAPTION = (
   "memory in GB (bytes/1e9): Mem = the process's peak (compilation and autotuning included), "

@@ -362,7 +362,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     tensor, a basis per bucket, several seconds of start-up; the values, zeros and unit
     vectors, are exact either way)."""
     init = jax.jit(tx.init, out_shardings=state_shardings.opt_state)
-    return placed._replace(opt_state=init(trainable))
+    return placed._replace(opt_state=init(placed.trainable))
 
   if materialize:
     state = init_state()
