@@ -112,7 +112,7 @@ def test_float32_extreme_scales_stay_finite():
 def test_qng_optimizer_and_errors():
   params = {"w": jnp.ones(3)}
   tx = ginger.qng(0.1, tau=2)
-  out, _ = tx.update(params, tx.init(params), params)
+  out, _ = jax.jit(tx.update)(params, tx.init(params), params)
   assert out["w"].shape == (3,)
   with pytest.raises(ValueError, match="tau must be >= 1"):
     ginger.scale_by_qng(0)
