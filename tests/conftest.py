@@ -15,24 +15,6 @@ os.environ.setdefault("WANDB_MODE", "offline")
 CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# The suite is compile-bound: most tests compile a program and run it a few times on tiny
-# shapes. Three XLA:CPU settings halve its compile time and leave the code nearly as fast:
-# XLA's classic loop-fusion emitters instead of the newer MLIR ones (whose compilation is
-# the slower part of most programs here), LLVM at -O1 instead of -O3, and none of LLVM's
-# expensive passes. The arithmetic is the same up to rounding (every comparison here has a
-# tolerance from the math or compares two runs of one program). Not -O0: with the classic
-# emitters, XLA:CPU (jax 0.10) at -O0 gets Ginger's float32 update wrong beyond rounding
-# (tests/test_ginger_layout.py's nearly-in-span test: U^T U off by 2-3e-4 at any size and
-# with either eigensolver, where -O0 with the default emitters, -O1 and -O3 give 1e-7 to 1e-6).
-# GINGER_TEST_XLA=default keeps XLA's defaults (those training runs compile with).
-TEST_XLA_FLAGS = (
-  "--xla_cpu_use_fusion_emitters=false",
-  "--xla_backend_optimization_level=1",
-  "--xla_llvm_disable_expensive_passes=true",
-)
-if os.environ.get("GINGER_TEST_XLA", "fast") == "fast":
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in TEST_XLA_FLAGS if f not in flags])
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -13,6 +13,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def with_device_count(devices: int) -> str:
+  """``XLA_FLAGS`` for ``devices`` simulated CPU devices, keeping the flags already set
+  (a subprocess compiles as its parent would)."""
+  flags = [
+    f
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count=")
+  ]
+  return " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+
+
 def run_on_cpu_devices(
   script: str, *args: str, devices: int = 4, timeout: int = 300, **env
 ) -> dict:
@@ -22,7 +33,7 @@ def run_on_cpu_devices(
   env = dict(
     os.environ,
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    XLA_FLAGS=with_device_count(devices),
     **env,
   )
   out = subprocess.run(

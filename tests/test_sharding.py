@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cpu_devices import run_on_cpu_devices
+from cpu_devices import run_on_cpu_devices, with_device_count
 from jax.sharding import PartitionSpec as P
 
 import ginger
@@ -517,11 +517,12 @@ def _state_bytes(opt_state) -> dict[str, int]:
 @contextlib.contextmanager
 def _injected(bug: str | None, mesh):
   """Within the block, ``bug`` (a name of ``BUGS``) is in the library code it lives in."""
-  from ginger import fisher, lowrank
+  from ginger import fisher, kernels
 
   where = {
     "local_loss_mean": (fisher, "cross_entropy", _local_loss_mean),
-    "state_sums_without_all_reduce": (lowrank, "row_sums", _row_sums_without_all_reduce),
+    # Ginger's passes call kernels._row_sums (lowrank.row_sums is the reference's and QNG's)
+    "state_sums_without_all_reduce": (kernels, "_row_sums", _row_sums_without_all_reduce),
   }
   if bug not in where:
     yield
@@ -717,7 +718,7 @@ def test_two_processes_give_the_one_process_results(tmp_path):
     JAX_PLATFORMS="cpu",
     COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
     NUM_PROCESSES="2",
-    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    XLA_FLAGS=with_device_count(2),
   )
   steps = 40
   run = [a for a in RUN if not a.startswith("log_every=")] + ["log_every=1"]  # every step
