@@ -6,9 +6,10 @@
     python train.py experiment=xsum_t5_lora optimizer=ginger tau=8
 
 Each run writes to its own dir (outputs/<name>/<overrides>/): ``.hydra/config.yaml``,
-``run.json`` (the run's fingerprint), ``metrics.jsonl``, ``summary.json`` and orbax
-``checkpoints/``. Rerunning the same command continues from the last checkpoint; a rerun with
-another configuration in the same dir is refused. SIGTERM/SIGINT save a checkpoint and stop.
+``run.json`` (the run's fingerprint), ``metrics.jsonl``, ``spectrum.jsonl.gz`` (Ginger's
+curvature spectrum), ``summary.json`` and orbax ``checkpoints/``. Rerunning the same command
+continues from the last checkpoint; a rerun with another configuration in the same dir is
+refused. SIGTERM/SIGINT save a checkpoint and stop.
 Exit status: 0, 1 (a failed run: the message says why; with -m, after every job ran, with a
 list of the failed ones), or 128 + the signal number (stopped by SIGTERM or SIGINT).
 

@@ -14,7 +14,8 @@ Writes PNGs (matplotlib, Agg backend):
   start (compilation and evaluations included) until the validation accuracy first reached
   each level;
 - `spectrum_<run>.png`: Ginger's curvature eigenvalues sigma (one line per index, log y) against
-  step for a few parameter blocks of a run, from the "spectrum" events of metrics.jsonl.
+  step for a few parameter blocks of a run, from its "spectrum" events (spectrum.jsonl.gz, or
+  metrics.jsonl in records written before that file).
 Missing files, keys or events only leave a panel (or a figure) out.
 """
 
@@ -84,8 +85,9 @@ def _arrays(rows: list[tuple[float, ...]], names: Sequence[str]) -> dict[str, np
   return {name: data[:, i] for i, name in enumerate(names)}
 
 
-def read_series(run_dir: str | Path) -> Series:
-  """Train, eval and spectrum events of a run as arrays."""
+def read_series(run_dir: str | Path, *, spectrum: bool = True) -> Series:
+  """Train, eval and (unless ``spectrum=False``: the largest part to read) spectrum events of a
+  run as arrays."""
   train, evals, series = [], [], Series()
   for event in read_events(run_dir):
     kind, step = event.get("event"), _num(event.get("step"))
@@ -95,7 +97,9 @@ def read_series(run_dir: str | Path) -> Series:
       series.eval_metric = series.eval_metric or next((m for m in VAL_METRICS if m in event), None)
       value = _num(event.get(series.eval_metric)) if series.eval_metric else math.nan
       evals.append((step, _num(event.get("wall_time_s")), value))
-    elif kind == "spectrum" and isinstance(event.get("sigma"), dict):
+  for event in run_record.read_spectrum(run_dir) if spectrum else ():
+    if isinstance(event.get("sigma"), dict):
+      step = _num(event.get("step"))
       series.spectrum_steps.append(int(step) if math.isfinite(step) else len(series.spectrum))
       series.spectrum.append(event["sigma"])
   series.train = _arrays(train, ("step", "wall", "loss"))
@@ -207,7 +211,7 @@ def _plot_group(name: str, members: Sequence[RunInfo], out: Path) -> Path | None
   fig, axes = plt.subplots(2, 2, figsize=(13, 8), squeeze=False)
   drawn, metric, seen = False, None, set()
   for info, label in zip(members, labels, strict=True):
-    series = read_series(info.path)
+    series = read_series(info.path, spectrum=False)
     if not (series.train["step"].size or series.eval["step"].size):
       continue
     metric = _draw_run(axes, series, colors[label], None if label in seen else label) or metric
@@ -392,7 +396,7 @@ def time_to_accuracy(
     labels = config_labels([m.meta for m in members])
     rows: dict[str, dict[str, list[float]]] = {}
     for info, label in zip(members, labels, strict=True):
-      times = accuracy_times(read_series(info.path), levels)
+      times = accuracy_times(read_series(info.path, spectrum=False), levels)
       if times is None:
         continue
       row = rows.setdefault(label, {"best": [], "to_best": [], **{str(v): [] for v in levels}})
@@ -424,7 +428,7 @@ def plot_time_to_accuracy(
     labels = config_labels([m.meta for m in members])
     for k, row in enumerate(rows):
       runs = [m for m, lab in zip(members, labels, strict=True) if lab == row["config"]]
-      series = [read_series(m.path) for m in runs]
+      series = [read_series(m.path, spectrum=False) for m in runs]
       times = np.array([[first_time_at(s, g) for g in grid] for s in series])
       mean = np.where(np.isfinite(times).all(axis=0), times.mean(axis=0), np.nan)
       _plot_xy(ax, grid, mean, label=row["config"], color=plt.cm.tab20(k % 20))
@@ -522,7 +526,7 @@ def plot_spectrum(
 
 
 def default_spectrum_runs(infos: Sequence[RunInfo], limit: int) -> list[Path]:
-  """The first `limit` Ginger runs whose metrics.jsonl holds spectrum events: the table sweeps'
+  """The first `limit` Ginger runs with spectrum events: the table sweeps'
   runs first, in TABLE_SWEEPS' order (Table 1 first), then the rest by path; one seed per
   configuration (everything but the seed), so that the few plots show different ones."""
 

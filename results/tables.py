@@ -885,7 +885,7 @@ def _accuracy_times(run: Run, levels: Sequence[float]) -> dict[str, float] | Non
   """results/plots.py's accuracy_times of the run's metrics.jsonl (None without one)."""
   from results import plots  # imported here: plots imports this module (and matplotlib)
 
-  return plots.accuracy_times(plots.read_series(run["path"]), levels)
+  return plots.accuracy_times(plots.read_series(run["path"], spectrum=False), levels)
 
 
 def build_curvature_every(

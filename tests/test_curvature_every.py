@@ -9,7 +9,6 @@ summary.json's FLOPs are the mean over K steps, bad values are refused up front,
 run-dir fingerprint tells K apart while older run dirs keep theirs.
 """
 
-import json
 import logging
 import signal
 from pathlib import Path
@@ -48,10 +47,10 @@ def config(*overrides):
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:
-  """metrics.jsonl's events of one kind, without their wall-clock times."""
+  """The run's events of one kind, without their wall-clock times."""
   out = []
-  for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-    event = json.loads(line)
+  logged = run_record.read_spectrum if kind == "spectrum" else run_record.read_events
+  for event in logged(run_dir, strict=True):
     if event["event"] == kind:
       out.append(
         {

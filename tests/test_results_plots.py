@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from results import plots
+from training import run_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -117,6 +118,22 @@ def test_read_series_and_spectrum_choice(tmp_path: Path) -> None:
   assert path is not None and is_png(path)
   assert plots.plot_spectrum(root / "q2", tmp_path) is None  # no spectrum events
   assert plots.read_series(tmp_path / "nowhere").train["step"].size == 0
+
+
+def test_spectrum_is_read_from_its_own_file_as_from_older_records(tmp_path: Path) -> None:
+  """A record whose spectrum events are in spectrum.jsonl.gz plots as one that keeps them in
+  metrics.jsonl (written before that file); the plots without spectra do not read it."""
+  root = make_root(tmp_path)
+  legacy = plots.read_series(root / "g4")
+  metrics = root / "g4" / "metrics.jsonl"
+  metrics.write_text(metrics.read_text().rsplit("\n", 2)[0] + "\n")  # the torn line: refused
+  assert run_record.split_spectrum(root / "g4") == 5
+  assert '"spectrum"' not in metrics.read_text()
+  series = plots.read_series(root / "g4")
+  assert (series.spectrum_steps, series.spectrum) == (legacy.spectrum_steps, legacy.spectrum)
+  assert series.spectrum and plots.read_series(root / "g4", spectrum=False).spectrum == []
+  assert plots.default_spectrum_runs(plots.load_runs([root]), limit=2) == [root / "g2", root / "g4"]
+  assert is_png(plots.plot_spectrum(root / "g4", tmp_path))
 
 
 def test_config_labels_show_only_varying_keys() -> None:

@@ -170,6 +170,12 @@ def test_resume_is_bit_for_bit(tmp_path):
   log_b = [json.loads(s) for s in (resumed / "metrics.jsonl").read_text().splitlines()]
   assert [e["step"] for e in log_a] == [e["step"] for e in log_b]
   assert [e.get("train_loss") for e in log_a] == [e.get("train_loss") for e in log_b]
+  # The spectrum (spectrum.jsonl.gz, cut back to step 4 on resume, then appended to) too.
+  spectra = [
+    [(e["step"], e["sigma"]) for e in run_record.read_spectrum(d, strict=True)]
+    for d in (straight, resumed)
+  ]
+  assert [step for step, _ in spectra[0]] == [2, 4, 6] and spectra[0] == spectra[1]
 
 
 def _diverging(*overrides):

@@ -1,4 +1,5 @@
-"""metrics.jsonl, wandb, progress output and the run's provenance (versions, device, commit)."""
+"""metrics.jsonl and spectrum.jsonl.gz, wandb, progress output and the run's provenance
+(versions, device, commit)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,16 @@ def _plain(value):
 
 
 class MetricsLog:
-  """Appends one JSON object per event to ``metrics.jsonl`` and mirrors it to wandb.
+  """Appends one JSON object per event to ``metrics.jsonl`` and mirrors it to wandb; "spectrum"
+  events (large: every tensor's sigma) go to ``spectrum.jsonl.gz`` instead, not to wandb.
 
-  On resume the file is truncated to the events at or before the checkpoint's step, so the
+  On resume both files are truncated to the events at or before the checkpoint's step, so the
   log of a resumed run equals that of an uninterrupted one. In a multi-host run only process 0
-  writes (the file and wandb); the others return the same records.
+  writes (the files and wandb); the others return the same records.
   """
 
   def __init__(self, run_dir: Path, logger_cfg, config: dict, resume_step: int | None):
+    self.run_dir = run_dir
     self.path = run_dir / run_record.METRICS
     self.start = time.time()
     self.wall_offset = 0.0
@@ -46,21 +49,15 @@ class MetricsLog:
       raise ValueError(f"logger must be wandb or none, got {logger_cfg.name!r}.")
     if not self.writer:
       return
-    if resume_step is not None and self.path.exists():
-      # Each event is one write ending in a newline: a last line without one is a write cut
-      # short (SIGKILL, power loss), dropped. Any other line that is not JSON stops the
-      # resume, naming the file and line.
-      text = self.path.read_text()
-      if not text.endswith("\n") and text:
-        logging.warning("%s: dropping a partial last line (a write cut short)", self.path)
-        self.path.write_text(text[: text.rfind("\n") + 1])
-      events = run_record.read_events(run_dir, strict=True)
-      kept = [e for e in events if e.get("step", 0) <= resume_step]
-      self.path.write_text("".join(json.dumps(e) + "\n" for e in kept))
-      if kept:
-        self.wall_offset = kept[-1].get("wall_time_s", 0.0) or 0.0
-    elif self.path.exists():
-      self.path.unlink()
+    if resume_step is not None:
+      kept = self._keep(resume_step) if self.path.exists() else []
+      # The clock continues from the last event kept, in either file (a spectrum event
+      # follows the train event of its step).
+      last = kept[-1:] + run_record.keep_spectrum(run_dir, resume_step)[-1:]
+      self.wall_offset = max((e.get("wall_time_s", 0.0) or 0.0 for e in last), default=0.0)
+    else:
+      self.path.unlink(missing_ok=True)
+      (run_dir / run_record.SPECTRUM).unlink(missing_ok=True)
     if logger_cfg.name == "wandb":
       import wandb
 
@@ -78,6 +75,22 @@ class MetricsLog:
         reinit="finish_previous",
       )
 
+  def _keep(self, step: int) -> list[dict]:
+    """Cuts metrics.jsonl back to its events at or before ``step``; returns them.
+
+    Each event is one write ending in a newline: a last line without one is a write cut short
+    (SIGKILL, power loss), dropped. Any other line that is not JSON stops the resume, naming
+    the file and line.
+    """
+    text = self.path.read_text()
+    if not text.endswith("\n") and text:
+      logging.warning("%s: dropping a partial last line (a write cut short)", self.path)
+      self.path.write_text(text[: text.rfind("\n") + 1])
+    events = run_record.read_events(self.run_dir, strict=True)
+    kept = [e for e in events if e.get("step", 0) <= step]
+    self.path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+    return kept
+
   def wall_time(self) -> float:
     return self.wall_offset + time.time() - self.start
 
@@ -86,9 +99,12 @@ class MetricsLog:
     record.update({k: _plain(v) for k, v in values.items()})
     if not self.writer:
       return record
+    if event == "spectrum":
+      run_record.append_spectrum(self.run_dir, [record])
+      return record
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
-    if self.wandb is not None and event != "spectrum":
+    if self.wandb is not None:
       self.wandb.log(
         {
           f"{event}/{k}": v

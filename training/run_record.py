@@ -5,7 +5,10 @@ A run dir (``outputs/<name>/<overrides>/``) holds
 - ``run.json``: the fingerprint of everything that changes the run's result (below), the
   configuration it was taken from, and the ``.hydra/`` files of the attempt that started it;
 - ``summary.json``: the run's identity (``"run"``), config, status and results;
-- ``metrics.jsonl``: one JSON object per train/eval/spectrum event;
+- ``metrics.jsonl``: one JSON object per train/eval event;
+- ``spectrum.jsonl.gz``: the "spectrum" events (Ginger's sigma of every tensor, every
+  ``spectrum_every`` steps; most of a Ginger run's log by size), gzipped JSON lines. Records
+  written before this file keep them in metrics.jsonl; :func:`read_spectrum` reads both;
 - ``checkpoints/`` (training/checkpoints.py) and ``.hydra/`` (written by Hydra).
 
 train.py, sweeps/ and results/ read and write these through the functions here. Nothing here
@@ -21,11 +24,16 @@ part of it. A different fingerprint refuses before anything is loaded or compile
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import hashlib
 import json
+import logging
 import math
 import os
-from collections.abc import Iterator, Mapping
+import sys
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +44,7 @@ from training.errors import TrainingError
 RECORD = "run.json"
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
+SPECTRUM = "spectrum.jsonl.gz"
 HYDRA_DIR = ".hydra"
 HYDRA_FILES = ("config.yaml", "overrides.yaml", "hydra.yaml")
 RECORD_VERSION = 1
@@ -226,6 +235,7 @@ def has_run(run_dir: str | Path) -> bool:
   return (
     (run_dir / SUMMARY).exists()
     or (run_dir / METRICS).exists()
+    or (run_dir / SPECTRUM).exists()
     or (checkpoints.is_dir() and any(checkpoints.iterdir()))
   )
 
@@ -290,10 +300,7 @@ def _refuse(run_dir: Path, old: Mapping, config: Mapping, hydra: Mapping, write:
 
 
 def _write_json(path: Path, data: Any) -> None:
-  """Writes via a temporary file and a rename, so a reader never sees half a file."""
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(data, indent=2, default=str))
-  os.replace(tmp, path)
+  _replace(path, json.dumps(data, indent=2, default=str).encode())
 
 
 def write_summary(run_dir: str | Path, summary: Mapping) -> Path:
@@ -342,6 +349,11 @@ def read_events(run_dir: str | Path, *, strict: bool = False) -> Iterator[dict[s
     if strict and path.exists():
       raise
     return
+  yield from _parse(lines, path, strict)
+
+
+def _parse(lines: Iterable[str], path: Path, strict: bool) -> Iterator[dict[str, Any]]:
+  """The JSON objects among ``lines`` (blank lines skipped; see :func:`read_events`)."""
   for number, line in enumerate(lines, 1):
     if not line.strip():
       continue
@@ -353,3 +365,165 @@ def read_events(run_dir: str | Path, *, strict: bool = False) -> Iterator[dict[s
       continue
     if isinstance(event, dict):
       yield event
+
+
+# ----------------------------------------------------------------------------- spectrum.jsonl.gz
+#
+# A gzip file may be a sequence of members, which gzip readers (gzip.open, zcat) return as one
+# stream. Each write appends its events as one member, compressed in memory and written with a
+# single write() of a file opened for appending: the file is readable after every write and
+# after a resume, and a process killed in the middle of a write (SIGKILL, power loss: SIGTERM
+# stops the loop between steps) leaves at most that member cut short, which is dropped like
+# the partial last line of metrics.jsonl. mtime=0 in every gzip header: the same events give
+# the same bytes.
+
+CUT_SHORT = "a last gzip member cut short"
+_CHUNK = 1 << 16  # bytes fed to zlib at a time
+
+
+def read_spectrum(run_dir: str | Path, *, strict: bool = False) -> Iterator[dict[str, Any]]:
+  """A run's "spectrum" events in order: those in metrics.jsonl (records written before
+  spectrum.jsonl.gz, or resumed from one), then spectrum.jsonl.gz's.
+
+  Lenient (default): a missing file, a damaged or cut-short member (and what follows it) and
+  malformed lines are skipped. Strict: each raises :class:`RunDirError` naming the file.
+  """
+  for event in read_events(run_dir, strict=strict):
+    if event.get("event") == "spectrum":
+      yield event
+  path = Path(run_dir) / SPECTRUM
+  lines, damage = _gzip_lines(path)
+  if damage and strict:
+    raise RunDirError(f"{path}: {damage}")
+  yield from _parse(lines, path, strict)
+
+
+def append_spectrum(run_dir: str | Path, events: Iterable[Mapping]) -> None:
+  """Appends ``events`` to spectrum.jsonl.gz as one gzip member (one write; see above)."""
+  member = _gzip_member(events)
+  if member:
+    with (Path(run_dir) / SPECTRUM).open("ab") as f:
+      f.write(member)
+
+
+def keep_spectrum(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
+  """On resume from the checkpoint of ``step``: cuts spectrum.jsonl.gz back to its events at or
+  before ``step`` (the file is rewritten only if that drops something) and returns them.
+
+  A last member cut short (a write killed mid-way) is dropped with a warning; any other damage
+  raises :class:`RunDirError`, naming the file, and leaves it as it is.
+  """
+  path = Path(run_dir) / SPECTRUM
+  if not path.exists():
+    return []
+  lines, damage = _gzip_lines(path)
+  if damage and not damage.startswith(CUT_SHORT):
+    raise RunDirError(f"{path}: {damage}")
+  if damage:
+    logging.getLogger(__name__).warning("%s: dropping %s", path, damage)
+  events = list(_parse(lines, path, strict=True))
+  kept = [e for e in events if e.get("step", 0) <= step]
+  if not kept:
+    path.unlink()
+  elif damage or len(kept) < len(events):
+    _replace(path, _gzip_member(kept))
+  return kept
+
+
+def split_spectrum(run_dir: str | Path) -> int:
+  """Moves the "spectrum" events of metrics.jsonl (a record written before spectrum.jsonl.gz)
+  into spectrum.jsonl.gz, before the events already there; returns how many moved.
+
+  Lines are moved as they are, and the other lines of metrics.jsonl are kept as they are. The
+  gzip file is written first: should the second rename not happen, a rerun finds the moved
+  lines in both files and does not add them twice. Strict: a damaged file raises
+  :class:`RunDirError` and nothing is changed.
+  """
+  run_dir = Path(run_dir)
+  path = run_dir / METRICS
+  keep, moved = [], []
+  for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
+    try:
+      event = json.loads(line) if line.strip() else None
+    except ValueError as e:
+      raise RunDirError(f"{path}, line {number}: not JSON ({e})") from e
+    is_spectrum = isinstance(event, dict) and event.get("event") == "spectrum"
+    (moved if is_spectrum else keep).append(line if line.endswith("\n") else line + "\n")
+  if not moved:
+    return 0
+  gz = run_dir / SPECTRUM
+  there, damage = _gzip_lines(gz)
+  if damage:
+    raise RunDirError(f"{gz}: {damage}")
+  moving = {line.rstrip("\n") for line in moved}
+  there = [line + "\n" for line in there if line not in moving]
+  _replace(gz, gzip.compress("".join(moved + there).encode(), mtime=0))
+  _replace(path, "".join(keep).encode())
+  return len(moved)
+
+
+def _gzip_member(events: Iterable[Mapping]) -> bytes:
+  text = "".join(json.dumps(dict(e)) + "\n" for e in events)
+  return gzip.compress(text.encode(), mtime=0) if text else b""
+
+
+def _gzip_lines(path: Path) -> tuple[list[str], str | None]:
+  """The lines of the whole, intact gzip members of ``path`` (none if it is missing), and what
+  is wrong with the rest of the file, if anything: :data:`CUT_SHORT` (a member that ends with
+  the file before its end), or a damaged member (bad header, data or checksum).
+
+  The file is fed to zlib in chunks, so that a file of many members (one per write) is read in
+  time linear in its size (``unused_data`` copies at most one chunk per member).
+  """
+  try:
+    data = memoryview(path.read_bytes())
+  except FileNotFoundError:
+    return [], None
+  chunks, offset = [], 0
+  while offset < len(data):
+    member, out, end = zlib.decompressobj(wbits=31), [], offset  # 31: gzip, checked
+    try:
+      while not member.eof and end < len(data):
+        out.append(member.decompress(data[end : end + _CHUNK]))
+        end = min(end + _CHUNK, len(data))
+    except zlib.error as e:
+      return _lines(chunks), f"damaged gzip member at byte {offset} ({e})"
+    if not member.eof:
+      return _lines(chunks), f"{CUT_SHORT} (bytes {offset}-{len(data)})"
+    chunks += out
+    offset = end - len(member.unused_data)
+  return _lines(chunks), None
+
+
+def _lines(chunks: list[bytes]) -> list[str]:
+  return b"".join(chunks).decode().splitlines()
+
+
+def _replace(path: Path, data: bytes) -> None:
+  """Writes ``data`` to ``path`` via a temporary file and a rename: never half a file."""
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_bytes(data)
+  os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m training.run_record split-spectrum ROOT...``: :func:`split_spectrum` in
+  every run dir under the roots."""
+  parser = argparse.ArgumentParser(prog="python -m training.run_record")
+  commands = parser.add_subparsers(dest="command", required=True)
+  split = commands.add_parser(
+    "split-spectrum",
+    help="move the spectrum events of older records' metrics.jsonl into spectrum.jsonl.gz",
+  )
+  split.add_argument("roots", nargs="+", type=Path, help="run dirs, or dirs to search for them")
+  args = parser.parse_args(argv)
+  for root in args.roots:
+    for metrics in sorted(root.rglob(METRICS)) if root.is_dir() else []:
+      moved = split_spectrum(metrics.parent)
+      if moved:
+        print(f"{metrics.parent}: moved {moved} spectrum events to {SPECTRUM}", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
