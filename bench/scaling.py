@@ -6,8 +6,9 @@ For every device count N and optimizer, ``train.py`` runs in a fresh process (as
 :mod:`bench.train_step`) on the first N devices (``mesh.data=N``) with batch ``N x
 --per-device-batch``, with the optimizer state sharded over the mesh (arrays of at least
 ``mesh.min_shard_size`` elements) and replicated. Columns: median step time, images/s,
-scaling efficiency (images/s over N times the same optimizer's 1-device images/s), one
-device's peak memory and optimizer-state bytes. ``--batchnorm per_device`` runs with
+scaling efficiency (images/s over N times the same optimizer's 1-device images/s), and one
+device's memory (:data:`bench.train_step.MEMORY_HEADER`: the step's own, the process's
+high-water mark, the optimizer state). ``--batchnorm per_device`` runs with
 ``batchnorm=per_device`` (BatchNorm statistics over each device's batch, no per-layer
 all-reduce; at 1 device the same as ``sync``).
 """
@@ -21,6 +22,10 @@ from pathlib import Path
 from bench import train_step
 
 RUNS = ("adam", "ginger tau=8 (d-pass: shared forward)")
+HEADER = (
+  "| optimizer | devices | optimizer state | ms/step | images/s | efficiency "
+  f"| {train_step.MEMORY_HEADER} |"
+)
 
 
 def main(argv=None) -> None:
@@ -48,11 +53,8 @@ def main(argv=None) -> None:
     f"# {datetime.date.today()} ResNet-18, batch {args.per_device_batch} per device, "
     f"steps={args.steps}, batchnorm={args.batchnorm}"
   )
-  print(
-    "| optimizer | devices | optimizer state | ms/step | images/s | efficiency "
-    "| peak memory GB/device | opt state MB/device |"
-  )
-  print("|---|---|---|---|---|---|---|---|", flush=True)
+  print(HEADER)
+  print("|---" * (HEADER.count("|") - 1) + "|", flush=True)
   single: dict[str, float] = {}
   summary = {}
   for name in args.runs:
@@ -70,7 +72,9 @@ def main(argv=None) -> None:
         summary = train_step.run("resnet18", name, args.data, args.steps, out, args.timeout, extra)
         layout = "sharded" if shard and n > 1 else "replicated"
         if not summary:
-          print(f"| {name} | {n} | {layout} | failed | | | | |", flush=True)
+          print(
+            f"| {name} | {n} | {layout} | failed |" + " |" * (HEADER.count("|") - 5), flush=True
+          )
           continue
         rate = summary["examples_per_s"]
         if n == 1:

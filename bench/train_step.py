@@ -118,15 +118,15 @@ def run_child(
   return done
 
 
+MEMORY_HEADER = "step GB (XLA) | high-water GB | opt state MB/device"
 TABLE_HEADER = (
-  "| run | trained params | ms/step | examples/s | x Adam | step GB (XLA) | high-water GB "
-  "| opt state MB/device | compile+run s |"
+  f"| run | trained params | ms/step | examples/s | x Adam | {MEMORY_HEADER} | compile+run s |"
 )
 
 
 def memory_cells(summary: dict) -> str:
-  """The "step GB (XLA) | high-water GB | opt state MB/device" table cells of a run (blank
-  where the summary or the backend has nothing)."""
+  """The MEMORY_HEADER table cells of a run (blank where the summary or the backend has
+  nothing)."""
 
   def cell(key: str, scale: float, digits: int) -> str:
     value = summary.get(key)

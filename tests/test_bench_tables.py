@@ -1,0 +1,49 @@
+"""The benchmarks' printed tables: every row has the header's columns (a row wider than its
+header shifts every value under the wrong name, as bench.scaling's once did)."""
+
+from bench import scaling, train_step
+
+SUMMARY = {
+  "step_time_s": 0.01,
+  "examples_per_s": 12800.0,
+  "trained_parameters": 11_000_000,
+  "step_memory_bytes": 1.4e9,
+  "peak_memory_bytes": 3.5e9,
+  "optimizer_state_bytes_per_device": 4.1e8,
+}
+
+
+def _columns(line: str) -> int:
+  return line.strip().count("|") - 1
+
+
+def _table_rows(out: str) -> list[str]:
+  return [line for line in out.splitlines() if line.startswith("|")]
+
+
+def _check(out: str, expect_rows: int) -> None:
+  header, rule, *rows = _table_rows(out)
+  assert _columns(rule) == _columns(header)
+  assert len(rows) == expect_rows
+  for row in rows:
+    assert _columns(row) == _columns(header), (header, row)
+
+
+def test_scaling_rows_match_the_header(monkeypatch, capsys):
+  calls = []
+
+  def fake_run(suite, name, data, steps, out, timeout, extra):
+    calls.append(extra)
+    # One failed run: its row must keep the columns too.
+    return None if len(calls) == 2 else SUMMARY
+
+  monkeypatch.setattr(train_step, "run", fake_run)
+  scaling.main(["--data", "x", "--devices", "1", "2"])
+  # Two optimizers x (1 device + 2 devices sharded and replicated).
+  _check(capsys.readouterr().out, expect_rows=6)
+
+
+def test_train_step_rows_match_the_header(monkeypatch, capsys):
+  monkeypatch.setattr(train_step, "run", lambda *a, **k: SUMMARY)
+  train_step.main(["--suite", "resnet18", "--data", "x", "--only", "adam"])
+  _check(capsys.readouterr().out, expect_rows=1)
