@@ -184,9 +184,9 @@ def test_batch_not_divisible_by_the_groups_is_refused():
 
 
 def _resnet(**kwargs):
-  """resnet_tiny initialised as models/tasks.py does: one jitted program (op by op, its
-  initialisation compiled a program per layer shape)."""
-  return nnx.jit(lambda: build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0), **kwargs))()
+  """resnet_tiny initialised as models/tasks.py does (init_model: one compiled program)."""
+  build = lambda key: build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(key), **kwargs)
+  return tasks.init_model(build, 0)
 
 
 def _bns(model):
