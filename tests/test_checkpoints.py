@@ -276,6 +276,57 @@ def test_a_resume_reads_the_checkpoint_without_a_fresh_basis_beside_it(tmp_path,
   _assert_bitwise(restored, state)
 
 
+def _device_bytes(arrays) -> dict:
+  """``{(device, buffer address): bytes}`` of ``arrays``' device buffers (arrays that share a
+  buffer, such as a shard's view of a one-device array, count once)."""
+  return {
+    (s.device.id, s.data.unsafe_buffer_pointer()): s.data.nbytes
+    for x in arrays
+    if isinstance(x, jax.Array)
+    for s in x.addressable_shards
+  }
+
+
+def _live_device_bytes() -> int:
+  gc.collect()
+  return sum(_device_bytes(jax.live_arrays()).values())
+
+
+def test_saving_makes_no_device_copy_of_the_bases(tmp_path, monkeypatch):
+  """orbax keeps the arrays it is handed until the checkpoint is written, in the background
+  while training goes on: a per-leaf device copy of Ginger's ``U`` among them sat beside the
+  next training steps (ResNet-50, tau 32, on an H200: peak 13.29 GB = the step's 10.13 + U
+  3.01 + 0.15). What a save hands orbax holds no device buffer but the state's own, and the
+  device memory in use grows by less than one parameter tensor's bytes, while saving and
+  after (one U is ``tau`` times all of them); the checkpoint restores bit for bit."""
+  setup = train.build(config("experiment=demo", "logger=none", "optimizer=ginger", "tau=8"))
+  state = _random_state(setup, seed=2)
+  del setup  # its template U
+  own = _device_bytes(jax.tree.leaves(state))
+  bases = sum(s.nbytes for u in _bases(state) for s in u.stacks)
+  margin = max(x.nbytes for x in jax.tree.leaves(state.trainable))
+  assert bases > 8 * margin  # tau 8: U is about 8 copies of all the parameters
+  handed = []
+  save = ocp.CheckpointManager.save
+
+  def spying(self, step, *args, **kwargs):
+    given = _device_bytes(jax.tree.leaves(kwargs["args"].item))
+    copies = sum(n for buffer, n in given.items() if buffer not in own)
+    handed.append((copies, _live_device_bytes()))
+    return save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", spying)
+  checkpointer = Checkpointer(tmp_path)
+  before = _live_device_bytes()
+  checkpointer.save(5, state)
+  after = _live_device_bytes()  # before the write is waited for: what training steps see
+  checkpointer.wait()
+  [(copies, during)] = handed
+  assert copies < margin
+  assert during - before < margin and after - before < margin
+  _assert_bitwise(Checkpointer(tmp_path).restore(state), state)
+
+
 def test_a_corrupt_checkpoint_fails_clearly(tmp_path):
   setup = train.build(config("experiment=demo", "logger=none", "optimizer=ginger"))
   checkpointer = Checkpointer(tmp_path)
