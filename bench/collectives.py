@@ -2,6 +2,7 @@
 
     python -m bench.collectives --devices 4 -- optimizer=ginger tau=8
     python -m bench.collectives --devices 4 --cpu -- optimizer=adam   # simulated CPU devices
+    python -m bench.collectives --devices 4 --cpu --row-blocks -- optimizer=ginger tau=8
 
 Runs ``train.py`` for two steps (ResNet-18, CIFAR-10 from ``--data``, ``mesh.data=N``, batch
 ``N x --per-device-batch``) in a fresh process with XLA dumping every compiled module's optimized
@@ -13,7 +14,9 @@ named by its op_name (the gradient all-reduce, the state all-gathers). This is t
 the step, not its timing: which collectives sit on the critical path is for a profile to show.
 With ``--cpu`` the same SPMD partitioning runs on simulated CPU devices (XLA_FLAGS
 ``--xla_force_host_platform_device_count``), so the count can be read on a machine with no GPU;
-GPU backends may combine small collectives differently.
+GPU backends may combine small collectives differently. ``--row-blocks`` traces Ginger's jnp
+rotation of ``U`` in row blocks as on GPUs (``ginger.kernels.JNP_ROW_BLOCKS = True``; the CPU
+rotates it in one piece), so that the CPU run partitions the step a GPU runs.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--devices", type=int, default=4)
   parser.add_argument("--per-device-batch", type=int, default=128)
   parser.add_argument("--cpu", action="store_true", help="simulated CPU devices")
+  parser.add_argument(
+    "--row-blocks", action="store_true", help="Ginger's rotation in row blocks, as on GPUs"
+  )
   parser.add_argument("--dump", type=Path, help="keep the XLA dump here (default: a temp dir)")
   parser.add_argument("overrides", nargs="*", help="train.py overrides, after --")
   args = parser.parse_args(argv)
@@ -108,9 +114,16 @@ def main(argv: Sequence[str] | None = None) -> int:
       flags.append(f"--xla_force_host_platform_device_count={args.devices}")
       env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = " ".join(f for f in flags if f)
+    train = [sys.executable, "train.py"]
+    if args.row_blocks:  # train.py as __main__ after setting the kernels' switch
+      train = [
+        sys.executable,
+        "-c",
+        "import runpy, sys; import ginger.kernels as k; k.JNP_ROW_BLOCKS = True; "
+        "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')",
+      ]
     command = [
-      sys.executable,
-      "train.py",
+      *train,
       "experiment=cifar10_resnet18",
       "data.source=local",
       f"data.path={args.data}",
@@ -128,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       return done.returncode
     modules = step_modules(dump)
     print(
-      f"# {args.devices} {'simulated CPU' if args.cpu else ''} devices, overrides: "
+      f"# {args.devices} {'simulated CPU' if args.cpu else ''} devices"
+      f"{', row-blocked rotation' if args.row_blocks else ''}, overrides: "
       f"{' '.join(args.overrides) or '(none)'}"
     )
     print(table(modules))

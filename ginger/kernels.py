@@ -224,7 +224,9 @@ def _rotate_in_row_blocks(
   ``row_shards``: the rows are split over this many devices (``U`` sharded along its rows).
   Then the row axis is viewed as ``(row_shards, n / row_shards)`` and the blocks step along
   the second, so that every device rotates blocks of its own rows: a block sliced out of the
-  split axis itself would make XLA's partitioner all-gather ``U``, ``p1`` and ``g``.
+  split axis itself would make XLA's partitioner all-gather ``U``, ``p1`` and ``g``. Where a
+  device's rows fit in one block, that block is all of them: the rotation runs unblocked
+  (row-local, as on one device with a ``U`` of that size), never in blocks of the whole axis.
 
   Every row of ``U'`` and of the output depends only on the same row of ``U``, ``p1`` and
   ``g`` (and the small operands), so applying the formula block by block computes each entry
@@ -236,14 +238,18 @@ def _rotate_in_row_blocks(
   n = u.shape[-2]
   if row_shards > 1 and n % row_shards == 0:
     rows = row_block(u.shape[:-2] + (n // row_shards,) + u.shape[-1:], rows_per_block)
-    if rows < n // row_shards:
-      split = u.ndim - 2
-      view = lambda x: x.reshape(
-        x.shape[:split] + (row_shards, n // row_shards) + x.shape[split + 1 :]
-      )
-      small = [jnp.expand_dims(x, split) for x in (a2, inv_r, rot, b, z, gamma)]
-      u_new, out = _rotate_in_row_blocks(view(u), view(p1), view(g), *small, rows_per_block=rows)
-      return u_new.reshape(u.shape), out.reshape(g.shape)
+    if rows >= n // row_shards:
+      # One block per device. Blocks of the whole axis (below) would cut across the split:
+      # ResNet-18 tau=8 on 4 GPUs all-gathered its largest bucket's U, p1, g and output,
+      # 311 MB a step, where each device's quarter fits in one block.
+      return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma, out_rowdot=False)
+    split = u.ndim - 2
+    view = lambda x: x.reshape(
+      x.shape[:split] + (row_shards, n // row_shards) + x.shape[split + 1 :]
+    )
+    small = [jnp.expand_dims(x, split) for x in (a2, inv_r, rot, b, z, gamma)]
+    u_new, out = _rotate_in_row_blocks(view(u), view(p1), view(g), *small, rows_per_block=rows)
+    return u_new.reshape(u.shape), out.reshape(g.shape)
   rows = row_block(u.shape, rows_per_block)
   if rows >= n:
     return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma, out_rowdot=False)
