@@ -434,7 +434,9 @@ def checkpoint_state(opt_state):
       save(checkpoint_state(state))
       state = restore_checkpoint_state(restore(like=checkpoint_state(like)), like)
 
-  The per-leaf view is a copy of ``U`` (made only when saving).
+  The per-leaf view of device arrays is a copy of ``U`` (made only when saving); of host
+  (numpy) stacks it is made of views, which is how the training loop saves without a device
+  copy (``training/checkpoints.py``).
   """
   return jax.tree.map(lambda x: x.tree() if _is_basis(x) else x, opt_state, is_leaf=_is_basis)
 
