@@ -16,7 +16,9 @@ With ``--cpu`` the same SPMD partitioning runs on simulated CPU devices (XLA_FLA
 ``--xla_force_host_platform_device_count``), so the count can be read on a machine with no GPU;
 GPU backends may combine small collectives differently. ``--row-blocks`` traces Ginger's jnp
 rotation of ``U`` in row blocks as on GPUs (``ginger.kernels.JNP_ROW_BLOCKS = True``; the CPU
-rotates it in one piece), so that the CPU run partitions the step a GPU runs.
+rotates it in one piece) and stacks its bases as on GPUs (``ginger._common.SOLO_BUCKETS =
+False``; the CPU gives each large block a bucket of its own), so that the CPU run partitions
+the step a GPU runs.
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--per-device-batch", type=int, default=128)
   parser.add_argument("--cpu", action="store_true", help="simulated CPU devices")
   parser.add_argument(
-    "--row-blocks", action="store_true", help="Ginger's rotation in row blocks, as on GPUs"
+    "--row-blocks",
+    action="store_true",
+    help="Ginger's rotation in row blocks and its bases stacked, as on GPUs",
   )
   parser.add_argument("--dump", type=Path, help="keep the XLA dump here (default: a temp dir)")
   parser.add_argument("overrides", nargs="*", help="train.py overrides, after --")
@@ -115,11 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = " ".join(f for f in flags if f)
     train = [sys.executable, "train.py"]
-    if args.row_blocks:  # train.py as __main__ after setting the kernels' switch
+    if args.row_blocks:  # train.py as __main__ after setting the switches
       train = [
         sys.executable,
         "-c",
-        "import runpy, sys; import ginger.kernels as k; k.JNP_ROW_BLOCKS = True; "
+        "import runpy, sys; import ginger._common as c, ginger.kernels as k; "
+        "k.JNP_ROW_BLOCKS, c.SOLO_BUCKETS = True, False; "
         "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')",
       ]
     command = [

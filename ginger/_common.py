@@ -172,6 +172,15 @@ def default_fisher_to_gradient(
 # (rows x (rank + 2): U plus the vectors). Merging sizes into one bucket pays off while the
 # padding it adds costs less than this.
 BUCKET_OVERHEAD = 1 << 21
+# Whether per-tensor blocks of at least SOLO_ROWS rows get a bucket of their own (shape
+# (1, size, rank): no padding, no stacking), read when the state is initialised: None off GPUs
+# only, True always, False never. Stacking is what makes a GPU step a few launches per bucket;
+# on the CPU a bucket costs a few thunks, but a stacked bucket copies every step's v and g into
+# (members, rows) arrays (XLA:CPU in jax 0.10 even writes each of them twice, once for the
+# vector-matrix products and once for the row fusions), while a bucket of one block reads them
+# where they are (a reshape). ResNet-18 tau=8 on the 2-core CPU: 0.91-0.96x the step time.
+SOLO_BUCKETS: bool | None = None
+SOLO_ROWS = 1 << 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +219,9 @@ def plan_layout(sizes: Sequence[int], tau: int, block: str, treedef) -> Layout:
 
   ``"global"``: one bucket holding one block, all leaves stacked row after row.
   ``"per_tensor"``: blocks of equal rank ``min(tau, size)`` are split into runs of similar
-  size (see :func:`_size_runs`), each run one bucket padded to its largest member.
+  size (see :func:`_size_runs`), each run one bucket padded to its largest member; off GPUs
+  (:data:`SOLO_BUCKETS`) blocks of at least :data:`SOLO_ROWS` rows are one bucket each
+  instead, after the others, in leaf order.
   """
   sizes = tuple(int(n) for n in sizes)
   if block == "global":
@@ -220,9 +231,11 @@ def plan_layout(sizes: Sequence[int], tau: int, block: str, treedef) -> Layout:
     member = tuple(zip(range(len(sizes)), offsets, strict=True))
     total = sum(sizes)
     return Layout(treedef, sizes, (Bucket(total, min(tau, total), (member,)),))
+  solo = _solo_buckets()
   by_rank: dict[int, list[int]] = {}
   for i, n in enumerate(sizes):
-    by_rank.setdefault(min(tau, n), []).append(i)
+    if not (solo and n >= SOLO_ROWS):
+      by_rank.setdefault(min(tau, n), []).append(i)
   buckets = []
   for rank, leaves in sorted(by_rank.items()):
     counts = collections.Counter(sizes[i] for i in leaves)
@@ -230,7 +243,16 @@ def plan_layout(sizes: Sequence[int], tau: int, block: str, treedef) -> Layout:
     for run in _size_runs(distinct, [counts[n] for n in distinct], rank):
       members = tuple(((i, 0),) for i in leaves if sizes[i] in run)
       buckets.append(Bucket(max(run), rank, members))
+  if solo:
+    buckets += [Bucket(n, min(tau, n), (((i, 0),),)) for i, n in enumerate(sizes) if n >= SOLO_ROWS]
   return Layout(treedef, sizes, tuple(buckets))
+
+
+def _solo_buckets() -> bool:
+  """Whether large per-tensor blocks get a bucket each (:data:`SOLO_BUCKETS`, when planned)."""
+  if SOLO_BUCKETS is None:
+    return jax.default_backend() != "gpu"
+  return bool(SOLO_BUCKETS)
 
 
 def _size_runs(distinct: list[int], counts: list[int], rank: int) -> list[set[int]]:

@@ -117,6 +117,7 @@ def across_plans(tmp_path_factory):
   out = {"new": tmp / "new", "old": tmp / "old"}
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(_common, "BUCKET_OVERHEAD", FEW)
+    patch.setattr(_common, "SOLO_BUCKETS", False)  # the plans of every backend
     with pytest.raises(Interrupted, match="stopped by SIGTERM at step 2 of 4"):
       train.train(config(*RUN), out["new"], stop=lambda s: signal.SIGTERM if s == 2 else None)
     few = train.build(config(*RUN))
@@ -128,6 +129,7 @@ def across_plans(tmp_path_factory):
     }
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(_common, "BUCKET_OVERHEAD", MANY)
+    patch.setattr(_common, "SOLO_BUCKETS", False)  # the plans of every backend
     many = train.build(config(*RUN))
     out["many"] = many
     moved = sharding.put(

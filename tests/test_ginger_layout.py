@@ -17,8 +17,10 @@ from ginger.ginger import StackedBasis
 RESNET_LIKE = [64, 64, 100, 128, 1728, 8192, 36864, 36864, 147456, 589824, 2359296]
 
 
+@pytest.mark.parametrize("solo", [False, True])
 @pytest.mark.parametrize("tau", [1, 8, 32])
-def test_plan_covers_every_leaf_once(tau):
+def test_plan_covers_every_leaf_once(tau, solo, monkeypatch):
+  monkeypatch.setattr(_common, "SOLO_BUCKETS", solo)
   layout = _common.plan_layout(RESNET_LIKE, tau, "per_tensor", None)
   seen = []
   for bucket in layout.buckets:
@@ -33,6 +35,26 @@ def test_plan_covers_every_leaf_once(tau):
   assert saved > 0
   padding = sum(b.rows * len(b.members) for b in layout.buckets) - sum(RESNET_LIKE)
   assert padding * (min(tau, 64) + 2) <= saved * _common.BUCKET_OVERHEAD
+
+
+def test_large_blocks_get_a_bucket_each_off_gpus(monkeypatch):
+  """The CPU plan (SOLO_BUCKETS, None off GPUs): every block of at least SOLO_ROWS rows is a
+  bucket of its own, unpadded, even beside blocks of its size (stacking would copy its v and g
+  every step); smaller blocks are planned as on GPUs. The global block is one bucket anyway."""
+  monkeypatch.setattr(_common, "SOLO_BUCKETS", None)
+  assert jax.default_backend() != "gpu"  # the tests run on the CPU
+  layout = _common.plan_layout(RESNET_LIKE, 8, "per_tensor", None)
+  large = [i for i, n in enumerate(RESNET_LIKE) if n >= _common.SOLO_ROWS]
+  assert len(large) == 5  # two blocks of 36864 among them
+  solo = [b for b in layout.buckets if len(b.members) == 1 and b.members[0][0][0] in large]
+  assert [b.members[0][0][0] for b in solo] == large
+  assert all(b.rows == RESNET_LIKE[b.members[0][0][0]] and b.rank == 8 for b in solo)
+  monkeypatch.setattr(_common, "SOLO_BUCKETS", False)
+  small = [n for n in RESNET_LIKE if n < _common.SOLO_ROWS]
+  stacked = _common.plan_layout(small, 8, "per_tensor", None)
+  assert [b.rows for b in layout.buckets if b not in solo] == [b.rows for b in stacked.buckets]
+  monkeypatch.setattr(_common, "SOLO_BUCKETS", None)
+  assert len(_common.plan_layout(RESNET_LIKE, 8, "global", None).buckets) == 1
 
 
 def test_global_plan_is_one_block_of_consecutive_rows():

@@ -31,13 +31,17 @@ batches = [(like(), jax.tree.map(lambda x: 1e-2 * x, like())) for _ in range(3)]
 split = StateSharding(mesh, "data", min_size=1 << 14)
 whole = NamedSharding(mesh, P())
 out = {"param_bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
-# GPUs rotate U in row blocks (kernels.JNP_ROW_BLOCKS, read when traced); forced here, with
-# blocks small enough that this U (3 x 73728 x 4 = 884736 elements) has several per device,
-# or with blocks that split the whole U (2 blocks) but hold a device's quarter in one.
-variants = {"pinned": (None, 1 << 16), "pinned_row_blocks": (True, 1 << 16),
-            "pinned_one_block_per_device": (True, 1 << 19)}
-for name, (blocks, elements) in variants.items():
+# GPUs stack equal-size blocks into one bucket (_common.SOLO_BUCKETS, read at init; the CPU
+# gives each of these blocks a bucket of its own: "pinned_solo") and rotate U in row blocks
+# (kernels.JNP_ROW_BLOCKS, read when traced); forced here, with blocks small enough that this
+# U (3 x 73728 x 4 = 884736 elements) has several per device, or with blocks that split the
+# whole U (2 blocks) but hold a device's quarter in one.
+variants = {"pinned": (None, 1 << 16, False), "pinned_row_blocks": (True, 1 << 16, False),
+            "pinned_one_block_per_device": (True, 1 << 19, False),
+            "pinned_solo": (None, 1 << 16, True)}
+for name, (blocks, elements, solo) in variants.items():
   ginger.kernels.JNP_ROW_BLOCKS, ginger.kernels.ROW_BLOCK_ELEMENTS = blocks, elements
+  ginger._common.SOLO_BUCKETS = solo
   tx = ginger.ginger(1e-3, tau=4, gamma=1e-2, sharding=split)
   state = tx.init(params)
   shardings = split.shardings(state)
@@ -79,9 +83,10 @@ print(json.dumps(out))
 def test_pinned_step_slices_g_and_d_locally_and_gathers_the_update_once():
   out = run_on_cpu_devices(_SCRIPT)
   params = out["param_bytes"]
-  for name in ("pinned", "pinned_row_blocks", "pinned_one_block_per_device"):
+  for name in ("pinned", "pinned_row_blocks", "pinned_one_block_per_device", "pinned_solo"):
     sent = out[name]["bytes"]
     assert out[name]["bases"][-1] == [None, "data", None]  # the big bucket: rows split
+    assert len(out[name]["bases"]) == (4 if name == "pinned_solo" else 2)
     # Only the update is gathered, once (the parameters are whole on every device): at most
     # d floats, a quarter of U's d tau. No re-layout of g, d or U by permutes or all-to-alls,
     # no U (nor its p1, g) gathered for row blocks that cut across the devices' rows.

@@ -9,8 +9,9 @@ checkpoint restores, exactly, whatever the bucket plan of the code that reads it
 other state (Adam, Momentum, QNG, params, model state) is saved as it is.
 
 Checkpoints of earlier versions hold the stacked buckets themselves. They restore as before
-while the bucket plan is the one that wrote them (the plan has not changed since); under
-another plan, :class:`CheckpointError` says how to continue.
+while the bucket plan is the one that wrote them (on GPUs the plan has not changed since;
+off GPUs large blocks now get a bucket each, ``SOLO_BUCKETS``); under another plan,
+:class:`CheckpointError` says how to continue.
 """
 
 from __future__ import annotations
@@ -217,8 +218,10 @@ class Checkpointer:
           f"({buckets[0]} buckets in the checkpoint, {buckets[1]} now): it restores only under "
           "the bucket plan that wrote it. To continue the run, resume it once with "
           "BUCKET_OVERHEAD in ginger/_common.py set to the value it was written with (1 << 21 "
-          "in every earlier version) until it saves a checkpoint (those are per leaf and "
-          "restore under any plan), then put the value back; or start over with resume=false."
+          "in every earlier version) and, off GPUs, SOLO_BUCKETS there set to False (earlier "
+          "versions stacked large blocks on every backend) until it saves a checkpoint (those "
+          "are per leaf and restore under any plan), then put the values back; or start over "
+          "with resume=false."
         )
     saved = self._read(step, per_leaf)
     restacked = ginger.restore_checkpoint_state(saved, like)
