@@ -4,6 +4,7 @@ per measurement.
     python -m bench.startup                                   # CIFAR-10 shapes, fake images
     python -m bench.startup --data .data/cifar10-jpeg.tar.xz  # the real training set
     python -m bench.startup --only "ginger tau=8 K=8" --modes concurrent
+    python -m bench.startup --only "ginger tau=8" --extra passes=pallas
 
 For each configuration (ResNet-18, batch 128, CIFAR-10 shapes) a child process builds the run
 as ``training.loop`` does (``build``: data, model, optimizer state; then the arrays placed on
@@ -135,8 +136,15 @@ def child(spec: dict) -> dict:
   return out
 
 
-def run(name: str, mode: str, data: str | None, cache_dir: str | None, timeout: float) -> dict:
-  spec = {"overrides": RUNS[name], "mode": mode, "data": data, "cache_dir": cache_dir}
+def run(
+  name: str,
+  mode: str,
+  data: str | None,
+  cache_dir: str | None,
+  timeout: float,
+  extra: tuple[str, ...] = (),
+) -> dict:
+  spec = {"overrides": [*RUNS[name], *extra], "mode": mode, "data": data, "cache_dir": cache_dir}
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   done = train_step.run_child(
     [sys.executable, "-m", "bench.startup", "--child", json.dumps(spec)],
@@ -185,6 +193,9 @@ def main(argv=None) -> None:
   parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
   parser.add_argument("--cache-dir", help="a persistent compilation cache for the children")
   parser.add_argument("--timeout", type=float, default=900, help="seconds per measurement")
+  parser.add_argument(
+    "--extra", nargs="*", default=[], help="more overrides for every run, e.g. passes=pallas"
+  )
   args = parser.parse_args(argv)
   if args.child:
     print(json.dumps(child(json.loads(args.child))))
@@ -194,7 +205,7 @@ def main(argv=None) -> None:
   results = {}
   for name in args.only or list(RUNS):
     for mode in args.modes:
-      results[name, mode] = run(name, mode, args.data, args.cache_dir, args.timeout)
+      results[name, mode] = run(name, mode, args.data, args.cache_dir, args.timeout, args.extra)
       print(f"{name} ({mode}): {results[name, mode].get('startup_s')}", file=sys.stderr)
   when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   devices = sorted({r["device"] for r in results.values() if r})
@@ -203,7 +214,8 @@ def main(argv=None) -> None:
     f"{platform.processor() or platform.machine()}, "
     f"{os.cpu_count()} cores; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')}; "
     f"load average {os.getloadavg()[0]:.1f}; data {args.data or 'fake (CIFAR-10 shapes)'}; "
-    f"compilation cache {args.cache_dir or 'off'}\n"
+    f"compilation cache {args.cache_dir or 'off'}; extra {args.extra}; "
+    f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n"
   )
   print(table(results))
 

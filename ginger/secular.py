@@ -8,7 +8,11 @@ with ``w = [U^T v; r]``. Its eigenproblem needs O(n^2) work, not a dense O(n^3) 
 The method (Golub 1973; Bunch, Nielsen and Sorensen 1978; Gu and Eisenstat 1994; LAPACK's
 ``dlaed2``/``dlaed3``/``dlaed4``), vectorised over a batch, with fixed iteration counts:
 
-1. *Deflation.* Sort ``d`` ascending. Entries of equal ``d`` are merged by one Householder
+1. *Deflation.* Entries of ``d`` below ``max(sqrt(tiny) max(|d|_max, rho), 8 tiny / eps)``
+   are set to zero: far below the matrix's rounding level, but where floats are dense
+   enough for two poles to be closer than two normal numbers, so that a root between them
+   would be a subnormal away from one (XLA flushes subnormals to zero: a division by zero in
+   the eigenvectors). Sort ``d`` ascending. Entries of equal ``d`` are merged by one Householder
    reflection per group, which leaves ``D`` unchanged and moves the group's part of ``z``
    onto its last member; the others get ``z = 0``. Every entry with
    ``rho |z_j| <= sqrt(tiny) max(|d|_max, rho)`` then gets ``z_j = 0`` (far below the
@@ -56,6 +60,12 @@ def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array,
   z_norm = jnp.sqrt(jnp.sum(jnp.square(z / _safe_max_abs(z)[..., None]), -1)) * _safe_max_abs(z)
   rho = jnp.asarray(rho, dtype) * jnp.square(z_norm)
   z = z / jnp.where(z_norm > 0, z_norm, 1.0)[..., None]
+  # Poles nearer zero than this are zero (see the module docstring, step 1): beyond it two
+  # distinct floats are at least four normal numbers apart, so every gap's middle is normal.
+  finfo = jnp.finfo(dtype)
+  scale = jnp.maximum(jnp.max(jnp.abs(d), -1), rho)
+  snap = jnp.maximum(jnp.sqrt(finfo.tiny) * scale, 8 * finfo.tiny / finfo.eps)
+  d = jnp.where(jnp.abs(d) < snap[..., None], 0.0, d).astype(dtype)
 
   # Ascending order; ``perm[j]`` is the input index of sorted entry j.
   perm = jnp.argsort(d, axis=-1, stable=True)
@@ -82,7 +92,7 @@ def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array,
   # Only couplings below sqrt(tiny) of the matrix's scale are dropped (their squares would
   # underflow); the bisection needs no wider deflation, and LAPACK's 8 eps ||M|| tolerance
   # would cost the smallest kept eigenvectors accuracy (eps ||M|| / gap).
-  tol = jnp.sqrt(jnp.finfo(dtype).tiny) * jnp.maximum(jnp.max(jnp.abs(d), -1), rho)
+  tol = jnp.sqrt(finfo.tiny) * scale
   active = rho[..., None] * jnp.abs(z) > tol[..., None]
   z = jnp.where(active, z, 0.0)
 

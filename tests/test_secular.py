@@ -83,6 +83,29 @@ def test_exact_zeros_stay_exactly_zero():
   np.testing.assert_array_equal(np.abs(np.asarray(v[1, :, -1])), [0, 0, 0, 0, 0, 1])
 
 
+def test_poles_closer_than_two_normal_numbers(x64):
+  """Float32 poles less than two normal numbers apart (0 and 2.2e-38): a root between them is
+  no further than a subnormal from one of them, which XLA flushes to zero (a division by zero,
+  NaN eigenvectors: the hypothesis test of Ginger's state found it). Such poles lie far below
+  the matrix's rounding level and are merged as equal ones are."""
+  tiny = np.finfo(np.float32).tiny
+  d = jnp.asarray(
+    [[2.5614448e-16, 2.2252805e-38, 0.0, -1.0], [3e-30, 1.5 * tiny, tiny, 0.0]], jnp.float32
+  )
+  z = jnp.asarray(
+    [[-1.0, -1.4777450e-08, 9.4979455e-09, 0.0], [0.5, -1e-8, 2e-8, 1.0]], jnp.float32
+  )
+  rho = jnp.asarray([0.1, 1e-3], jnp.float32)
+  w, v = jax.jit(secular.eigh_diag_plus_rank_one)(d, z, rho)
+  bound = 8 * 4 * np.finfo(np.float32).eps
+  for i in range(2):
+    assert np.all(np.isfinite(np.asarray(v[i]))), v[i]
+    errs = _errors(
+      np.asarray(d[i], np.float64), np.asarray(z[i], np.float64), float(rho[i]), w[i], v[i]
+    )
+    assert max(errs) < bound, (i, errs)
+
+
 @pytest.mark.parametrize("n", [9, 33])
 def test_float32_at_least_as_accurate_as_dense_eigh(x64, n):
   """The default is the secular solver only because it is not less accurate than float32
