@@ -437,12 +437,16 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
   """A real process, preempted with SIGTERM mid-run: it saves a checkpoint at the step it
   reached, writes summary.json (status "interrupted") and exits 143; rerunning the command
   finishes the run exactly as an uninterrupted one."""
+  # Enough steps that the signal, sent once step 1 is logged, lands mid-run: 24 steps of the
+  # demo take 0.8 s at XLA:CPU's default -O3 (8 s at `make test`'s -O0); the loop checks for
+  # it between steps.
+  steps = 24
   args = [
     "experiment=demo",
     "optimizer=ginger",
     "block=global",
     "logger=none",
-    "max_steps=60",
+    f"max_steps={steps}",
     "eval_every=1000",
     "log_every=1",
     "checkpoint_every=1000",
@@ -460,7 +464,7 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
   out = proc.communicate(timeout=300)[0].decode()
   assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
   stopped = Checkpointer(run_dir).latest_step()
-  assert stopped is not None and 0 < stopped < 60, out[-3000:]
+  assert stopped is not None and 0 < stopped < steps, out[-3000:]
   summary = run_record.read_summary(run_dir)
   assert summary["status"] == "interrupted" and summary["steps"] == stopped
   assert "Traceback" not in out and f"stopped by SIGTERM at step {stopped}" in out
@@ -473,7 +477,8 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
   train.train(config(*args), straight)  # train.py runs, without another start-up)
   # Every step's loss and gradient norm and the final evaluation, bit for bit.
   logs = [list(run_record.read_events(d)) for d in (straight, run_dir)]
-  assert [e["step"] for e in logs[0]] == [e["step"] for e in logs[1]] == list(range(1, 61)) + [60]
+  expected = list(range(1, steps + 1)) + [steps]  # every step's train event, the final eval
+  assert [e["step"] for e in logs[0]] == [e["step"] for e in logs[1]] == expected
   for a, b in zip(*logs):
     for key in ("train_loss", "grad_norm", "min_train_loss", "val_loss", "val_accuracy"):
       assert a.get(key) == b.get(key), (a["step"], key)
