@@ -307,7 +307,7 @@ def _config(*overrides: str):
 def test_config_passes_is_checked_up_front():
   from training.config_check import ConfigError, check_config
 
-  check_config(_config(), overrides=())  # ginger.yaml: passes=jnp
+  check_config(_config(), overrides=())  # ginger.yaml: passes=auto
   check_config(_config("passes=pallas"), overrides=())  # mesh.data=-1: devices unknown here
   check_config(_config("passes=pallas", "mesh.data=2", "mesh.shard_optimizer_state=false"), ())
   with pytest.raises(ConfigError, match=r"passes='triton': must be one of \['jnp', 'pallas'"):
@@ -324,9 +324,30 @@ def test_pallas_mesh_problem_resolves_all_devices():
   assert pallas_mesh_problem("pallas", sharded, devices=1) is None
   assert "on 4 devices" in pallas_mesh_problem("pallas", sharded, devices=4)
   assert pallas_mesh_problem("pallas", {**sharded, "shard_optimizer_state": False}, 4) is None
-  assert pallas_mesh_problem("auto", sharded, devices=4, gpu=False) is None  # auto = jnp
-  assert "passes='auto'" in pallas_mesh_problem("auto", sharded, devices=4, gpu=True)
-  assert pallas_mesh_problem("jnp", sharded, devices=4, gpu=True) is None
+  assert pallas_mesh_problem("auto", sharded, devices=4) is None  # it resolves to jnp there
+  assert pallas_mesh_problem("jnp", sharded, devices=4) is None
+
+
+@pytest.mark.parametrize(
+  ("backend", "mesh", "expected"),
+  [
+    ("cpu", [], "jnp"),
+    ("gpu", [], "pallas"),  # one device
+    ("gpu", ["mesh.data=4"], "jnp"),  # the state split over 4 devices: no pallas_call
+    ("gpu", ["mesh.data=4", "mesh.shard_optimizer_state=false"], "pallas"),  # replicated
+  ],
+)
+def test_auto_runs_the_kernels_on_gpus_where_the_state_is_not_split(
+  monkeypatch, backend, mesh, expected
+):
+  """The training config's default, ``passes=auto``, resolves to the Pallas kernels on GPUs
+  unless the optimizer state is split over several devices (GSPMD cannot split a
+  ``pallas_call``), where an explicit ``pallas`` is refused instead."""
+  from training.optimizers import passes
+
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  assert passes(_config("optimizer=ginger", *mesh)) == expected  # the default
+  assert passes(_config("optimizer=ginger", "passes=jnp", *mesh)) == "jnp"
 
 
 def test_config_passes_reaches_the_optimizer():
@@ -341,14 +362,18 @@ def test_config_passes_reaches_the_optimizer():
     assert ("pallas_call" in str(jaxpr(tx.init(params)))) == has_kernels, passes
 
 
-def test_older_run_dirs_keep_their_fingerprint():
-  """Configs from before ``passes`` (no key) and ``passes=jnp`` are the same run."""
+def test_passes_is_not_part_of_the_fingerprint():
+  """Configs from before ``passes`` (no key) and every value of it are the same run: the
+  passes agree to float rounding, like two meshes, so run dirs of earlier versions (``jnp``)
+  continue under today's default (``auto``) and a run may resume with other passes; anything
+  else changed is still another run."""
   from omegaconf import OmegaConf
 
   from training import run_record
 
   config = OmegaConf.to_container(_config(), resolve=True)
-  assert config["passes"] == "jnp"
+  assert config["passes"] == "auto"
   older = {k: v for k, v in config.items() if k != "passes"}
-  assert run_record.fingerprint(config) == run_record.fingerprint(older)
-  assert run_record.fingerprint({**config, "passes": "pallas"}) != run_record.fingerprint(older)
+  for passes in ("jnp", "pallas", "auto"):
+    assert run_record.fingerprint({**config, "passes": passes}) == run_record.fingerprint(older)
+  assert run_record.fingerprint({**config, "tau": 2}) != run_record.fingerprint(older)

@@ -247,16 +247,17 @@ def _check_optimizer(c: _Checker) -> str | None:
   return name
 
 
-def pallas_mesh_problem(passes, mesh, devices: int | None = None, gpu: bool | None = None):
+def pallas_mesh_problem(passes, mesh, devices: int | None = None):
   """Why ``passes`` cannot run on ``mesh`` (the config's ``mesh`` node), or None.
 
   The Pallas kernels are ``pallas_call`` s, which GSPMD cannot split: on an optimizer state
-  sharded over several devices they would not run per shard. Refused when the kernels run
-  (``pallas``; ``auto`` on GPUs, when ``gpu`` is known) on a sharded state of several
-  devices; ``devices`` resolves ``mesh.data=-1`` (unknown here: only explicit sizes count).
+  sharded over several devices they would not run per shard. Refused for ``pallas`` on a
+  sharded state of several devices (``auto`` runs the jnp passes there:
+  :func:`training.optimizers.passes`); ``devices`` resolves ``mesh.data=-1`` (unknown here:
+  only explicit sizes count).
   """
   mesh = mesh if isinstance(mesh, Mapping) else {}
-  if not (passes == "pallas" or (passes == "auto" and gpu)):
+  if passes != "pallas":
     return None
   if not mesh.get("shard_optimizer_state", True):
     return None

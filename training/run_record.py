@@ -16,8 +16,9 @@ imports JAX, so sweeps and tables stay light.
 
 **Fingerprint.** A rerun in an existing run dir continues that run, so it must be the same run:
 the resolved config minus the keys that change only how a run is watched or where it runs
-(:data:`NOT_FINGERPRINTED`: logging and checkpoint cadence, resume, the logger, the device mesh;
-a checkpoint resumes on another mesh), hashed. Data source and path, epochs and max_steps are
+(:data:`NOT_FINGERPRINTED`: logging and checkpoint cadence, resume, the logger, the device mesh
+and how Ginger's passes run, which change values only to float rounding; a checkpoint resumes
+on another mesh), hashed. Data source and path, epochs and max_steps are
 part of it. A different fingerprint refuses before anything is loaded or compiled
 (:func:`claim`), and leaves the dir as it was.
 """
@@ -58,6 +59,7 @@ NOT_FINGERPRINTED = frozenset(
     "spectrum_every",
     "resume",
     "mesh",  # results agree across meshes to float rounding; checkpoints move between them
+    "passes",  # Ginger's jnp and Pallas passes agree to float32 summation order
     "distributed",
     "compilation_cache_dir",  # where compiled programs are cached: start-up time only
     "eval_batch_size",  # the same sums in other batches
@@ -69,7 +71,7 @@ NOT_FINGERPRINTED = frozenset(
 # Keys added after runs were recorded, with the value every run from before them had: at that
 # value (or null) a key is left out of fingerprints and config comparisons, so older run dirs
 # still resume and their summaries still count as done.
-IMPLIED = {"curvature_every": 1, "passes": "jnp", "batchnorm": "sync"}
+IMPLIED = {"curvature_every": 1, "batchnorm": "sync"}
 
 # The paper-notation hyperparameters each optimizer reads (the others are not its identity).
 OPTIMIZER_KEYS = {
