@@ -329,25 +329,26 @@ def test_pallas_mesh_problem_resolves_all_devices():
 
 
 @pytest.mark.parametrize(
-  ("backend", "mesh", "expected"),
+  ("mesh", "expected"),
   [
-    ("cpu", [], "jnp"),
-    ("gpu", [], "pallas"),  # one device
-    ("gpu", ["mesh.data=4"], "jnp"),  # the state split over 4 devices: no pallas_call
-    ("gpu", ["mesh.data=4", "mesh.shard_optimizer_state=false"], "pallas"),  # replicated
+    ([], "auto"),  # one device: the library's choice (the kernels on GPUs)
+    (["mesh.data=4"], "jnp"),  # the state split over 4 devices: no pallas_call
+    (["mesh.data=4", "mesh.shard_optimizer_state=false"], "auto"),  # replicated
   ],
 )
-def test_auto_runs_the_kernels_on_gpus_where_the_state_is_not_split(
-  monkeypatch, backend, mesh, expected
-):
-  """The training config's default, ``passes=auto``, resolves to the Pallas kernels on GPUs
-  unless the optimizer state is split over several devices (GSPMD cannot split a
-  ``pallas_call``), where an explicit ``pallas`` is refused instead."""
+def test_auto_runs_the_jnp_passes_where_the_state_is_split(mesh, expected):
+  """The training config's default, ``passes=auto``, is handed to the library, which runs the
+  Pallas kernels on GPUs, unless the optimizer state is split over several devices (GSPMD
+  cannot split a ``pallas_call``): there it is ``jnp``, where an explicit ``pallas`` is
+  refused instead."""
+  from training.config_check import ConfigError
   from training.optimizers import passes
 
-  monkeypatch.setattr(jax, "default_backend", lambda: backend)
   assert passes(_config("optimizer=ginger", *mesh)) == expected  # the default
   assert passes(_config("optimizer=ginger", "passes=jnp", *mesh)) == "jnp"
+  if expected == "jnp":
+    with pytest.raises(ConfigError, match="cannot be split by GSPMD"):
+      passes(_config("optimizer=ginger", "passes=pallas", *mesh))
 
 
 def test_config_passes_reaches_the_optimizer():

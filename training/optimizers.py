@@ -24,23 +24,21 @@ def curvature_every(cfg) -> int:
 
 
 def passes(cfg) -> str:
-  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto), resolved: "jnp"
-  where the key is absent or null (configs written before it existed); "auto" is "pallas" on
-  GPUs unless the optimizer state is sharded over several devices (``pallas_call`` s cannot
-  be split by GSPMD), "jnp" otherwise; "pallas" on such a state is refused
-  (``config_check.pallas_mesh_problem``). ``mesh.data=-1`` is resolved here, where the
-  devices are known."""
+  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto); "jnp" where the key
+  is absent or null (configs written before it existed). Where the optimizer state is sharded
+  over several devices (``pallas_call`` s cannot be split by GSPMD; see
+  ``config_check.pallas_mesh_problem``) "auto" is "jnp" and "pallas" is refused; elsewhere
+  "auto" is left to the library (``ginger.kernels.resolve_impl``: the kernels on GPUs).
+  ``mesh.data=-1`` is resolved here, where the devices are known."""
   import jax
 
   from training.config_check import ConfigError, pallas_mesh_problem
 
   value = cfg.get("passes") or "jnp"
   split = pallas_mesh_problem("pallas", cfg.get("mesh"), devices=jax.device_count())
-  if value == "auto":
-    return "pallas" if jax.default_backend() == "gpu" and not split else "jnp"
-  if value == "pallas" and split:
+  if split and value == "pallas":
     raise ConfigError(split)
-  return value
+  return "jnp" if split and value == "auto" else value
 
 
 def learning_rate(cfg, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
