@@ -38,6 +38,12 @@ SUITES = {
         "tau=8",
         "fisher_forward=shared",
       ],
+      "ginger tau=8 (d-pass: shared forward, two backwards)": [
+        "optimizer=ginger",
+        "tau=8",
+        "fisher_forward=shared",
+        "fisher_backward=sequential",
+      ],
     },
   },
   # t5-small shapes (random weights: timing only), batch 4, 512/128 tokens.

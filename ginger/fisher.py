@@ -8,7 +8,12 @@ For a softmax model with ``N`` predictions (examples, or non-padding target toke
 so that ``E[d d^T]`` is the per-prediction Fisher (= the GGN for softmax cross-entropy).
 Both the loss gradient and ``d`` are vector-Jacobian products of the *same* logits, so
 :func:`value_grad_and_fisher` runs the forward pass once (``jax.vjp``) and pulls back two
-cotangents: the d-pass costs one extra backward pass, not a second forward.
+cotangents: the d-pass costs one extra backward pass, not a second forward. By default the two
+pull-backs are one backward pass over a stacked pair of cotangents (``jax.vmap`` of the
+pull-back: every layer's backward sees both at once, e.g. a convolution's twice the batch),
+which is one program of the backward's size, not two, and runs the same arithmetic.
+:func:`fisher_vector` is the d-pass alone, for a forward of its own (e.g. BatchNorm in
+inference mode).
 """
 
 from __future__ import annotations
@@ -73,6 +78,46 @@ def fisher_cotangent(
   return ((onehot - probs) * scale[..., None]).astype(logits.dtype)
 
 
+BACKWARDS = ("batched", "sequential")
+
+
+def _fisher_labels(labels, fisher: str):
+  """The labels ``fisher_cotangent`` is given: None (sample them) or the true ones."""
+  if fisher not in ("sampled", "empirical"):
+    raise ValueError(f"fisher must be 'sampled' or 'empirical', got {fisher!r}.")
+  return labels if fisher == "empirical" else None
+
+
+def _check_logits(logits, labels):
+  if logits.shape[:-1] != labels.shape:
+    raise ValueError(
+      f"logits shape {logits.shape} does not match labels shape "
+      f"{labels.shape} (expected labels.shape + (num_classes,))."
+    )
+
+
+def fisher_vector(
+  logits_fn: Callable[[Any], jax.Array],
+  params: Any,
+  labels: jax.Array,
+  rng: jax.Array,
+  *,
+  mask: jax.Array | None = None,
+  fisher: str = "sampled",
+) -> Any:
+  """The sampled-Fisher vector ``d_t`` alone: one forward of ``logits_fn`` and one backward.
+
+  For a d-pass with a forward of its own (e.g. BatchNorm in inference mode, as the authors
+  compute it); the arguments are those of :func:`value_grad_and_fisher` (``labels`` only
+  give the shape and, with ``fisher="empirical"``, the labels).
+  """
+  given = _fisher_labels(labels, fisher)
+  logits, vjp_fn = jax.vjp(logits_fn, params)
+  _check_logits(logits, labels)
+  (d,) = vjp_fn(fisher_cotangent(logits, rng, mask, labels=given))
+  return d
+
+
 def value_grad_and_fisher(
   logits_fn: Callable[[Any], Any],
   params: Any,
@@ -82,6 +127,7 @@ def value_grad_and_fisher(
   mask: jax.Array | None = None,
   has_aux: bool = False,
   fisher: str = "sampled",
+  backward: str = "batched",
 ) -> tuple[tuple[jax.Array, Any], Any, Any]:
   """Loss, loss gradient and sampled-Fisher vector from one forward pass.
 
@@ -95,23 +141,28 @@ def value_grad_and_fisher(
     has_aux: whether ``logits_fn`` also returns auxiliary data (e.g. BatchNorm stats).
     fisher: ``"sampled"`` (labels drawn from the model: the true Fisher/GGN) or
       ``"empirical"`` (the true labels).
+    backward: ``"batched"`` (default): both cotangents pulled back in one backward pass
+      (``jax.vmap`` over the pair); ``"sequential"``: two backward passes, one after the
+      other, which keeps one cotangent's intermediates alive at a time instead of two (less
+      peak memory where the backward's activation gradients dominate it). The results agree
+      to float summation order.
 
   Returns:
     ``((loss, aux), grads, fisher_grads)``; ``aux`` is None without ``has_aux``.
   """
-  if fisher not in ("sampled", "empirical"):
-    raise ValueError(f"fisher must be 'sampled' or 'empirical', got {fisher!r}.")
+  given = _fisher_labels(labels, fisher)
+  if backward not in BACKWARDS:
+    raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}.")
   if has_aux:
     logits, vjp_fn, aux = jax.vjp(logits_fn, params, has_aux=True)
   else:
     (logits, vjp_fn), aux = jax.vjp(logits_fn, params), None
-  if logits.shape[:-1] != labels.shape:
-    raise ValueError(
-      f"logits shape {logits.shape} does not match labels shape "
-      f"{labels.shape} (expected labels.shape + (num_classes,))."
-    )
+  _check_logits(logits, labels)
   loss = cross_entropy(logits, labels, mask)
-  (grads,) = vjp_fn(loss_cotangent(logits, labels, mask))
-  ct = fisher_cotangent(logits, rng, mask, labels=labels if fisher == "empirical" else None)
-  (fisher_grads,) = vjp_fn(ct)
+  cts = (loss_cotangent(logits, labels, mask), fisher_cotangent(logits, rng, mask, labels=given))
+  if backward == "sequential":
+    (grads,), (fisher_grads,) = vjp_fn(cts[0]), vjp_fn(cts[1])
+  else:
+    (both,) = jax.vmap(vjp_fn)(jnp.stack(cts))
+    grads, fisher_grads = jax.tree.map(lambda x: x[0], both), jax.tree.map(lambda x: x[1], both)
   return (loss, aux), grads, fisher_grads

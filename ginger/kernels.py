@@ -63,11 +63,15 @@ from jax.experimental.pallas import triton as plgpu
 
 IMPLS = ("auto", "jnp", "pallas")
 HIGHEST = jax.lax.Precision.HIGHEST
-# Elements of one tile of U (tile rows x padded rank): 32 float32 registers a thread at 4 warps.
+# Elements of one tile of U (tile rows x padded rank): 32 float32 registers a thread at 4 warps;
+# a tile has at most MAX_TILE_ROWS rows.
 TILE_ELEMENTS = 4096
+MAX_TILE_ROWS = 256
 # Tiles a program streams through (its rows are STEPS * tile).
 STEPS = 4
+# Triton's warps per program and software-pipelining stages of its loops (None: Triton's own).
 NUM_WARPS = 4
+NUM_STAGES: int | None = None
 # The jnp rotation of a U with more elements than this runs in row blocks of about this many
 # elements, written in place (two such blocks are what it keeps alive besides U), in at most
 # MAX_ROW_BLOCKS blocks (each one a loop iteration: a few kernel launches on a GPU).
@@ -312,7 +316,7 @@ def tiling(rows: int, rank: int, tile: int | None = None, steps: int | None = No
   """``(tile, chunk, padded rank)``: rows per tile, rows per program, rank padded to a power
   of two >= 16 (Triton's block sizes are powers of two, and ``tl.dot`` needs >= 16)."""
   kp = max(16, _pow2(rank))
-  tile = tile or min(256, max(16, TILE_ELEMENTS // kp))
+  tile = tile or min(MAX_TILE_ROWS, max(16, TILE_ELEMENTS // kp))
   if tile < 16 or tile & (tile - 1):
     raise ValueError(f"tile must be a power of two >= 16, got {tile}.")
   steps = steps or STEPS
@@ -404,7 +408,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, aliases
     out_shape=out_shape,
     input_output_aliases=aliases or {},
     interpret=interpret,
-    compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS),
+    compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
     name=name,
   )
 

@@ -50,6 +50,7 @@ def test_shipped_configs_pass_without_warnings(experiment, optimizer, caplog):
     ("seed=4294967296", "seed=4294967296: must be an integer >= 0 and < 4294967296"),
     ("fisher=sampeld", "fisher='sampeld': must be one of ['sampled', 'empirical']"),
     ("fisher_forward=train", "fisher_forward='train': must be one of ['eval', 'shared']"),
+    ("fisher_backward=both", "fisher_backward='both': must be one of ['batched', 'sequential']"),
     ("precision=float16", "precision='float16': must be one of ['float32', 'bfloat16']"),
     ("schedule=cos", "schedule='cos': must be one of ['constant', 'warmup_constant', 'cosine']"),
     ("block=layer", "block='layer': must be one of ['per_tensor', 'global']"),
@@ -120,6 +121,11 @@ def test_group_values_are_checked(overrides, named):
     (("optimizer=qng", "gamma=1e-3"), "gamma=0.001 (float) is ignored: optimizer=qng has no gamma"),
     (("optimizer=qng", "rho=1"), "rho=1 is ignored: optimizer=qng"),
     (("optimizer=adam", "fisher=empirical"), "fisher='empirical' is ignored"),
+    (("optimizer=adam", "fisher_backward=sequential"), "fisher_backward='sequential' is ignored"),
+    (
+      ("optimizer=ginger", "fisher_forward=eval", "fisher_backward=sequential"),
+      "fisher_backward='sequential' is ignored: with fisher_forward=eval",
+    ),
     (("schedule=constant", "warmup_epochs=3"), "warmup_epochs is ignored: schedule=constant"),
   ],
 )

@@ -144,7 +144,8 @@ def _primitives(jaxpr, counts=None) -> dict[str, int]:
 def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
   """The step between curvature updates is a program of its own without the d-pass: it has
   the convolutions of a plain gradient step (Momentum's: one forward, one backward), none
-  behind a cond, and XLA counts fewer FLOPs for it than for the curvature step."""
+  behind a cond, and XLA counts fewer FLOPs for it than for the curvature step (whose
+  shared-forward d-pass runs the backward's convolutions on two cotangents at once)."""
   cfg = config(*BASE, "curvature_every=3", f"fisher_forward={fisher_forward}")
   setup = train.build(cfg)
   plain = train.build(config(*BASE, "optimizer=momentum"))
@@ -160,7 +161,8 @@ def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
 
   with_d, without_d = setup.train_step, setup.precondition_step
   assert convs(setup, without_d) == convs(plain, plain.train_step)
-  assert convs(setup, with_d) > convs(setup, without_d)
+  if fisher_forward == "eval":  # shared: the same convolutions on a pair of cotangents (below)
+    assert convs(setup, with_d) > convs(setup, without_d)
   assert "cond" not in _primitives(
     jax.make_jaxpr(without_d)(setup.state, setup.frozen, arrays, idx)
   )
@@ -171,6 +173,25 @@ def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
     return float(analysis["flops"])
 
   assert cost(without_d) < cost(with_d)
+
+
+def test_the_shared_d_pass_pulls_both_cotangents_back_in_one_backward():
+  """fisher_forward=shared: with fisher_backward=batched (default) the curvature step has the
+  convolutions of a plain gradient step (each backward one on the stacked pair of
+  cotangents); with sequential, a second backward's."""
+  plain = train.build(config(*BASE, "optimizer=momentum"))
+  arrays = plain.task.train_arrays
+  idx = plain.plan.indices(np.arange(int(config(*BASE).batch_size)))
+
+  def convs(*overrides):
+    s = train.build(config(*BASE, "fisher_forward=shared", *overrides))
+    jaxpr = jax.make_jaxpr(s.train_step)(s.state, s.frozen, arrays, idx)
+    return _primitives(jaxpr).get("conv_general_dilated", 0)
+
+  base = convs()
+  step = jax.make_jaxpr(plain.train_step)(plain.state, plain.frozen, arrays, idx)
+  assert base == convs("fisher_backward=batched") == _primitives(step)["conv_general_dilated"]
+  assert convs("fisher_backward=sequential") > base
 
 
 def test_summary_flops_are_the_mean_over_k_steps(runs):

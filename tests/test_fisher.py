@@ -101,3 +101,76 @@ def test_has_aux_and_errors():
     )
   with pytest.raises(ValueError, match="does not match labels shape"):
     fisher.value_grad_and_fisher(lambda w: w, w, jnp.zeros(5, jnp.int32), jax.random.key(0))
+
+
+def _coupled_model(key, n=8, features=5, hidden=6, classes=4):
+  """A nonlinear model whose examples interact (batch-normalised hidden layer), with aux."""
+  kx, k1, k2 = jax.random.split(key, 3)
+  x = jax.random.normal(kx, (n, features), jnp.float64)
+  params = {
+    "w1": jax.random.normal(k1, (features, hidden), jnp.float64),
+    "w2": jax.random.normal(k2, (hidden, classes), jnp.float64),
+  }
+
+  def logits_fn(p):
+    h = x @ p["w1"]
+    h = (h - h.mean(0)) / jnp.sqrt(h.var(0) + 1e-3)
+    return jnp.tanh(h) @ p["w2"], {"mean": h.mean()}
+
+  return logits_fn, params, jnp.arange(n) % classes
+
+
+@pytest.mark.parametrize("kind", ["sampled", "empirical"])
+def test_batched_and_sequential_backward_agree_with_autodiff(x64, kind):
+  """Both pull-backs give the loss gradient and d_t = grad of sum_i log p(y_hat_i) / sqrt(N)
+  with the labels y_hat the key draws (float64: agreement to rounding), and fisher_vector
+  (the d-pass with a forward of its own) gives the same d_t."""
+  logits_fn, params, y = _coupled_model(jax.random.key(8))
+  key = jax.random.key(9)
+  mask = jnp.array([1, 1, 1, 0, 1, 1, 0, 1])
+  out = {
+    b: fisher.value_grad_and_fisher(
+      logits_fn, params, y, key, mask=mask, has_aux=True, fisher=kind, backward=b
+    )
+    for b in fisher.BACKWARDS
+  }
+  logits = logits_fn(params)[0]
+  drawn = y if kind == "empirical" else jax.random.categorical(key, logits, axis=-1)
+  count = float(mask.sum())
+
+  def log_lik(p):
+    logp = jax.nn.log_softmax(logits_fn(p)[0])
+    return jnp.sum(jnp.take_along_axis(logp, drawn[:, None], -1)[:, 0] * mask) / np.sqrt(count)
+
+  ref_d = jax.grad(log_lik)(params)
+  ref_g = jax.grad(lambda p: fisher.cross_entropy(logits_fn(p)[0], y, mask))(params)
+  alone = fisher.fisher_vector(lambda p: logits_fn(p)[0], params, y, key, mask=mask, fisher=kind)
+  for (loss, aux), grads, d in out.values():
+    np.testing.assert_allclose(loss, fisher.cross_entropy(logits, y, mask), rtol=1e-12)
+    assert set(aux) == {"mean"}
+    for name in params:
+      np.testing.assert_allclose(grads[name], ref_g[name], rtol=1e-10, atol=1e-13)
+      np.testing.assert_allclose(d[name], ref_d[name], rtol=1e-10, atol=1e-13)
+      np.testing.assert_allclose(alone[name], ref_d[name], rtol=1e-10, atol=1e-13)
+
+
+def _dots(fn, *args) -> int:
+  return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
+def test_batched_backward_is_one_backward_pass():
+  """Batched: the program has the matrix products of one forward and one backward (each
+  product of the backward on a stacked pair of cotangents); sequential: of two backwards."""
+  x = jnp.ones((4, 3))
+  params = {"w1": jnp.ones((3, 5)), "w2": jnp.ones((5, 2))}
+  logits_fn = lambda p: jnp.tanh(x @ p["w1"]) @ p["w2"]
+  y, key = jnp.zeros(4, jnp.int32), jax.random.key(0)
+  plain = _dots(jax.grad(lambda p: fisher.cross_entropy(logits_fn(p), y)), params)
+  batched, sequential = (
+    _dots(lambda p, b=b: fisher.value_grad_and_fisher(logits_fn, p, y, key, backward=b), params)
+    for b in fisher.BACKWARDS
+  )
+  forward = 2
+  assert batched == plain and sequential == plain + (plain - forward)
+  with pytest.raises(ValueError, match="backward must be one of"):
+    fisher.value_grad_and_fisher(logits_fn, params, y, key, backward="twice")

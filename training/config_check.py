@@ -28,6 +28,7 @@ SCHEDULES = ("constant", "warmup_constant", "cosine")
 BLOCKS = ("per_tensor", "global")
 FISHERS = ("sampled", "empirical")
 FISHER_FORWARDS = ("eval", "shared")
+FISHER_BACKWARDS = ("batched", "sequential")  # ginger.fisher.BACKWARDS
 PRECISIONS = ("float32", "bfloat16")
 STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 PASSES = ("jnp", "pallas", "auto")  # Ginger's passes over U (ginger.scale_by_ginger)
@@ -52,7 +53,7 @@ IGNORED = {
 }
 # Keys with config defaults that only the curvature optimizers read: a warning only when the
 # command line set them (overrides), since their defaults are always present.
-CURVATURE_ONLY = ("fisher", "fisher_forward")
+CURVATURE_ONLY = ("fisher", "fisher_forward", "fisher_backward")
 # The optimizers that can update their curvature every K-th step only (curvature_every = K > 1).
 CURVATURE_EVERY = ("ginger",)
 
@@ -216,6 +217,8 @@ def _check_run(c: _Checker) -> None:
   c.number("grad_clip", 0, closed=(False, True), optional=True)
   c.choice("fisher", FISHERS)
   c.choice("fisher_forward", FISHER_FORWARDS)
+  if c.get("fisher_backward") not in (_MISSING, None):
+    c.choice("fisher_backward", FISHER_BACKWARDS)
   c.integer("spectrum_every", 0, optional=True)
   c.text("sweep", optional=True)
   c.number("lr", 0, closed=(False, True))
@@ -388,6 +391,16 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
           f"{key}={_show(OmegaConf.select(cfg, key))} is ignored: optimizer={optimizer} "
           f"uses no Fisher vector (only {', '.join(CURVATURE)} do)."
         )
+  if (
+    optimizer in CURVATURE
+    and "fisher_backward" in given
+    and OmegaConf.select(cfg, "fisher_forward", default=None) == "eval"
+  ):
+    out.append(
+      f"fisher_backward={_show(OmegaConf.select(cfg, 'fisher_backward'))} is ignored: with "
+      "fisher_forward=eval the d-pass has a forward and a backward of its own (only "
+      "fisher_forward=shared pulls both cotangents back through one forward)."
+    )
   schedule = OmegaConf.select(cfg, "schedule", default=None)
   if "warmup_epochs" in given and schedule != "warmup_constant":
     out.append(

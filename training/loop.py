@@ -95,7 +95,7 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
   nothing of the d-pass is computed and discarded behind a ``cond``; both take and return the
   same state, so a run moves between them (and resumes at any step). None when K = 1.
   """
-  from ginger.fisher import cross_entropy, value_grad_and_fisher
+  from ginger.fisher import cross_entropy, fisher_vector, value_grad_and_fisher
 
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
   separate_d_pass = cfg.fisher_forward == "eval"
@@ -115,7 +115,14 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
     if needs_fisher and not separate_d_pass:
       # One forward pass, two cotangents: loss gradient and sampled-Fisher vector d_t.
       (loss, rest), grads, extra["fisher_grads"] = value_grad_and_fisher(
-        forward, state.trainable, labels, fisher_key, mask=mask, has_aux=True, fisher=cfg.fisher
+        forward,
+        state.trainable,
+        labels,
+        fisher_key,
+        mask=mask,
+        has_aux=True,
+        fisher=cfg.fisher,
+        backward=cfg.get("fisher_backward") or "batched",
       )
     else:
 
@@ -127,7 +134,7 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
       if needs_fisher:
         # The authors' d-pass: its own forward in inference mode (BatchNorm running stats).
         eval_forward = lambda p: apply(graphdef_eval, p, frozen, state.rest, inputs)[0]
-        _, _, extra["fisher_grads"] = value_grad_and_fisher(
+        extra["fisher_grads"] = fisher_vector(
           eval_forward, state.trainable, labels, fisher_key, mask=mask, fisher=cfg.fisher
         )
     # Pin gradients (and d_t) replicated: otherwise GSPMD propagates the sharded optimizer

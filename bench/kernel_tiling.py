@@ -1,0 +1,109 @@
+"""Ginger's update with the Pallas passes under other tilings, against Adam in the same process.
+
+    python -m bench.kernel_tiling                          # GPU: ResNet-18 shapes, tau 8 and 32
+    python -m bench.kernel_tiling --taus 8 --scan 20 --repeats 5
+
+The kernels of :mod:`ginger.kernels` stream each program's rows as ``STEPS`` tiles of
+``tile x kp`` elements of ``U`` (``tile = min(MAX_TILE_ROWS, TILE_ELEMENTS / kp)``, ``kp``
+the rank padded to a power of two >= 16) with ``NUM_WARPS`` warps and ``NUM_STAGES`` Triton
+pipelining stages. This times the whole update (``bench.optimizer_step.time_update``:
+``tx.update`` + ``optax.apply_updates`` in a jitted ``lax.scan``, median of repeats) for
+``block=per_tensor`` in two rounds: (1) tile rows x steps at the default warps and stages;
+(2) the best of round 1 x warps x stages. The module constants are set before each
+configuration is traced; every row is its own compiled program. A row that fails to compile
+(e.g. Triton out of registers or shared memory) says so and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import sys
+
+import jax
+import optax
+
+import ginger
+from bench.optimizer_step import resnet18_shapes, time_update
+from ginger import kernels
+
+TILE_ROWS = (64, 128, 256, 512, 1024)
+STEPS = (1, 2, 4, 8)
+WARPS = (2, 4, 8)
+STAGES = (None, 1, 2, 3)
+
+
+def _setting(tile_rows: int, steps: int, warps: int, stages: int | None, kp: int) -> dict:
+  return {
+    "TILE_ELEMENTS": tile_rows * kp,
+    "MAX_TILE_ROWS": tile_rows,
+    "STEPS": steps,
+    "NUM_WARPS": warps,
+    "NUM_STAGES": stages,
+  }
+
+
+def _time(tau: int, setting: dict, shapes, scan: int, repeats: int) -> float | None:
+  saved = {key: getattr(kernels, key) for key in setting}
+  try:
+    for key, value in setting.items():
+      setattr(kernels, key, value)
+    tx = ginger.ginger(1e-3, tau=tau, block="per_tensor", passes="pallas")
+    return time_update(tx, shapes, scan, repeats)[0]
+  except Exception as e:  # noqa: BLE001 (a tiling Triton cannot compile: report, go on)
+    print(f"  ({setting}: {type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
+    return None
+  finally:
+    for key, value in saved.items():
+      setattr(kernels, key, value)
+
+
+def _sweep(tau: int, shapes, adam: float, scan: int, repeats: int) -> None:
+  """Rounds 1 and 2 for one rank, a table row per configuration as it is timed."""
+  kp = max(16, 1 << max(0, tau - 1).bit_length())
+  results: dict[tuple, float | None] = {}
+
+  def run(round_: int, *key):
+    if key not in results:
+      ms = results[key] = _time(tau, _setting(*key, kp), shapes, scan, repeats)
+      cells = "failed | " if ms is None else f"{ms * 1e3:.3f} | {ms / adam:.2f}"
+      print(f"| {tau} | {round_} | {' | '.join(map(str, key))} | {cells} |", flush=True)
+
+  for tile_rows, steps in itertools.product(TILE_ROWS, STEPS):
+    run(1, tile_rows, steps, kernels.NUM_WARPS, kernels.NUM_STAGES)
+  timed = {k: v for k, v in results.items() if v is not None}
+  if not timed:
+    return
+  tile_rows, steps, _, _ = min(timed, key=timed.get)
+  for warps, stages in itertools.product(WARPS, STAGES):
+    run(2, tile_rows, steps, warps, stages)
+  timed = {k: v for k, v in results.items() if v is not None}
+  best = min(timed, key=timed.get)
+  print(f"best tau={tau}: tile rows, steps, warps, stages = {best}: {timed[best] * 1e3:.3f} ms")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--taus", nargs="+", type=int, default=[8, 32])
+  parser.add_argument("--scan", type=int, default=20)
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  device = jax.devices()[0]
+  shapes = resnet18_shapes()
+  adam = time_update(optax.adam(1e-3), shapes, args.scan, args.repeats)[0]
+  print(
+    f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC device={device.device_kind} "
+    f"jax={jax.__version__}; ResNet-18 shapes, block=per_tensor, passes=pallas; "
+    f"adam {adam * 1e3:.3f} ms/update; defaults TILE_ELEMENTS={kernels.TILE_ELEMENTS} "
+    f"MAX_TILE_ROWS={kernels.MAX_TILE_ROWS} STEPS={kernels.STEPS} NUM_WARPS={kernels.NUM_WARPS} "
+    f"NUM_STAGES={kernels.NUM_STAGES}"
+  )
+  print("| tau | round | tile rows | steps | warps | stages | ms/update | x Adam |")
+  print("|---|---|---|---|---|---|---|---|")
+  for tau in args.taus:
+    _sweep(tau, shapes, adam, args.scan, args.repeats)
+
+
+if __name__ == "__main__":
+  main()
