@@ -5,7 +5,8 @@
 
 The kernels of :mod:`ginger.kernels` stream each program's rows as ``STEPS`` tiles of
 ``tile x kp`` elements of ``U`` (``tile = min(MAX_TILE_ROWS, TILE_ELEMENTS / kp)``, ``kp``
-the rank padded to a power of two >= 16) with ``NUM_WARPS`` warps and ``NUM_STAGES`` Triton
+the rank padded to a power of two >= 16; ``TILE_ROWS[kp]`` where given) with ``NUM_WARPS``
+warps and ``NUM_STAGES`` Triton
 pipelining stages. This times the whole update (``bench.optimizer_step.time_update``:
 ``tx.update`` + ``optax.apply_updates`` in a jitted ``lax.scan``, median of repeats) for
 ``block=per_tensor`` in two rounds: (1) tile rows x steps at the default warps and stages;
@@ -36,6 +37,7 @@ STAGES = (None, 1, 2, 3)
 
 def _setting(tile_rows: int, steps: int, warps: int, stages: int | None, kp: int) -> dict:
   return {
+    "TILE_ROWS": {},
     "TILE_ELEMENTS": tile_rows * kp,
     "MAX_TILE_ROWS": tile_rows,
     "STEPS": steps,
@@ -95,7 +97,8 @@ def main(argv=None) -> None:
   print(
     f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC device={device.device_kind} "
     f"jax={jax.__version__}; ResNet-18 shapes, block=per_tensor, passes=pallas; "
-    f"adam {adam * 1e3:.3f} ms/update; defaults TILE_ELEMENTS={kernels.TILE_ELEMENTS} "
+    f"adam {adam * 1e3:.3f} ms/update; defaults TILE_ROWS={kernels.TILE_ROWS} "
+    f"TILE_ELEMENTS={kernels.TILE_ELEMENTS} "
     f"MAX_TILE_ROWS={kernels.MAX_TILE_ROWS} STEPS={kernels.STEPS} NUM_WARPS={kernels.NUM_WARPS} "
     f"NUM_STAGES={kernels.NUM_STAGES}"
   )

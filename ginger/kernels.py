@@ -63,12 +63,16 @@ from jax.experimental.pallas import triton as plgpu
 
 IMPLS = ("auto", "jnp", "pallas")
 HIGHEST = jax.lax.Precision.HIGHEST
-# Elements of one tile of U (tile rows x padded rank): 32 float32 registers a thread at 4 warps;
-# a tile has at most MAX_TILE_ROWS rows.
-TILE_ELEMENTS = 4096
-MAX_TILE_ROWS = 256
-# Tiles a program streams through (its rows are STEPS * tile).
-STEPS = 4
+# Rows of one tile of U by padded rank (other ranks: TILE_ELEMENTS / padded rank rows, at most
+# MAX_TILE_ROWS), and the tiles a program streams through (its rows are STEPS * tile). Chosen by
+# bench.kernel_tiling on an H200 (ResNet-18 shapes, per_tensor; bench/RESULTS.md, session 11):
+# one tile a program, 512 rows at rank <= 16 (tau 8: 1.52 ms an update; the earlier 256 rows x
+# 4 tiles: 1.66), 64 rows at rank 32 (tau 32: 3.01 ms; 128 x 4: 3.97). Larger tiles at rank 32
+# spill registers (256 rows x 2 tiles: 42 ms).
+TILE_ROWS = {16: 512, 32: 64}
+TILE_ELEMENTS = 2048
+MAX_TILE_ROWS = 512
+STEPS = 1
 # Triton's warps per program and software-pipelining stages of its loops (None: Triton's own).
 NUM_WARPS = 4
 NUM_STAGES: int | None = None
@@ -316,7 +320,7 @@ def tiling(rows: int, rank: int, tile: int | None = None, steps: int | None = No
   """``(tile, chunk, padded rank)``: rows per tile, rows per program, rank padded to a power
   of two >= 16 (Triton's block sizes are powers of two, and ``tl.dot`` needs >= 16)."""
   kp = max(16, _pow2(rank))
-  tile = tile or min(MAX_TILE_ROWS, max(16, TILE_ELEMENTS // kp))
+  tile = tile or TILE_ROWS.get(kp) or min(MAX_TILE_ROWS, max(16, TILE_ELEMENTS // kp))
   if tile < 16 or tile & (tile - 1):
     raise ValueError(f"tile must be a power of two >= 16, got {tile}.")
   steps = steps or STEPS

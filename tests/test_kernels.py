@@ -209,8 +209,10 @@ def test_bad_arguments():
 def test_defaults_off_gpu():
   assert kernels.resolve_impl("auto", None) == ("jnp", True)
   assert kernels.resolve_impl("pallas", None) == ("pallas", True)
-  assert kernels.tiling(rows=5000, rank=8) == (256, 1024, 16)
-  assert kernels.tiling(rows=20, rank=33) == (64, 64, 64)
+  assert kernels.tiling(rows=5000, rank=8) == (512, 512, 16)
+  assert kernels.tiling(rows=5000, rank=32) == (64, 64, 32)
+  assert kernels.tiling(rows=20, rank=33) == (32, 32, 64)
+  assert kernels.tiling(rows=5000, rank=8, tile=64, steps=4) == (64, 256, 16)
 
 
 def _triton_lowering():
