@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import subprocess
 import sys
 import time
@@ -82,14 +83,16 @@ def overrides(suite: str, name: str) -> list[str]:
   return spec["base"] + extra
 
 
+def run_dir_name(name: str) -> str:
+  """A run's name as a folder name Hydra takes on its command line: spaces to '_', every
+  character but letters, digits, '.', '_' and '-' dropped (',' would make it a list)."""
+  return re.sub(r"[^A-Za-z0-9._-]", "", name.replace(" ", "_"))
+
+
 def run(
   suite: str, name: str, data: str, steps: int, out: Path, timeout: float, extra: list[str]
 ) -> dict:
-  run_dir = (
-    out
-    / suite
-    / name.replace(" ", "_").replace("=", "").replace("(", "").replace(")", "").replace(":", "")
-  )
+  run_dir = out / suite / run_dir_name(name)
   cmd = [
     sys.executable,
     "train.py",

@@ -9,8 +9,9 @@ memory-bound (about ``2k`` flops per element of ``U`` read), so it should cost o
   CPU path): XLA decides what it fuses.
 * ``impl="pallas"``: one ``pl.pallas_call`` per pass (Triton lowering on GPUs, interpreted
   elsewhere), each program owning a chunk of rows of one block: it streams ``tile x k`` tiles
-  of ``U`` (rows past the block masked, ``k`` padded to a power of two >= 16 as Triton
-  requires) and keeps the small ``(k,)`` / ``(k, k)`` operands of its block in registers.
+  of ``U`` (rows past the block masked, ``k`` padded to a power of two, at least
+  :data:`MIN_PADDED_RANK` lanes, as Triton requires) and keeps the small ``(k,)`` /
+  ``(k, k)`` operands of its block in registers.
   Row reductions (``U^T x``) leave one partial sum per program, added up by a small jnp sum
   over the chunks (no atomics: the result does not depend on the launch order).
 
@@ -73,6 +74,11 @@ TILE_ROWS = {16: 512, 32: 64}
 TILE_ELEMENTS = 2048
 MAX_TILE_ROWS = 512
 STEPS = 1
+# Ranks are padded to a power of two of at least this many lanes (a power of two >= 4). At 16
+# the rotation is one Triton dot (``tl.dot`` needs >= 16); at 8 a rank-8 tile is loaded without
+# masked-off lanes and the rotation's k multiply-adds are a broadcast and a reduction (not yet
+# measured on a GPU: bench.kernel_tiling --min-padded-ranks 8 16).
+MIN_PADDED_RANK = 16
 # Triton's warps per program and software-pipelining stages of its loops (None: Triton's own).
 NUM_WARPS = 4
 NUM_STAGES: int | None = None
@@ -318,8 +324,10 @@ def _pow2(x: int) -> int:
 
 def tiling(rows: int, rank: int, tile: int | None = None, steps: int | None = None):
   """``(tile, chunk, padded rank)``: rows per tile, rows per program, rank padded to a power
-  of two >= 16 (Triton's block sizes are powers of two, and ``tl.dot`` needs >= 16)."""
-  kp = max(16, _pow2(rank))
+  of two >= :data:`MIN_PADDED_RANK` (Triton's block sizes are powers of two)."""
+  if MIN_PADDED_RANK < 4 or MIN_PADDED_RANK & (MIN_PADDED_RANK - 1):
+    raise ValueError(f"MIN_PADDED_RANK must be a power of two >= 4, got {MIN_PADDED_RANK}.")
+  kp = max(MIN_PADDED_RANK, _pow2(rank))
   tile = tile or TILE_ROWS.get(kp) or min(MAX_TILE_ROWS, max(16, TILE_ELEMENTS // kp))
   if tile < 16 or tile & (tile - 1):
     raise ValueError(f"tile must be a power of two >= 16, got {tile}.")
@@ -568,9 +576,12 @@ def _rotate_kernel(t: _Tiles, from_p1: bool):
       else:
         p1 = _first_residual_tile(t, u, t.vector(v_ref, step, mask), a1, inv_l1)
       p = (p1 - jnp.sum(u * a2[None, :], axis=1)) * inv_r
-      # An fp32 dot at HIGHEST is Triton's "ieee" input precision (no TF32, which would break
-      # U^T U = I).
-      u_new = jnp.dot(u, rot, precision=HIGHEST, preferred_element_type=t.dtype)
+      if t.kp >= 16:
+        # An fp32 dot at HIGHEST is Triton's "ieee" input precision (no TF32, which would
+        # break U^T U = I).
+        u_new = jnp.dot(u, rot, precision=HIGHEST, preferred_element_type=t.dtype)
+      else:  # narrower than tl.dot takes: the k multiply-adds as a broadcast and a sum
+        u_new = jnp.sum(u[:, :, None] * rot[None, :, :], axis=1)
       u_new = u_new + p[:, None] * b[None, :]
       out = (g - jnp.sum(u_new * z[None, :], axis=1)) / gamma
       rows = pl.ds(step * t.tile, t.tile)
@@ -772,6 +783,7 @@ __all__ = [
   "IMPLS",
   "JNP_ROW_BLOCKS",
   "MAX_ROW_BLOCKS",
+  "MIN_PADDED_RANK",
   "ROW_BLOCK_ELEMENTS",
   "precondition",
   "project_pair",

@@ -47,3 +47,16 @@ def test_train_step_rows_match_the_header(monkeypatch, capsys):
   monkeypatch.setattr(train_step, "run", lambda *a, **k: SUMMARY)
   train_step.main(["--suite", "resnet18", "--data", "x", "--only", "adam"])
   _check(capsys.readouterr().out, expect_rows=1)
+
+
+def test_every_run_has_a_run_dir_hydra_accepts():
+  """A run's dir goes on Hydra's command line (hydra.run.dir=...): a ',' there is a list and
+  Hydra refuses it (a run named "..., two backwards" failed on a GPU). Dir names keep letters,
+  digits, '.', '_' and '-' only, and stay distinct within a suite."""
+  import re
+
+  for suite, spec in train_step.SUITES.items():
+    dirs = [train_step.run_dir_name(name) for name in spec["runs"]]
+    assert len(set(dirs)) == len(dirs), suite
+    for d in dirs:
+      assert re.fullmatch(r"[A-Za-z0-9._-]+", d), (suite, d)

@@ -70,6 +70,21 @@ def test_passes_match_reference(m, n, k, steps, seed):
     assert_close(name, x, got[name], ref[name])
 
 
+@pytest.mark.parametrize("k", [1, 3, 8, 9])
+def test_eight_lane_padding_matches_reference(monkeypatch, k):
+  """MIN_PADDED_RANK=8: ranks up to 8 in 8 lanes, the rotation as a broadcast and a sum
+  instead of a dot (k = 9 pads to 16 and takes the dot)."""
+  monkeypatch.setattr(kernels, "MIN_PADDED_RANK", 8)
+  assert kernels.tiling(rows=100, rank=k, tile=16)[2] == (8 if k <= 8 else 16)
+  x = random_inputs(k, 2, 45, k)
+  ref, got = both(x, tile=16, steps=2)
+  for name in PASSES:
+    assert_close(name, x, got[name], ref[name])
+  monkeypatch.setattr(kernels, "MIN_PADDED_RANK", 12)
+  with pytest.raises(ValueError, match="MIN_PADDED_RANK must be a power of two >= 4"):
+    kernels.tiling(rows=100, rank=k)
+
+
 def test_bfloat16_state():
   """bf16 ``U`` (state_dtype="bfloat16"): the kernels compute in float32 and round once; the
   reference rounds every operation to bf16. Both obey the bound with bf16's unit roundoff
@@ -233,14 +248,16 @@ def _triton_lowering():
 
 
 @pytest.mark.parametrize(
-  ("m", "n", "k", "dtype"), [(3, 1000, 8, "float32"), (1, 70, 33, "bfloat16")]
+  ("m", "n", "k", "dtype", "lanes"),
+  [(3, 1000, 8, "float32", 16), (1, 70, 33, "bfloat16", 16), (3, 1000, 8, "float32", 8)],
 )
-def test_lowers_to_triton(monkeypatch, m, n, k, dtype):
+def test_lowers_to_triton(monkeypatch, m, n, k, dtype, lanes):
   """Each pass lowers for CUDA to one verified Triton module (no GPU needed: Pallas builds the
   Triton IR in Python; only its compilation to PTX needs the card), and the rotation's kernel
-  aliases ``U'`` to ``U``."""
+  aliases ``U'`` to ``U``; also with ranks padded to 8 lanes (no dot in the rotation)."""
   lowering, verified = _triton_lowering()
   monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
+  monkeypatch.setattr(kernels, "MIN_PADDED_RANK", lanes)
   x = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)), random_inputs(0, m, n, k)
   )
