@@ -161,8 +161,10 @@ def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
 
   with_d, without_d = setup.train_step, setup.precondition_step
   assert convs(setup, without_d) == convs(plain, plain.train_step)
-  if fisher_forward == "eval":  # shared: the same convolutions on a pair of cotangents (below)
+  if fisher_forward == "eval":
     assert convs(setup, with_d) > convs(setup, without_d)
+  else:  # fisher_backward=batched: the backward's convolutions once, on a pair of cotangents
+    assert convs(setup, with_d) == convs(setup, without_d)
   assert "cond" not in _primitives(
     jax.make_jaxpr(without_d)(setup.state, setup.frozen, arrays, idx)
   )
@@ -175,23 +177,19 @@ def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
   assert cost(without_d) < cost(with_d)
 
 
-def test_the_shared_d_pass_pulls_both_cotangents_back_in_one_backward():
-  """fisher_forward=shared: with fisher_backward=batched (default) the curvature step has the
-  convolutions of a plain gradient step (each backward one on the stacked pair of
-  cotangents); with sequential, a second backward's."""
-  plain = train.build(config(*BASE, "optimizer=momentum"))
-  arrays = plain.task.train_arrays
-  idx = plain.plan.indices(np.arange(int(config(*BASE).batch_size)))
+def test_the_sequential_shared_d_pass_has_a_second_backward():
+  """fisher_backward=sequential: the curvature step has a second backward's convolutions
+  (the default, batched, has none: test above)."""
+  cfg = config(*BASE, "fisher_forward=shared", "fisher_backward=sequential")
+  setup, plain = train.build(cfg), train.build(config(*BASE, "optimizer=momentum"))
+  arrays = setup.task.train_arrays
+  idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
 
-  def convs(*overrides):
-    s = train.build(config(*BASE, "fisher_forward=shared", *overrides))
+  def convs(s):
     jaxpr = jax.make_jaxpr(s.train_step)(s.state, s.frozen, arrays, idx)
     return _primitives(jaxpr).get("conv_general_dilated", 0)
 
-  base = convs()
-  step = jax.make_jaxpr(plain.train_step)(plain.state, plain.frozen, arrays, idx)
-  assert base == convs("fisher_backward=batched") == _primitives(step)["conv_general_dilated"]
-  assert convs("fisher_backward=sequential") > base
+  assert convs(setup) > convs(plain)
 
 
 def test_summary_flops_are_the_mean_over_k_steps(runs):
