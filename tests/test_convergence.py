@@ -83,7 +83,7 @@ def test_direction_approaches_exact_damped_ggn(x64):
     g_tree = unravel(grad)
 
     def step(state, key):
-      _, _, d = fisher.value_grad_and_fisher(logits_fn, params, y, key)
+      d = fisher.fisher_vector(logits_fn, params, y, key)
       out, state = tx.update(g_tree, state, fisher_grads=d)
       return state, out
 

@@ -128,23 +128,29 @@ def test_batched_and_sequential_backward_agree_with_autodiff(x64, kind):
   logits_fn, params, y = _coupled_model(jax.random.key(8))
   key = jax.random.key(9)
   mask = jnp.array([1, 1, 1, 0, 1, 1, 0, 1])
-  out = {
-    b: fisher.value_grad_and_fisher(
-      logits_fn, params, y, key, mask=mask, has_aux=True, fisher=kind, backward=b
-    )
-    for b in fisher.BACKWARDS
-  }
-  logits = logits_fn(params)[0]
-  drawn = y if kind == "empirical" else jax.random.categorical(key, logits, axis=-1)
-  count = float(mask.sum())
 
-  def log_lik(p):
-    logp = jax.nn.log_softmax(logits_fn(p)[0])
-    return jnp.sum(jnp.take_along_axis(logp, drawn[:, None], -1)[:, 0] * mask) / np.sqrt(count)
+  @jax.jit  # one program (op by op, the float64 vmapped backward takes seconds)
+  def run(params):
+    out = {
+      b: fisher.value_grad_and_fisher(
+        logits_fn, params, y, key, mask=mask, has_aux=True, fisher=kind, backward=b
+      )
+      for b in fisher.BACKWARDS
+    }
+    logits = logits_fn(params)[0]
+    drawn = y if kind == "empirical" else jax.random.categorical(key, logits, axis=-1)
 
-  ref_d = jax.grad(log_lik)(params)
-  ref_g = jax.grad(lambda p: fisher.cross_entropy(logits_fn(p)[0], y, mask))(params)
-  alone = fisher.fisher_vector(lambda p: logits_fn(p)[0], params, y, key, mask=mask, fisher=kind)
+    def log_lik(p):
+      logp = jax.nn.log_softmax(logits_fn(p)[0])
+      picked = jnp.take_along_axis(logp, drawn[:, None], -1)[:, 0]
+      return jnp.sum(picked * mask) / jnp.sqrt(jnp.sum(mask))
+
+    ref_d = jax.grad(log_lik)(params)
+    ref_g = jax.grad(lambda p: fisher.cross_entropy(logits_fn(p)[0], y, mask))(params)
+    alone = fisher.fisher_vector(lambda p: logits_fn(p)[0], params, y, key, mask=mask, fisher=kind)
+    return out, logits, ref_d, ref_g, alone
+
+  out, logits, ref_d, ref_g, alone = run(params)
   for (loss, aux), grads, d in out.values():
     np.testing.assert_allclose(loss, fisher.cross_entropy(logits, y, mask), rtol=1e-12)
     assert set(aux) == {"mean"}
