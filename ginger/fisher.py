@@ -145,7 +145,9 @@ def value_grad_and_fisher(
       (``jax.vmap`` over the pair); ``"sequential"``: two backward passes, one after the
       other, which keeps one cotangent's intermediates alive at a time instead of two (less
       peak memory where the backward's activation gradients dominate it). The results agree
-      to float summation order.
+      to float summation order. Batched, the loss gradient is computed even where the
+      caller drops it (it is half of one batched computation): for ``d_t`` alone use
+      :func:`fisher_vector`.
 
   Returns:
     ``((loss, aux), grads, fisher_grads)``; ``aux`` is None without ``has_aux``.

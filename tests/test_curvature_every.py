@@ -144,16 +144,13 @@ def _primitives(jaxpr, counts=None) -> dict[str, int]:
 def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
   """The step between curvature updates is a program of its own without the d-pass: it has
   the convolutions of a plain gradient step (Momentum's: one forward, one backward), none
-  behind a cond, and XLA counts fewer FLOPs for it than for the curvature step (whose
-  shared-forward d-pass runs the backward's convolutions on two cotangents at once)."""
+  behind a cond (the shared forward's curvature step: the same convolutions, its backward's
+  on two cotangents at once; XLA's FLOPs of both programs: the summary test below)."""
   cfg = config(*BASE, "curvature_every=3", f"fisher_forward={fisher_forward}")
   setup = train.build(cfg)
   plain = train.build(config(*BASE, "optimizer=momentum"))
   arrays = setup.task.train_arrays
   idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
-
-  def lowered(s, step):
-    return step.lower(s.state, s.frozen, arrays, idx)
 
   def convs(s, step):
     jaxpr = jax.make_jaxpr(step)(s.state, s.frozen, arrays, idx)
@@ -168,13 +165,6 @@ def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
   assert "cond" not in _primitives(
     jax.make_jaxpr(without_d)(setup.state, setup.frozen, arrays, idx)
   )
-
-  def cost(step):
-    analysis = lowered(setup, step).compile().cost_analysis()
-    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-    return float(analysis["flops"])
-
-  assert cost(without_d) < cost(with_d)
 
 
 def test_the_sequential_shared_d_pass_has_a_second_backward():
@@ -217,6 +207,7 @@ def test_summary_flops_are_the_mean_over_k_steps(runs):
   for step in (setup.train_step, setup.precondition_step):
     analysis = step.lower(setup.state, setup.frozen, arrays, idx).compile().cost_analysis()
     xla.append(float((analysis[0] if isinstance(analysis, (list, tuple)) else analysis)["flops"]))
+  assert xla[1] < xla[0]  # XLA counts fewer FLOPs for the step without the d-pass
   assert summary["flops_per_iter"]["xla"] == pytest.approx((xla[0] + 2 * xla[1]) / 3)
 
 
