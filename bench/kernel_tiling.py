@@ -37,7 +37,7 @@ STAGES = (None, 1, 2, 3)
 
 
 def _setting(lanes: int, tile_rows: int, steps: int, warps: int, stages: int | None, tau: int):
-  kp = max(lanes, 1 << max(0, tau - 1).bit_length())
+  kp = max(lanes, kernels._pow2(tau))  # the padded rank, as kernels.tiling pads it
   return {
     "MIN_PADDED_RANK": lanes,
     "TILE_ROWS": {},

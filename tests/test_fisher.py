@@ -180,3 +180,7 @@ def test_batched_backward_is_one_backward_pass():
   assert batched == plain and sequential == plain + (plain - forward)
   with pytest.raises(ValueError, match="backward must be one of"):
     fisher.value_grad_and_fisher(logits_fn, params, y, key, backward="twice")
+  # The config check's list (training.config_check imports no JAX) is this one.
+  from training import config_check
+
+  assert config_check.FISHER_BACKWARDS == fisher.BACKWARDS
