@@ -4,7 +4,7 @@
 #
 #   bash sweeps/standin_campaign.sh lr_tune table1_r18 table34 table1_r50 ablation table2
 #   SEEDS=0,1 bash sweeps/standin_campaign.sh curvature_every   # Ginger tau=8, K=1,2,4,8; 10 epochs
-#   SEEDS=0,1 bash sweeps/standin_campaign.sh time_to_accuracy  # K=1,4,8 and Adam; 30 epochs
+#   SEEDS=0,1 bash sweeps/standin_campaign.sh time_to_accuracy  # K=1,4,8,16 and Adam; 30 epochs
 #
 # Every phase is a `make` target's sweep at SCALE=standin; completed runs are skipped, so a phase
 # cut short is continued by running it again. Env: GINGER_DATA (the folder holding
@@ -44,8 +44,8 @@ for phase in "$@"; do
     table2) pool +sweep=table2 "+sweep/arm=$ARMS" seed=$SEEDS ;;
     curvature_every)  # the sweep lists its arms longest first (K = 1, 2, 4, 8, then Adam)
       pool +sweep=curvature_every seed=$SEEDS ;;
-    time_to_accuracy)  # issue 14.7: K = 1, 4, 8 and Adam at Table 1's 30 epochs, on one card kind
-      pool +sweep=curvature_every epochs=30 "+sweep/arm=ginger_tau8,ginger_tau8_k4,ginger_tau8_k8,adam" \
+    time_to_accuracy)  # issue 14.7: K = 1, 4, 8, 16 and Adam, Table 1's 30 epochs, one card kind
+      pool +sweep=curvature_every epochs=30 "+sweep/arm=ginger_tau8,ginger_tau8_k4,ginger_tau8_k8,ginger_tau8_k16,adam" \
         seed=$SEEDS ;;
     *) echo "unknown phase $phase (lr_tune table1_r18 table1_r50 table34 ablation table2" \
       "curvature_every time_to_accuracy)"; exit 2 ;;
