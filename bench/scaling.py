@@ -10,7 +10,9 @@ scaling efficiency (images/s over N times the same optimizer's 1-device images/s
 device's memory (:data:`bench.train_step.MEMORY_HEADER`: the step's own, the process's
 high-water mark, the optimizer state). ``--batchnorm per_device`` runs with
 ``batchnorm=per_device`` (BatchNorm statistics over each device's batch, no per-layer
-all-reduce; at 1 device the same as ``sync``).
+all-reduce; at 1 device the same as ``sync``). ``--profile N`` traces N steps of every run
+and prints where each device's time goes (:mod:`bench.profile_summary`: kernels, collectives
+hidden behind them or exposed, idle gaps).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import argparse
 import datetime
 from pathlib import Path
 
-from bench import train_step
+from bench import profile_summary, train_step
 
 RUNS = ("adam", "ginger tau=8 (d-pass: shared forward)")
 HEADER = (
@@ -45,9 +47,21 @@ def main(argv=None) -> None:
     default="sync",
     help="BatchNorm statistics: over the global batch (sync) or each device's (per_device)",
   )
+  parser.add_argument(
+    "--profile",
+    type=int,
+    default=0,
+    metavar="N",
+    help="trace N steps of every run (ending 10 steps before the last) and print, after the "
+    "table, where each device's time goes (bench.profile_summary)",
+  )
   args = parser.parse_args(argv)
   if 1 not in args.devices:
     parser.error("--devices must include 1 (the efficiency baseline)")
+  if args.profile < 0 or (args.profile and args.steps < args.profile + 20):
+    parser.error(
+      f"--profile {args.profile}: must be >= 0 and leave 20 steps (--steps {args.steps})"
+    )
 
   print(
     f"# {datetime.date.today()} ResNet-18, batch {args.per_device_batch} per device, "
@@ -56,6 +70,7 @@ def main(argv=None) -> None:
   print(HEADER)
   print("|---" * (HEADER.count("|") - 1) + "|", flush=True)
   single: dict[str, float] = {}
+  traced: list[tuple[str, Path]] = []
   summary = {}
   for name in args.runs:
     for n in sorted(args.devices):
@@ -69,6 +84,12 @@ def main(argv=None) -> None:
         if args.batchnorm != "sync":
           extra.append(f"batchnorm={args.batchnorm}")
           out = out.with_name(f"{out.name}_bn_{args.batchnorm}")
+        if args.profile:
+          start = args.steps - args.profile - 10
+          extra += [f"profile_steps={args.profile}", f"profile_start={start}"]
+          traced.append(
+            (f"{name}, {n} devices, {out.name}", out / "resnet18" / train_step.run_dir_name(name))
+          )
         summary = train_step.run("resnet18", name, args.data, args.steps, out, args.timeout, extra)
         layout = "sharded" if shard and n > 1 else "replicated"
         if not summary:
@@ -86,6 +107,12 @@ def main(argv=None) -> None:
           flush=True,
         )
   print(f"device={summary.get('device')} versions={summary.get('versions')}")
+  for label, run_dir in traced:
+    print(f"\n## Profile: {label}")
+    try:
+      profile_summary.main([str(run_dir), "--steps", str(args.profile)])
+    except SystemExit as e:  # a run that failed has no trace: say so, go on
+      print(e)
 
 
 if __name__ == "__main__":

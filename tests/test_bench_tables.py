@@ -1,6 +1,8 @@
 """The benchmarks' printed tables: every row has the header's columns (a row wider than its
 header shifts every value under the wrong name, as bench.scaling's once did)."""
 
+import pytest
+
 from bench import scaling, train_step
 
 SUMMARY = {
@@ -41,6 +43,21 @@ def test_scaling_rows_match_the_header(monkeypatch, capsys):
   scaling.main(["--data", "x", "--devices", "1", "2"])
   # Two optimizers x (1 device + 2 devices sharded and replicated).
   _check(capsys.readouterr().out, expect_rows=6)
+
+
+def test_scaling_profile_traces_a_window_of_every_run(monkeypatch, capsys, tmp_path):
+  """--profile N: every run traces N steps ending 10 before its last, and after the table each
+  run gets a profile section (here none was written: it says so and goes on)."""
+  calls = []
+  monkeypatch.setattr(train_step, "run", lambda *a: calls.append(a[-1]) or SUMMARY)
+  argv = ["--data", "x", "--devices", "1", "2", "--runs", "adam", "--out", str(tmp_path)]
+  scaling.main([*argv, "--steps", "60", "--profile", "10"])
+  assert all({"profile_steps=10", "profile_start=40"} <= set(extra) for extra in calls)
+  out = capsys.readouterr().out
+  _check(out.split("\n## Profile")[0], expect_rows=3)
+  assert out.count("## Profile: adam") == 3 and out.count("profile_steps=N") == 3
+  with pytest.raises(SystemExit):
+    scaling.main([*argv, "--steps", "25", "--profile", "10"])  # no room for the window
 
 
 def test_train_step_rows_match_the_header(monkeypatch, capsys):

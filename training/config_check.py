@@ -220,6 +220,8 @@ def _check_run(c: _Checker) -> None:
   if c.get("fisher_backward") not in (_MISSING, None):
     c.choice("fisher_backward", FISHER_BACKWARDS)
   c.integer("spectrum_every", 0, optional=True)
+  c.integer("profile_steps", 0, optional=True)
+  c.integer("profile_start", 0, optional=True)
   c.text("sweep", optional=True)
   c.number("lr", 0, closed=(False, True))
 

@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -39,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 import ginger
 from models import flops
 from models.tasks import Task, build_task
-from training import logs, run_record, sharding
+from training import logs, profiling, run_record, sharding
 from training.checkpoints import Checkpointer, CheckpointError
 from training.config_check import ConfigError, check_config
 from training.errors import Interrupted, NonFiniteLossError
@@ -51,6 +52,7 @@ from training.optimizers import (
   learning_rate,
 )
 
+REPO = Path(__file__).resolve().parents[1]  # the checkout (train.py's folder)
 log = logging.getLogger("train")
 
 # A stop request: called with the number of steps done, returns the signal that asks the run
@@ -319,6 +321,10 @@ def use_compilation_cache(folder: str | None) -> None:
   path = Path(folder).expanduser().resolve()
   path.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(path))
+  # A Pallas kernel's Triton module carries its source locations, file paths included, into
+  # the program the cache keys on: keep them relative to the repository, or every other copy
+  # of the checkout (another clone, a sweep's copy) compiles the Ginger step anew.
+  jax.config.update("jax_hlo_source_file_canonicalization_regex", "^" + re.escape(f"{REPO}/"))
 
 
 def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool = True) -> Setup:
@@ -681,12 +687,17 @@ def _run(
   last_good = checkpointer.latest_step()  # None: no checkpoint yet
   status, error, stopped_by = "completed", None, _agreed(stop(start))
   single = jax.process_count() == 1
+  trace = profiling.StepTrace(
+    run_dir / profiling.FOLDER, int(cfg.get("profile_start", 0)), int(cfg.get("profile_steps", 0))
+  )
   try:
     for step in range(start, total_steps if stopped_by is None else start):
       run_step = compiled[setup.updates_curvature(step)]
+      trace.before(step, state)
       state = run_step(state, frozen, train_arrays, batch_indices(step))
       interval_steps += 1
       done = step + 1
+      trace.after(done, state)
       at_eval = done % eval_every == 0 or done == total_steps
       at_ckpt = done % int(cfg.checkpoint_every) == 0 or done == total_steps
       at_log = done % int(cfg.log_every) == 0 or at_eval or at_ckpt
@@ -739,6 +750,7 @@ def _run(
   except NonFiniteLossError as e:
     status, error = "failed", str(e)
   finally:
+    trace.close()
     progress.close()
     checkpointer.wait()
   if stopped_by:

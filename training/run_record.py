@@ -57,6 +57,8 @@ NOT_FINGERPRINTED = frozenset(
     "log_every",
     "checkpoint_every",
     "spectrum_every",
+    "profile_steps",  # a device trace of some steps: what they compute is the same
+    "profile_start",
     "resume",
     "mesh",  # results agree across meshes to float rounding; checkpoints move between them
     "passes",  # Ginger's jnp and Pallas passes agree to float32 summation order
