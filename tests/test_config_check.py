@@ -50,7 +50,10 @@ def test_shipped_configs_pass_without_warnings(experiment, optimizer, caplog):
     ("seed=4294967296", "seed=4294967296: must be an integer >= 0 and < 4294967296"),
     ("fisher=sampeld", "fisher='sampeld': must be one of ['sampled', 'empirical']"),
     ("fisher_forward=train", "fisher_forward='train': must be one of ['eval', 'shared']"),
-    ("fisher_backward=both", "fisher_backward='both': must be one of ['batched', 'sequential']"),
+    (
+      "fisher_backward=both",
+      "fisher_backward='both': must be one of ['auto', 'batched', 'sequential']",
+    ),
     ("precision=float16", "precision='float16': must be one of ['float32', 'bfloat16']"),
     ("schedule=cos", "schedule='cos': must be one of ['constant', 'warmup_constant', 'cosine']"),
     ("block=layer", "block='layer': must be one of ['per_tensor', 'global']"),

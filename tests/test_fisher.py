@@ -183,4 +183,63 @@ def test_batched_backward_is_one_backward_pass():
   # The config check's list (training.config_check imports no JAX) is this one.
   from training import config_check
 
-  assert config_check.FISHER_BACKWARDS == fisher.BACKWARDS
+  assert config_check.FISHER_BACKWARDS == ("auto", *fisher.BACKWARDS)
+
+
+_SPLIT_BATCH = """
+import json
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from bench.collectives import collectives
+from ginger import fisher
+
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+params = {"w1": jnp.ones((3, 3, 3, 8)), "w2": jnp.ones((3, 3, 8, 8)), "out": jnp.ones((8, 10))}
+
+def logits_fn(p, x):
+  for w in (p["w1"], p["w2"]):
+    x = jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+  return x.mean((1, 2)) @ p["out"]
+
+out = {}
+for backward in fisher.BACKWARDS:
+  def step(p, x, labels):
+    _, g, d = fisher.value_grad_and_fisher(lambda q: logits_fn(q, x), p, labels, jax.random.key(0), backward=backward)
+    return g, d
+  batch = NamedSharding(mesh, P("data"))
+  x = jax.ShapeDtypeStruct((32, 8, 8, 3), jnp.float32, sharding=batch)
+  labels = jax.ShapeDtypeStruct((32,), jnp.int32, sharding=batch)
+  hlo = jax.jit(step).lower(params, x, labels).compile().as_text()
+  out[backward] = sum(n for (kind, _), (n, _) in collectives(hlo).items() if kind == "all-gather")
+print(json.dumps(out))
+"""
+
+
+def test_the_batched_backward_gathers_a_split_batch():
+  """Why the training loop's ``fisher_backward=auto`` takes ``sequential`` on several devices:
+  with the batch split over 4 (CPU) devices, the batched pull-back's convolutions fold the pair
+  of cotangents into the batch dimension, outside the split, and GSPMD all-gathers their
+  operands; the two sequential backwards gather nothing (their gradients are all-reduced)."""
+  from cpu_devices import run_on_cpu_devices
+
+  gathers = run_on_cpu_devices(_SPLIT_BATCH)
+  assert gathers["sequential"] == 0
+  assert gathers["batched"] > 0
+
+
+def test_auto_backward_is_batched_on_one_device_only():
+  from types import SimpleNamespace
+
+  from omegaconf import OmegaConf
+
+  from training.loop import fisher_backward
+
+  for value, devices, expected in [
+    ("auto", 1, "batched"),
+    ("auto", 4, "sequential"),
+    (None, 2, "sequential"),
+    ("batched", 4, "batched"),  # asked for: as asked
+    ("sequential", 1, "sequential"),
+  ]:
+    cfg = OmegaConf.create({"fisher_backward": value})
+    assert fisher_backward(cfg, SimpleNamespace(data_size=devices)) == expected, (value, devices)
