@@ -198,13 +198,15 @@ params = {"w1": jnp.ones((3, 3, 3, 8)), "w2": jnp.ones((3, 3, 8, 8)), "out": jnp
 
 def logits_fn(p, x):
   for w in (p["w1"], p["w2"]):
-    x = jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    dims = ("NHWC", "HWIO", "NHWC")
+    x = jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dims))
   return x.mean((1, 2)) @ p["out"]
 
 out = {}
 for backward in fisher.BACKWARDS:
   def step(p, x, labels):
-    _, g, d = fisher.value_grad_and_fisher(lambda q: logits_fn(q, x), p, labels, jax.random.key(0), backward=backward)
+    key = jax.random.key(0)
+    _, g, d = fisher.value_grad_and_fisher(lambda q: logits_fn(q, x), p, labels, key, backward=backward)
     return g, d
   batch = NamedSharding(mesh, P("data"))
   x = jax.ShapeDtypeStruct((32, 8, 8, 3), jnp.float32, sharding=batch)
