@@ -206,7 +206,8 @@ out = {}
 for backward in fisher.BACKWARDS:
   def step(p, x, labels):
     key = jax.random.key(0)
-    _, g, d = fisher.value_grad_and_fisher(lambda q: logits_fn(q, x), p, labels, key, backward=backward)
+    fn = lambda q: logits_fn(q, x)
+    _, g, d = fisher.value_grad_and_fisher(fn, p, labels, key, backward=backward)
     return g, d
   batch = NamedSharding(mesh, P("data"))
   x = jax.ShapeDtypeStruct((32, 8, 8, 3), jnp.float32, sharding=batch)
