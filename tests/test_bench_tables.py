@@ -77,3 +77,52 @@ def test_every_run_has_a_run_dir_hydra_accepts():
     assert len(set(dirs)) == len(dirs), suite
     for d in dirs:
       assert re.fullmatch(r"[A-Za-z0-9._-]+", d), (suite, d)
+
+
+def _race_run(folder, optimizer, seed, accuracies, **run):
+  import json
+
+  folder.mkdir(parents=True)
+  summary = {
+    "run": {"optimizer": optimizer, "seed": seed, **run},
+    "steps_per_epoch": 10,
+    "startup_s": {"lower_and_compile": 3.0},
+    "step_time_s": 0.005,
+  }
+  (folder / "summary.json").write_text(json.dumps(summary))
+  events = [{"event": "train", "step": 5, "wall_time_s": 1.0}]
+  events += [
+    {"event": "eval", "step": 10 * (i + 1), "wall_time_s": 10.0 * (i + 1), "val_accuracy": a}
+    for i, a in enumerate(accuracies)
+  ]
+  (folder / "metrics.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+
+
+def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
+  """bench.race: the first evaluation at the target (epochs = its step / steps per epoch, time
+  = its wall clock), the best one, one row per run grouped by its folder, then seed means."""
+  from bench import race
+
+  _race_run(tmp_path / "warm" / "a0", "adam", 0, [50.0, 86.0, 85.5, 88.0])
+  _race_run(tmp_path / "warm" / "a1", "adam", 1, [50.0, 70.0, 84.0, 85.0])
+  _race_run(tmp_path / "warm" / "g0", "ginger", 0, [80.0, 84.9], tau=8, curvature_every=8)
+  rows = race.collect([tmp_path], target=85.0)
+  assert [(r.group, r.run, r.seed) for r in rows] == [
+    ("warm", "adam", 0),
+    ("warm", "adam", 1),
+    ("warm", "ginger tau=8 K=8", 0),
+  ]
+  assert (rows[0].epochs_to_target, rows[0].s_to_target, rows[0].best, rows[0].s_to_best) == (
+    2,
+    20.0,
+    88.0,
+    40.0,
+  )
+  assert (rows[1].epochs_to_target, rows[1].s_to_target) == (4, 40.0)
+  assert rows[2].epochs_to_target is None and rows[2].s_to_target is None
+  race.main([str(tmp_path)])
+  out = capsys.readouterr().out
+  table, means = out.strip().split("\n\n")
+  _check(table, expect_rows=3)
+  assert "| warm | adam | 2 (2 reached) | 3.0 | 30.0 | 40.0 |" in means
+  assert "| warm | ginger tau=8 K=8 | 1 (0 reached) |  |  | 20.0 |" in means
