@@ -147,7 +147,9 @@ def value_grad_and_fisher(
       peak memory where the backward's activation gradients dominate it). The results agree
       to float summation order. Batched, the loss gradient is computed even where the
       caller drops it (it is half of one batched computation): for ``d_t`` alone use
-      :func:`fisher_vector`.
+      :func:`fisher_vector`. Under GSPMD with the batch split over devices use
+      ``"sequential"``: a convolution's batching rule folds the pair into the batch
+      dimension, outside the split, and XLA all-gathers the activations' gradients.
 
   Returns:
     ``((loss, aux), grads, fisher_grads)``; ``aux`` is None without ``has_aux``.

@@ -88,8 +88,8 @@ def fisher_backward(cfg, plan: sharding.Plan) -> str:
   the batch is on one device and ``sequential`` where it is split over several. The batched
   pull-back vmaps the backward over the pair of cotangents, and a convolution's batching rule
   folds that pair into the batch dimension, outside the device split: GSPMD then all-gathers
-  the activations' gradients (ResNet-18 on 4 GPUs: 21 all-gathers a step, 2.5x the step time;
-  bench.collectives shows them on CPU devices too)."""
+  the activations' gradients (ResNet-18 on 4 H200s: 21 all-gathers a step, 19.9 ms against
+  13.3 ms a step; bench.collectives shows them on CPU devices too)."""
   value = cfg.get("fisher_backward") or "auto"
   if value == "auto":
     return "batched" if plan.data_size == 1 else "sequential"
@@ -701,7 +701,7 @@ def _run(
   status, error, stopped_by = "completed", None, _agreed(stop(start))
   single = jax.process_count() == 1
   trace = profiling.StepTrace(
-    run_dir / profiling.FOLDER, int(cfg.get("profile_start", 0)), int(cfg.get("profile_steps", 0))
+    run_dir / profiling.FOLDER, cfg.get("profile_start") or 0, cfg.get("profile_steps") or 0
   )
   try:
     for step in range(start, total_steps if stopped_by is None else start):
