@@ -9,7 +9,9 @@ time per step into: kernels other than collectives, collectives (NCCL kernels), 
 the collectives that ran while another kernel did (hidden behind compute) and the part that
 did not (exposed), and idle time (no kernel on any of the device's streams: launch gaps,
 host waits). ``span`` is the first kernel's start to the last one's end, divided by the
-steps. Then the slowest kernels, summed over the devices. The trace's own overhead slows
+steps. Then the kernel time by family (:data:`CATEGORIES`, from the kernels' names:
+convolutions and matmuls, Ginger's Pallas kernels, collectives, copies, fusions with a
+transpose, other fusions) and the slowest kernels, summed over the devices. The trace's own overhead slows
 the traced steps: compare shares within a trace, and take step times from the run's
 summary.json (its median leaves out the traced window's interval only if it is not the
 median: bench.train_step's 60 steps with ``profile_start=40 profile_steps=10`` are).
@@ -29,6 +31,16 @@ import yaml
 DEVICE_PLANE = re.compile(r"^/device:(GPU|TPU):(\d+)$")
 COLLECTIVE = re.compile(
   r"nccl|all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|allreduce", re.I
+)
+# Kernel families by name (first match wins): the GPU libraries' convolutions and matrix
+# products, Ginger's Pallas kernels, NCCL, copies, and XLA's fusions (layout changes apart).
+CATEGORIES = (
+  ("convolutions and matmuls", re.compile(r"xmma|cudnn|cutlass|gemm|wgrad|dgrad|fprop|conv", re.I)),
+  ("Ginger's Pallas kernels", re.compile(r"^ginger_")),
+  ("collectives", COLLECTIVE),
+  ("copies", re.compile(r"memcpy|memset", re.I)),
+  ("fusions with a transpose", re.compile(r"transpose")),
+  ("other fusions", re.compile(r"")),
 )
 HEADER = (
   "| device | span ms/step | busy | other kernels | collectives | collectives hidden "
@@ -91,9 +103,20 @@ def device_time(name: str, events, steps: int) -> DeviceTime:
   )
 
 
-def summarize(data, steps: int, top: int = 15) -> tuple[list[DeviceTime], list[tuple]]:
+def by_category(kernels: list[tuple]) -> list[tuple]:
+  """``(category, us/step, launches/step)`` of :data:`CATEGORIES`, from :func:`summarize`'s
+  full kernel list, largest first."""
+  totals = defaultdict(lambda: [0.0, 0.0])
+  for name, us, launches in kernels:
+    label = next(label for label, pattern in CATEGORIES if pattern.search(name))
+    totals[label][0] += us
+    totals[label][1] += launches
+  return sorted(((k, t, n) for k, (t, n) in totals.items()), key=lambda r: -r[1])
+
+
+def summarize(data, steps: int, top: int | None = 15) -> tuple[list[DeviceTime], list[tuple]]:
   """Per-device times and the ``top`` kernels (name, us/step summed over devices, launches
-  per step) of a ``jax.profiler.ProfileData`` holding ``steps`` steps."""
+  per step; ``top=None``: all) of a ``jax.profiler.ProfileData`` holding ``steps`` steps."""
   if steps < 1:
     raise ValueError(f"steps must be >= 1, got {steps}")
   devices, per_kernel = [], defaultdict(lambda: [0.0, 0])
@@ -112,7 +135,7 @@ def summarize(data, steps: int, top: int = 15) -> tuple[list[DeviceTime], list[t
   kernels = sorted(
     ((n, t * 1e-3 / steps, k / steps) for n, (t, k) in per_kernel.items()), key=lambda r: -r[1]
   )
-  return devices, kernels[:top]
+  return devices, kernels if top is None else kernels[:top]
 
 
 def find_trace(path: Path) -> Path:
@@ -136,12 +159,17 @@ def steps_of(path: Path) -> int | None:
   return None
 
 
-def format_table(devices: list[DeviceTime], kernels: list[tuple]) -> str:
+def format_table(devices: list[DeviceTime], kernels: list[tuple], categories=()) -> str:
   lines = [HEADER, "|---" * (HEADER.count("|") - 1) + "|"]
   for d in devices:
     cells = " | ".join(f"{x:.2f}" for x in d[1:-1])
     lines.append(f"| {d.device} | {cells} | {d.launches:.0f} |")
   lines.append("")
+  if categories:
+    lines.append("| kernels by family | us/step (all devices) | launches/step |")
+    lines.append("|---|---|---|")
+    lines += [f"| {c} | {t:.1f} | {k:.1f} |" for c, t, k in categories]
+    lines.append("")
   lines.append("| kernel | us/step (all devices) | launches/step |")
   lines.append("|---|---|---|")
   lines += [f"| {n[:90]} | {t:.1f} | {k:.1f} |" for n, t, k in kernels]
@@ -163,12 +191,12 @@ def main(argv=None) -> None:
   steps = args.steps or steps_of(trace)
   if not steps:
     sys.exit(f"error: no profile_steps in a .hydra/config.yaml above {trace}: pass --steps N")
-  devices, kernels = summarize(ProfileData.from_file(str(trace)), steps, args.top)
+  devices, kernels = summarize(ProfileData.from_file(str(trace)), steps, top=None)
   print(f"# {trace} ({steps} steps)")
   if not devices:
     print("(no GPU or TPU kernels in the trace: a CPU run traces host threads only)")
     return
-  print(format_table(devices, kernels))
+  print(format_table(devices, kernels[: args.top], by_category(kernels)))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,12 @@ def test_times_of_a_hand_built_two_step_trace():
   assert devices[1].span == pytest.approx(20 * ms)
   # fusion.1: 40 + 10 on GPU 0 and 20 on GPU 1 = 70 us over 2 steps; then fusion.2 (40 us).
   assert kernels == [("fusion.1", pytest.approx(35.0), 1.5), ("fusion.2", pytest.approx(20.0), 0.5)]
-  table = profile_summary.format_table(devices, kernels)
+  _, every = profile_summary.summarize(data, steps=2, top=None)
+  assert profile_summary.by_category(every) == [
+    ("other fusions", pytest.approx(55.0), 2.0),  # fusion.1 and fusion.2: 70 + 40 us / 2
+    ("collectives", pytest.approx(15.0), 0.5),
+  ]
+  table = profile_summary.format_table(devices, kernels, profile_summary.by_category(every))
   assert all(row.count("|") == profile_summary.HEADER.count("|") for row in table.splitlines()[:4])
 
 
