@@ -11,8 +11,8 @@ did not (exposed), and idle time (no kernel on any of the device's streams: laun
 host waits). ``span`` is the first kernel's start to the last one's end, divided by the
 steps. Then the kernel time by family (:data:`CATEGORIES`, from the kernels' names:
 convolutions and matmuls, Ginger's Pallas kernels, collectives, copies, fusions with a
-transpose, other fusions) and the slowest kernels, summed over the devices. The trace's own overhead slows
-the traced steps: compare shares within a trace, and take step times from the run's
+transpose, other fusions) and the slowest kernels, summed over the devices. The trace's own
+overhead slows the traced steps: compare shares within a trace, and take step times from the run's
 summary.json (its median leaves out the traced window's interval only if it is not the
 median: bench.train_step's 60 steps with ``profile_start=40 profile_steps=10`` are).
 """
