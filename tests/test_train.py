@@ -135,12 +135,16 @@ def test_seq2seq_experiments_smoke(tmp_path, data_dir, experiment):
     assert summary["trained_parameters"] < summary["parameters"] / 4
 
 
+# The demo's Ginger step (block=global) of the two resume tests below, at batch 16: a step takes
+# a third of batch 64's at `make test`'s -O0 (0.2 s against 0.6 s), and nothing they check
+# depends on the batch size. The SIGTERM test's processes read both tests' programs from the
+# compilation cache.
+RESUMED = ["experiment=demo", "optimizer=ginger", "block=global", "batch_size=16", "logger=none"]
+
+
 def test_resume_is_bit_for_bit(tmp_path):
   base = [
-    "experiment=demo",
-    "optimizer=ginger",
-    "block=global",
-    "logger=none",
+    *RESUMED,
     "checkpoint_every=3",
     "log_every=1",
     "eval_every=3",
@@ -198,9 +202,26 @@ def test_nan_loss_stops_with_clear_error_and_keeps_checkpoint(tmp_path):
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.trainable))
 
 
-def test_evaluate_reloads_checkpoint(tmp_path, monkeypatch):
-  cfg = config("experiment=demo", "optimizer=adam", *FAST)
-  summary = train.train(cfg, tmp_path)
+ADAM = ["experiment=demo", "optimizer=adam", *FAST]
+
+
+@pytest.fixture(scope="module")
+def adam_run(tmp_path_factory):
+  """A finished run dir of ADAM and its summary, trained once for the tests that start from
+  one (each works on a copy)."""
+  run_dir = tmp_path_factory.mktemp("adam_run")
+  return run_dir, train.train(config(*ADAM), run_dir)
+
+
+def _copy_of(run, tmp_path):
+  """``tmp_path`` holding a copy of ``run``'s dir; ``run``'s summary."""
+  shutil.copytree(run[0], tmp_path, dirs_exist_ok=True)
+  return run[1]
+
+
+def test_evaluate_reloads_checkpoint(adam_run, tmp_path, monkeypatch):
+  cfg = config(*ADAM)
+  summary = _copy_of(adam_run, tmp_path)
   (tmp_path / ".hydra").mkdir()
   from omegaconf import OmegaConf
 
@@ -365,28 +386,27 @@ def test_rerun_with_another_config_is_refused_and_changes_nothing(
   assert _files(tmp_path) == before  # .hydra/config.yaml restored; summary, evals, log kept
 
 
-def test_rerun_with_other_logging_continues(tmp_path):
-  base = ["experiment=demo", "optimizer=adam", *FAST]
-  summary = train.train(config(*base), tmp_path)
+def test_rerun_with_other_logging_continues(adam_run, tmp_path):
+  summary = _copy_of(adam_run, tmp_path)
   again = train.train(
-    config(*base, "log_every=2", "checkpoint_every=5", "spectrum_every=0"), tmp_path
+    config(*ADAM, "log_every=2", "checkpoint_every=5", "spectrum_every=0"), tmp_path
   )
   assert again == summary  # complete: the same run, its summary kept
 
 
-def test_run_dir_from_before_fingerprints(tmp_path):
-  cfg = config("experiment=demo", "optimizer=adam", *FAST)
-  train.train(cfg, tmp_path)
+def test_run_dir_from_before_fingerprints(adam_run, tmp_path):
+  cfg = config(*ADAM)
+  _copy_of(adam_run, tmp_path)
   (tmp_path / "run.json").unlink()  # as a run dir written before run.json existed
   with pytest.raises(run_record.RunDirError, match="max_steps: 2 -> 3"):
-    train.train(config("experiment=demo", "optimizer=adam", *FAST, "max_steps=3"), tmp_path)
+    train.train(config(*ADAM, "max_steps=3"), tmp_path)
   assert not (tmp_path / "run.json").exists()
   assert train.train(cfg, tmp_path)["steps"] == 2  # same config: adopted, complete
   assert (tmp_path / "run.json").exists()
 
 
-def test_resume_false_discards_the_old_run(tmp_path):
-  train.train(config("experiment=demo", "optimizer=adam", *FAST), tmp_path)
+def test_resume_false_discards_the_old_run(adam_run, tmp_path):
+  _copy_of(adam_run, tmp_path)
   summary = train.train(
     config("experiment=demo", "optimizer=momentum", *FAST, "resume=false"), tmp_path
   )
@@ -439,14 +459,11 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
   reached, writes summary.json (status "interrupted") and exits 143; rerunning the command
   finishes the run exactly as an uninterrupted one."""
   # Enough steps that the signal, sent once step 1 is logged, lands mid-run: 24 steps of the
-  # demo take 0.8 s at XLA:CPU's default -O3 (8 s at `make test`'s -O0); the loop checks for
-  # it between steps.
+  # demo at batch 16 take 0.9 s at XLA:CPU's default -O3 (5 s at `make test`'s -O0); the loop
+  # checks for it between steps. The programs are test_resume_is_bit_for_bit's (RESUMED).
   steps = 24
   args = [
-    "experiment=demo",
-    "optimizer=ginger",
-    "block=global",
-    "logger=none",
+    *RESUMED,
     f"max_steps={steps}",
     "eval_every=1000",
     "log_every=1",
