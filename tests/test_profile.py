@@ -119,3 +119,45 @@ def test_bad_profile_settings_are_refused(override):
   key, value = override.split("=")
   with pytest.raises(ConfigError, match=rf"{key}={value}( \(float\))?: must be an integer >= 0"):
     check_config(config("experiment=demo", override))
+
+
+def test_the_trace_window_holds_exactly_its_steps(monkeypatch, tmp_path):
+  """The trace starts before step ``start`` and stops after step ``start + steps - 1``, each
+  after the state is ready; a window the run never reaches (a resume past it) never starts;
+  a run stopped inside the window closes the trace."""
+  from training import profiling
+
+  calls = []
+  monkeypatch.setattr(profiling.jax.profiler, "start_trace", lambda d: calls.append(("start", d)))
+  monkeypatch.setattr(profiling.jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
+  monkeypatch.setattr(profiling.jax, "block_until_ready", lambda x: calls.append(("ready", x)))
+
+  def run(trace, first, last, stop_at=None):
+    for step in range(first, last):
+      trace.before(step, step)
+      calls.append(("step", step))
+      if step == stop_at:
+        break
+      trace.after(step + 1, step)
+    trace.close()
+
+  run(profiling.StepTrace(tmp_path, start=2, steps=2), 0, 6)
+  assert calls == [
+    ("step", 0),
+    ("step", 1),
+    ("ready", 2),  # the state that step 2 takes (here each step's state is its number)
+    ("start", str(tmp_path)),
+    ("step", 2),
+    ("step", 3),
+    ("ready", 3),
+    ("stop",),
+    ("step", 4),
+    ("step", 5),
+  ]
+  calls.clear()
+  run(profiling.StepTrace(tmp_path, start=2, steps=2), 4, 6)  # resumed at step 4
+  run(profiling.StepTrace(tmp_path, start=2, steps=0), 0, 6)  # off
+  assert [c for c in calls if c[0] != "step"] == []
+  calls.clear()
+  run(profiling.StepTrace(tmp_path, start=1, steps=5), 0, 6, stop_at=2)  # stopped at step 2
+  assert [c[0] for c in calls if c[0] != "step"] == ["ready", "start", "stop"]
