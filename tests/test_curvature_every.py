@@ -78,6 +78,13 @@ def runs(tmp_path_factory):
   return {"cfg": cfg, "straight": straight, "resumed": resumed, "summary": summary}
 
 
+@pytest.fixture(scope="module")
+def runs_setup(runs):
+  """``train.build`` of the runs' config, once for the tests that read their checkpoints or
+  lower their steps (neither changes it)."""
+  return train.build(runs["cfg"])
+
+
 # ---- K = 1 is the paper's step, as before ------------------------------------------------
 
 
@@ -102,7 +109,7 @@ def test_k1_builds_the_step_of_before():
 # ---- K = 3 ---------------------------------------------------------------------------------
 
 
-def test_curvature_changes_only_on_steps_0_3_6(runs):
+def test_curvature_changes_only_on_steps_0_3_6(runs, runs_setup):
   """The spectrum logged after every step: sigma changes after steps 0, 3 and 6 (logged at
   done = 1, 4, 7) and stays exactly as it was after the others."""
   sigma = {e["step"]: e["sigma"] for e in events(runs["straight"], "spectrum")}
@@ -116,8 +123,7 @@ def test_curvature_changes_only_on_steps_0_3_6(runs):
       assert sigma[done] == previous, done
     previous = sigma[done]
   # The state itself: three curvature updates in seven steps.
-  setup = train.build(runs["cfg"])
-  state = Checkpointer(runs["straight"]).restore(setup.state, 7)
+  state = Checkpointer(runs["straight"]).restore(runs_setup.state, 7)
   (gstate,) = [
     s
     for s in jax.tree.leaves(
@@ -140,52 +146,55 @@ def _primitives(jaxpr, counts=None) -> dict[str, int]:
   return counts
 
 
+def _convs(setup, step, batch_size: int) -> int:
+  """The convolutions in ``step``'s jaxpr (``setup``'s state, a batch of ``batch_size``)."""
+  arrays = setup.task.train_arrays
+  idx = setup.plan.indices(np.arange(batch_size))
+  jaxpr = jax.make_jaxpr(step)(setup.state, setup.frozen, arrays, idx)
+  return _primitives(jaxpr).get("conv_general_dilated", 0)
+
+
+@pytest.fixture(scope="module")
+def plain_step_convs():
+  """The convolutions of a plain gradient step (Momentum's: one forward, one backward)."""
+  cfg = config(*BASE, "optimizer=momentum")
+  plain = train.build(cfg)
+  return _convs(plain, plain.train_step, int(cfg.batch_size))
+
+
 @pytest.mark.parametrize("fisher_forward", ["eval", "shared"])
-def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward):
+def test_the_step_without_curvature_update_has_no_d_pass(fisher_forward, plain_step_convs):
   """The step between curvature updates is a program of its own without the d-pass: it has
   the convolutions of a plain gradient step (Momentum's: one forward, one backward), none
   behind a cond (the shared forward's curvature step: the same convolutions, its backward's
   on two cotangents at once; XLA's FLOPs of both programs: the summary test below)."""
   cfg = config(*BASE, "curvature_every=3", f"fisher_forward={fisher_forward}")
   setup = train.build(cfg)
-  plain = train.build(config(*BASE, "optimizer=momentum"))
   arrays = setup.task.train_arrays
   idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
-
-  def convs(s, step):
-    jaxpr = jax.make_jaxpr(step)(s.state, s.frozen, arrays, idx)
-    return _primitives(jaxpr).get("conv_general_dilated", 0)
-
+  convs = lambda step: _convs(setup, step, int(cfg.batch_size))  # noqa: E731
   with_d, without_d = setup.train_step, setup.precondition_step
-  assert convs(setup, without_d) == convs(plain, plain.train_step)
+  assert convs(without_d) == plain_step_convs
   if fisher_forward == "eval":
-    assert convs(setup, with_d) > convs(setup, without_d)
+    assert convs(with_d) > convs(without_d)
   else:  # fisher_backward=batched: the backward's convolutions once, on a pair of cotangents
-    assert convs(setup, with_d) == convs(setup, without_d)
+    assert convs(with_d) == convs(without_d)
   assert "cond" not in _primitives(
     jax.make_jaxpr(without_d)(setup.state, setup.frozen, arrays, idx)
   )
 
 
-def test_the_sequential_shared_d_pass_has_a_second_backward():
+def test_the_sequential_shared_d_pass_has_a_second_backward(plain_step_convs):
   """fisher_backward=sequential: the curvature step has a second backward's convolutions
   (the default, batched, has none: test above)."""
   cfg = config(*BASE, "fisher_forward=shared", "fisher_backward=sequential")
-  setup, plain = train.build(cfg), train.build(config(*BASE, "optimizer=momentum"))
-  arrays = setup.task.train_arrays
-  idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
-
-  def convs(s):
-    jaxpr = jax.make_jaxpr(s.train_step)(s.state, s.frozen, arrays, idx)
-    return _primitives(jaxpr).get("conv_general_dilated", 0)
-
-  assert convs(setup) > convs(plain)
-
-
-def test_summary_flops_are_the_mean_over_k_steps(runs):
-  """flops_per_iter: one step with the d-pass and curvature update, K-1 without, averaged."""
-  cfg, summary = runs["cfg"], runs["summary"]
   setup = train.build(cfg)
+  assert _convs(setup, setup.train_step, int(cfg.batch_size)) > plain_step_convs
+
+
+def test_summary_flops_are_the_mean_over_k_steps(runs, runs_setup):
+  """flops_per_iter: one step with the d-pass and curvature update, K-1 without, averaged."""
+  cfg, summary, setup = runs["cfg"], runs["summary"], runs_setup
   forward = setup.task.forward_flops_per_example() * int(cfg.batch_size)
   sizes, tau, block = setup.sizes, int(cfg.tau), cfg.block
   full = flops.train_step_flops(
@@ -211,13 +220,12 @@ def test_summary_flops_are_the_mean_over_k_steps(runs):
   assert summary["flops_per_iter"]["xla"] == pytest.approx((xla[0] + 2 * xla[1]) / 3)
 
 
-def test_resume_inside_a_period_is_bit_for_bit(runs):
+def test_resume_inside_a_period_is_bit_for_bit(runs, runs_setup):
   straight, resumed = runs["straight"], runs["resumed"]
   for kind in ("train", "spectrum"):
     assert events(straight, kind) == events(resumed, kind)
-  setup = train.build(runs["cfg"])
-  a = Checkpointer(straight).restore(setup.state, 7)
-  b = Checkpointer(resumed).restore(setup.state, 7)
+  a = Checkpointer(straight).restore(runs_setup.state, 7)
+  b = Checkpointer(resumed).restore(runs_setup.state, 7)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
       x, y = jax.random.key_data(x), jax.random.key_data(y)

@@ -160,87 +160,124 @@ def test_launch_arguments_from_the_environment(env, expected):
 # --------------------------------------------------------------------- 4 simulated devices
 
 
-def test_sharded_optimizer_state_on_four_devices():
+def _split_and_updated(name, tx, params, batches, mesh) -> dict:
+  """``tx``'s state split over ``mesh`` (arrays of >= 16384 elements): its bases' shapes,
+  shards and bytes per device, and the largest relative difference of a jitted update on the
+  split state from the unsharded one over ``batches``."""
+  device_bytes = sharding.bytes_per_device
+  state = tx.init(params)
+  shardings = ginger.sharding.state_shardings(state, mesh, "data", min_size=1 << 14)
+  sharded = jax.device_put(state, shardings)
+  kind = ginger.ScaleByQNGState if name == "qng" else ginger.ScaleByGingerState
+  inner = [
+    s
+    for s in jax.tree.leaves(sharded, is_leaf=lambda x: isinstance(x, kind))
+    if isinstance(s, kind)
+  ][0]
+  bases = jax.tree.leaves(inner.qhat if name == "qng" else inner.u)
+
+  def update(state, g, d):
+    return tx.update(g, state, params, fisher_grads=d)
+
+  rep = sharding.Plan(mesh).replicated
+  step = jax.jit(update, in_shardings=(shardings, rep, rep), out_shardings=(rep, shardings))
+  plain = jax.jit(update)
+  err = 0.0
+  for g, d in batches:  # the updates, not U: U's columns of sigma ~ 0 are arbitrary
+    updates, sharded = step(sharded, g, d)
+    reference, state = plain(state, g, d)
+    err = max(
+      [err]
+      + [
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(reference))
+      ]
+    )
+  return {
+    "bases": [
+      [
+        list(u.shape),
+        list(u.addressable_shards[0].data.shape),
+        sorted(s.device.id for s in u.addressable_shards),
+      ]
+      for u in bases
+      if u.size >= 1 << 14
+    ],
+    "basis_ratio": sum(u.nbytes for u in bases) / device_bytes(bases),
+    "state_ratio": sum(x.nbytes for x in jax.tree.leaves(sharded)) / device_bytes(sharded),
+    "kept": all(
+      a.sharding.is_equivalent_to(b, a.ndim)
+      for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(shardings))
+    ),
+    "max_rel_error": err,
+  }
+
+
+def _sharded_state(configs: str) -> dict:
+  """Runs in a process with 4 CPU devices: Ginger's (per-tensor and global) and QNG's states
+  placed on 4 devices, their bases' shards and bytes per device, and a jitted update on the
+  split state against the unsharded one; training.sharding's plan on a 2 x 2 mesh; the demo's
+  batch not divisible by the devices."""
+  import train
+
+  params = {
+    "conv": jnp.ones((3, 3, 64, 128)),
+    "dense": jnp.ones((512, 256)),
+    "bias": jnp.ones((256,)),
+    "head": jnp.ones((256, 10)),
+  }
+  keys = iter(jax.random.split(jax.random.key(0), 100))
+  like = lambda: jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+  # Rounding differs between the two programs; Ginger amplifies it by ~sigma_max / gamma
+  # (float32 eigh resolves sigma only to eps * sigma_max), so the comparison keeps that
+  # ratio small: d of a realistic size (sampled-Fisher vectors are scaled by 1/sqrt(N)).
+  batches = [(like(), jax.tree.map(lambda x: 1e-2 * x, like())) for _ in range(3)]
+  mesh = sharding.make_mesh(4)
+  out = {
+    name: _split_and_updated(name, tx, params, batches, mesh)
+    for name, tx in {
+      "ginger": ginger.ginger(1e-3, tau=4, gamma=1e-2),
+      "ginger_global": ginger.ginger(1e-3, tau=4, gamma=1e-2, block="global"),
+      "qng": ginger.qng(1e-3, tau=4),
+    }.items()
+  }
+
+  plan = sharding.Plan(sharding.make_mesh(2, 2), min_shard_size=1 << 14)
+  state = train.TrainState(
+    jnp.zeros([], jnp.int32),
+    params,
+    {},
+    ginger.ginger(1e-3, tau=4).init(params),
+    jax.random.key(0),
+    train.initial_stats(),
+  )
+  placed = sharding.put(state, plan.state(state))
+  out["plan"] = {
+    "params_replicated": all(
+      x.sharding.is_fully_replicated for x in jax.tree.leaves(placed.trainable)
+    ),
+    "opt_split": sorted(
+      {len({str(s.index) for s in x.addressable_shards}) for x in jax.tree.leaves(placed.opt_state)}
+    ),
+    "indices": [list(s.data.shape) for s in plan.indices(np.arange(64)).addressable_shards],
+    "odd_indices_replicated": plan.indices(np.arange(9)).sharding.is_fully_replicated,
+    "mesh": plan.describe(),
+  }
+  try:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=configs, version_base=None):
+      train.build(compose(config_name="config", overrides=["experiment=demo", "batch_size=30"]))
+  except ValueError as e:
+    out["batch_error"] = str(e)
+  return out
+
+
+def test_sharded_optimizer_state_on_four_devices(four_devices):
   """Ginger's ``U`` and QNG's factors are split along their rows over 4 devices, per-device
   state bytes fall ~4x, a jitted update keeps them there and gives the unsharded result; the
   mesh and batch placement of training.sharding."""
-  result = run_on_cpu_devices(
-    """
-      import json, sys
-      import jax, jax.numpy as jnp, numpy as np
-      import ginger, train
-      from training import sharding
-
-      params = {"conv": jnp.ones((3, 3, 64, 128)), "dense": jnp.ones((512, 256)),
-                "bias": jnp.ones((256,)), "head": jnp.ones((256, 10))}
-      keys = iter(jax.random.split(jax.random.key(0), 100))
-      like = lambda: jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
-      # Rounding differs between the two programs; Ginger amplifies it by ~sigma_max / gamma
-      # (float32 eigh resolves sigma only to eps * sigma_max), so the comparison keeps that
-      # ratio small: d of a realistic size (sampled-Fisher vectors are scaled by 1/sqrt(N)).
-      batches = [(like(), jax.tree.map(lambda x: 1e-2 * x, like())) for _ in range(3)]
-      mesh = sharding.make_mesh(4)
-      device_bytes = sharding.bytes_per_device
-
-      out = {}
-      for name, tx in {"ginger": ginger.ginger(1e-3, tau=4, gamma=1e-2),
-                       "ginger_global": ginger.ginger(1e-3, tau=4, gamma=1e-2, block="global"),
-                       "qng": ginger.qng(1e-3, tau=4)}.items():
-        state = tx.init(params)
-        shardings = ginger.sharding.state_shardings(state, mesh, "data", min_size=1 << 14)
-        sharded = jax.device_put(state, shardings)
-        kind = ginger.ScaleByQNGState if name == "qng" else ginger.ScaleByGingerState
-        inner = [s for s in jax.tree.leaves(sharded, is_leaf=lambda x: isinstance(x, kind))
-                 if isinstance(s, kind)][0]
-        bases = jax.tree.leaves(inner.qhat if name == "qng" else inner.u)
-
-        def update(state, g, d):
-          return tx.update(g, state, params, fisher_grads=d)
-
-        rep = sharding.Plan(mesh).replicated
-        step = jax.jit(update, in_shardings=(shardings, rep, rep), out_shardings=(rep, shardings))
-        plain = jax.jit(update)
-        err = 0.0
-        for g, d in batches:  # the updates, not U: U's columns of sigma ~ 0 are arbitrary
-          updates, sharded = step(sharded, g, d)
-          reference, state = plain(state, g, d)
-          err = max([err] + [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-                             for a, b in zip(jax.tree.leaves(updates),
-                                             jax.tree.leaves(reference))])
-        out[name] = {
-            "bases": [[list(u.shape), list(u.addressable_shards[0].data.shape),
-                       sorted(s.device.id for s in u.addressable_shards)]
-                      for u in bases if u.size >= 1 << 14],
-            "basis_ratio": sum(u.nbytes for u in bases) / device_bytes(bases),
-            "state_ratio": sum(x.nbytes for x in jax.tree.leaves(sharded))
-                           / device_bytes(sharded),
-            "kept": all(a.sharding.is_equivalent_to(b, a.ndim) for a, b in
-                        zip(jax.tree.leaves(sharded), jax.tree.leaves(shardings))),
-            "max_rel_error": err}
-
-      plan = sharding.Plan(sharding.make_mesh(2, 2), min_shard_size=1 << 14)
-      state = train.TrainState(jnp.zeros([], jnp.int32), params, {}, ginger.ginger(
-          1e-3, tau=4).init(params), jax.random.key(0), train.initial_stats())
-      placed = sharding.put(state, plan.state(state))
-      out["plan"] = {
-          "params_replicated": all(x.sharding.is_fully_replicated
-                                   for x in jax.tree.leaves(placed.trainable)),
-          "opt_split": sorted({len({str(s.index) for s in x.addressable_shards})
-                               for x in jax.tree.leaves(placed.opt_state)}),
-          "indices": [list(s.data.shape) for s in plan.indices(np.arange(64)).addressable_shards],
-          "odd_indices_replicated": plan.indices(np.arange(9)).sharding.is_fully_replicated,
-          "mesh": plan.describe()}
-      try:
-        from hydra import compose, initialize_config_dir
-        with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
-          train.build(compose(config_name="config", overrides=[
-              "experiment=demo", "batch_size=30"]))
-      except ValueError as e:
-        out["batch_error"] = str(e)
-      print(json.dumps(out))
-      """,
-    str(ROOT / "configs"),
-  )
+  result = four_devices["state"]
   for name in ("ginger", "ginger_global", "qng"):
     r = result[name]
     for shape, shard, devices in r["bases"]:
@@ -276,7 +313,7 @@ def _close(a, b, rtol=1e-5):
 # sigma_max / gamma, and free-running trajectories drift apart like two seeds: 7.5e-5 in the
 # loss after 20 demo steps on one machine). Each step's results are compared with a bound
 # measured from that same step's own sensitivity to a rounding-level change of its input.
-STEPS = 12  # 3 x tau: the warm phase (rank < tau, nothing truncated) and the steady state
+STEPS = 8  # 2 x tau: the warm phase (rank < tau, nothing truncated) and the steady state
 QUANTITIES = (
   "loss",  # the mean loss over the global batch
   "grad_norm",
@@ -549,31 +586,45 @@ def _violations(result: dict, name: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def four_device_comparison(request):
-  """One process with 4 CPU devices runs the 1-device steps once and compares the correct
-  variant and every injected bug that the session's selected tests ask for (~60 s)."""
+def four_devices(request):
+  """One process with 4 CPU devices for every test of this file that needs one (the
+  interpreter, JAX and the training code start once): the split optimizer state
+  (_sharded_state), and the 1-device steps run once and compared with the correct variant and
+  every injected bug that the session's selected tests ask for (_compare_meshes)."""
+  selected = {item.originalname for item in request.session.items}
   bugs = {
     item.callspec.params["bug"]
     for item in request.session.items
     if item.originalname == "test_the_comparison_catches_an_injected_sharding_bug"
   }
+  compare = bool(bugs) or "test_four_devices_give_the_one_device_results" in selected
   return run_on_cpu_devices(
     f"""
       import json, sys
       sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
       import test_sharding as t
-      names = json.loads(sys.argv[2])
+      state, names = json.loads(sys.argv[2]), json.loads(sys.argv[3])
       variants = {{name: {{**t.CORRECT, **t.BUGS}}[name] for name in names}}
-      print(json.dumps(t._compare_meshes(sys.argv[1], variants)))
+      print(json.dumps({{
+        "state": t._sharded_state(sys.argv[1]) if state else None,
+        "comparison": t._compare_meshes(sys.argv[1], variants) if variants else None,
+      }}))
       """,
     str(ROOT / "configs"),
-    json.dumps([*CORRECT, *sorted(bugs)]),
+    json.dumps("test_sharded_optimizer_state_on_four_devices" in selected),
+    json.dumps([*CORRECT, *sorted(bugs)] if compare else []),
     timeout=600,
   )
 
 
+@pytest.fixture(scope="module")
+def four_device_comparison(four_devices):
+  """_compare_meshes's result (the 4-device process's second part)."""
+  return four_devices["comparison"]
+
+
 def test_four_devices_give_the_one_device_results(four_device_comparison):
-  """Ginger's demo with the batch and the optimizer state split over 4 devices: each of 12
+  """Ginger's demo with the batch and the optimizer state split over 4 devices: each of 8
   steps from the 1-device state gives the 1-device step's loss, gradient, BatchNorm
   statistics, curvature and update, to within the rounding the step itself amplifies (the
   step-by-step comparison cannot drift); evaluation on 4 devices gives the 1-device metrics;
