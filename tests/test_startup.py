@@ -74,15 +74,35 @@ def run_logging_compiles(run_dir: Path, monkeypatch, threads) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
+  """The demo trained with its programs compiled concurrently (the loop's default) and, where
+  the session's selected tests ask for it, one after the other."""
+  items = request.session.items
+  which = {
+    item.callspec.params["which"]
+    for item in items
+    if item.originalname == "test_every_program_is_compiled_before_the_first_step"
+  }
+  one_by_one = "one_by_one" in which or any(
+    item.originalname == "test_concurrent_compilation_changes_no_number" for item in items
+  )
   root = tmp_path_factory.mktemp("startup")
+  out = {"root": root}
   with pytest.MonkeyPatch.context() as monkeypatch:
-    concurrent = run_logging_compiles(root / "concurrent", monkeypatch, None)
-    one_by_one = run_logging_compiles(root / "one_by_one", monkeypatch, 1)
-  return {"root": root, "concurrent": concurrent, "one_by_one": one_by_one}
+    out["concurrent"] = run_logging_compiles(root / "concurrent", monkeypatch, None)
+    if one_by_one:
+      out["one_by_one"] = run_logging_compiles(root / "one_by_one", monkeypatch, 1)
+  return out
 
 
-@pytest.mark.parametrize("which", ["concurrent", "one_by_one"])
+# The run compiled one program after the other (~10 s more): `make test-all`. It reads every
+# program from the compilation cache that the concurrent run has just filled (the suite's), so
+# it runs the very executables of that run; `make test` keeps the loop's concurrent start-up
+# end to end and compile_all's one-by-one path (test_compile_all_one_by_one).
+_ONE_BY_ONE = pytest.mark.slow
+
+
+@pytest.mark.parametrize("which", ["concurrent", pytest.param("one_by_one", marks=_ONE_BY_ONE)])
 def test_every_program_is_compiled_before_the_first_step(runs, which):
   """Both training steps and the evaluation step (both of its batch sizes) are compiled before
   the loop first asks whether to stop, i.e. before step 0 runs; none is compiled later."""
@@ -95,6 +115,7 @@ def test_every_program_is_compiled_before_the_first_step(runs, which):
   assert [step for kind, step in log if kind == "stop asked"] == [0, 1, 2, 3]  # 4 steps ran
 
 
+@_ONE_BY_ONE
 def test_concurrent_compilation_changes_no_number(runs):
   """Losses, gradient norms, evaluations: the run whose programs compiled concurrently logs
   exactly what the run compiled one program after the other logs."""
