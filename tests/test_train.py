@@ -22,7 +22,7 @@ from data.images import DatasetUnavailableError
 from training import loop as train
 from training import run_record
 from training.checkpoints import Checkpointer, CheckpointError
-from training.errors import Interrupted, NonFiniteLossError
+from training.errors import NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["logger=none", "max_steps=2", "eval_every=2", "log_every=1", "checkpoint_every=2"]
@@ -135,52 +135,10 @@ def test_seq2seq_experiments_smoke(tmp_path, data_dir, experiment):
     assert summary["trained_parameters"] < summary["parameters"] / 4
 
 
-# The demo's Ginger step (block=global) of the two resume tests below, at batch 16: a step takes
-# a third of batch 64's at `make test`'s -O0 (0.2 s against 0.6 s), and nothing they check
-# depends on the batch size. The SIGTERM test's processes read both tests' programs from the
-# compilation cache.
+# The demo's Ginger step (block=global) of the SIGTERM test below, at batch 16: a step takes a
+# third of batch 64's at `make test`'s -O0 (0.2 s against 0.6 s), and nothing it checks depends
+# on the batch size.
 RESUMED = ["experiment=demo", "optimizer=ginger", "block=global", "batch_size=16", "logger=none"]
-
-
-def test_resume_is_bit_for_bit(tmp_path):
-  base = [
-    *RESUMED,
-    "checkpoint_every=3",
-    "log_every=1",
-    "eval_every=3",
-    "spectrum_every=2",
-  ]
-  straight = tmp_path / "straight"
-  train.train(config(*base, "max_steps=6"), straight)
-  resumed = tmp_path / "resumed"
-  # Preempted after step 4 (not a checkpoint step): it saves a checkpoint there and stops.
-  with pytest.raises(Interrupted, match="stopped by SIGTERM at step 4 of 6"):
-    train.train(
-      config(*base, "max_steps=6"),
-      resumed,
-      stop=lambda step: signal.SIGTERM if step == 4 else None,
-    )
-  assert Checkpointer(resumed).latest_step() == 4
-  assert run_record.read_summary(resumed)["status"] == "interrupted"
-  train.train(config(*base, "max_steps=6"), resumed)  # same dir: continues from step 4
-  setup = train.build(config(*base, "max_steps=6"))
-  a = Checkpointer(straight).restore(setup.state, 6)
-  b = Checkpointer(resumed).restore(setup.state, 6)
-  for x, y in zip(
-    jax.tree.leaves((a.trainable, a.rest, a.opt_state)),
-    jax.tree.leaves((b.trainable, b.rest, b.opt_state)),
-  ):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  log_a = [json.loads(s) for s in (straight / "metrics.jsonl").read_text().splitlines()]
-  log_b = [json.loads(s) for s in (resumed / "metrics.jsonl").read_text().splitlines()]
-  assert [e["step"] for e in log_a] == [e["step"] for e in log_b]
-  assert [e.get("train_loss") for e in log_a] == [e.get("train_loss") for e in log_b]
-  # The spectrum (spectrum.jsonl.gz, cut back to step 4 on resume, then appended to) too.
-  spectra = [
-    [(e["step"], e["sigma"]) for e in run_record.read_spectrum(d, strict=True)]
-    for d in (straight, resumed)
-  ]
-  assert [step for step, _ in spectra[0]] == [2, 4, 6] and spectra[0] == spectra[1]
 
 
 def _diverging(*overrides):
@@ -454,52 +412,91 @@ def test_ginger_divergence_before_any_checkpoint_says_so(tmp_path):
   assert "last good checkpoint" not in str(e.value)
 
 
+def _logged_steps(metrics: Path) -> list[int]:
+  """The steps of the train events in ``metrics`` (metrics.jsonl) so far (a line being
+  written is left out)."""
+  steps = []
+  for line in metrics.read_text().splitlines() if metrics.exists() else []:
+    try:
+      event = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if event.get("event") == "train":
+      steps.append(event["step"])
+  return steps
+
+
 def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
-  """A real process, preempted with SIGTERM mid-run: it saves a checkpoint at the step it
-  reached, writes summary.json (status "interrupted") and exits 143; rerunning the command
-  finishes the run exactly as an uninterrupted one."""
-  # Enough steps that the signal, sent once step 1 is logged, lands mid-run: 24 steps of the
-  # demo at batch 16 take 0.9 s at XLA:CPU's default -O3 (5 s at `make test`'s -O0); the loop
-  # checks for it between steps. The programs are test_resume_is_bit_for_bit's (RESUMED).
+  """A real process, preempted with SIGTERM mid-run after a periodic checkpoint: it saves a
+  checkpoint at the step it reached, writes summary.json (status "interrupted") and exits 143;
+  rerunning the command continues from that checkpoint and finishes the run exactly as an
+  uninterrupted one: every step's logged numbers, the evaluations, the curvature spectrum
+  (spectrum.jsonl.gz, cut back to the checkpoint on resume, then appended to) and the final
+  state (parameters, BatchNorm statistics, optimizer state), bit for bit."""
+  # Enough steps that the signal, sent once step 5 is logged (after the step-4 checkpoint),
+  # lands mid-run: 24 steps of the demo at batch 16 take about 1 s at XLA:CPU's default -O3
+  # (5 s at `make test`'s -O0); the loop checks for it between steps.
   steps = 24
   args = [
     *RESUMED,
     f"max_steps={steps}",
-    "eval_every=1000",
+    "checkpoint_every=4",
     "log_every=1",
-    "checkpoint_every=1000",
-    "spectrum_every=0",
+    "eval_every=6",
+    "spectrum_every=2",
   ]
   run_dir = tmp_path / "run"
   command = [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"]
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   metrics = run_dir / "metrics.jsonl"
   deadline = time.time() + 300
-  while not (metrics.exists() and metrics.read_text().strip()):
+  while 5 not in _logged_steps(metrics):
     assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
     time.sleep(0.02)
   proc.send_signal(signal.SIGTERM)
   out = proc.communicate(timeout=300)[0].decode()
   assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
-  stopped = Checkpointer(run_dir).latest_step()
-  assert stopped is not None and 0 < stopped < steps, out[-3000:]
+  # The checkpoint of the step it stopped at, and a periodic one before it (orbax keeps two).
+  *earlier, stopped = Checkpointer(run_dir).steps()
+  assert 4 < stopped < steps and earlier and earlier[-1] % 4 == 0, (earlier, out[-3000:])
   summary = run_record.read_summary(run_dir)
   assert summary["status"] == "interrupted" and summary["steps"] == stopped
-  assert "Traceback" not in out and f"stopped by SIGTERM at step {stopped}" in out
+  assert "Traceback" not in out and f"stopped by SIGTERM at step {stopped} of {steps}" in out
 
   rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
   assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+  assert f"at step {stopped}" in rerun.stdout + rerun.stderr  # "resumed from ... at step N"
   assert run_record.read_summary(run_dir)["status"] == "completed"
 
   straight = tmp_path / "straight"  # the same run, never interrupted (in this process: what
   train.train(config(*args), straight)  # train.py runs, without another start-up)
-  # Every step's loss and gradient norm and the final evaluation, bit for bit.
+  # Every step's loss and gradient norm and every evaluation, bit for bit.
   logs = [list(run_record.read_events(d)) for d in (straight, run_dir)]
-  expected = list(range(1, steps + 1)) + [steps]  # every step's train event, the final eval
-  assert [e["step"] for e in logs[0]] == [e["step"] for e in logs[1]] == expected
+  expected = [
+    (event, step)
+    for step in range(1, steps + 1)
+    for event in ("train", "eval")
+    if event == "train" or step % 6 == 0
+  ]
+  assert [(e["event"], e["step"]) for e in logs[0]] == expected
+  assert [(e["event"], e["step"]) for e in logs[1]] == expected
   for a, b in zip(*logs):
     for key in ("train_loss", "grad_norm", "min_train_loss", "val_loss", "val_accuracy"):
       assert a.get(key) == b.get(key), (a["step"], key)
+  spectra = [
+    [(e["step"], e["sigma"]) for e in run_record.read_spectrum(d, strict=True)]
+    for d in (straight, run_dir)
+  ]
+  assert [step for step, _ in spectra[0]] == list(range(2, steps + 1, 2))
+  assert spectra[0] == spectra[1]
+  like = train.build(config(*args)).state
+  a, b = (Checkpointer(d).restore(like, steps) for d in (straight, run_dir))
+  for x, y in zip(
+    jax.tree.leaves((a.trainable, a.rest, a.opt_state)),
+    jax.tree.leaves((b.trainable, b.rest, b.opt_state)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list(tmp_path):
