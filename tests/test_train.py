@@ -95,21 +95,21 @@ SUMMARY_KEYS = {
     pytest.param("cifar10_resnet18", "adam", marks=pytest.mark.slow),
   ],
 )
-def test_image_experiments_smoke(tmp_path, data_dir, experiment, optimizer):
-  extra = (
-    []
-    if experiment == "demo"
-    else _image_overrides(data_dir, "cifar10" if "cifar10_" in experiment else "cifar100")
-  )
-  cfg = config(f"experiment={experiment}", f"optimizer={optimizer}", *FAST, *extra)
-  summary = train.train(cfg, tmp_path)
+def test_image_experiments_smoke(request, tmp_path, experiment, optimizer):
+  if experiment == "demo":  # the run of RERUN_BASE (this config), trained once for the run-dir
+    run_dir, summary = request.getfixturevalue("first_run")  # tests below too
+  else:
+    sub = "cifar10" if "cifar10_" in experiment else "cifar100"
+    extra = _image_overrides(request.getfixturevalue("data_dir"), sub)
+    cfg = config(f"experiment={experiment}", f"optimizer={optimizer}", *FAST, *extra)
+    run_dir, summary = tmp_path, train.train(cfg, tmp_path)
   assert SUMMARY_KEYS | {"best_val_accuracy", "val_loss_at_best"} <= set(summary)
   assert summary["steps"] == 2 and summary["status"] == "completed"
   assert summary["flops_per_iter"]["analytic"] > 0
   assert summary["peak_memory_bytes"] is None  # CPU does not report it: never a fake 0
-  on_disk = json.loads((tmp_path / "summary.json").read_text())
+  on_disk = json.loads((run_dir / "summary.json").read_text())
   assert on_disk["run"]["optimizer"] == optimizer
-  events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert {"train", "eval"} <= {e["event"] for e in events}
 
 
@@ -299,20 +299,21 @@ def _files(run_dir):
   }
 
 
-# The config of test_image_experiments_smoke[demo-ginger]: its compiled step serves this run
-# (from the compilation cache) instead of another Ginger step compiled for another lr (~25 s).
+# The config of test_image_experiments_smoke[demo-ginger], which checks this very run (a Ginger
+# step of another lr would be another program to compile: ~25 s).
 RERUN_BASE = ["experiment=demo", "optimizer=ginger", *FAST]
 
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
-  """A finished run dir of RERUN_BASE (trained once for the cases below)."""
+  """A finished run dir of RERUN_BASE and its summary (trained once for the smoke test above
+  and the cases below)."""
   run_dir = tmp_path_factory.mktemp("first_run")
   first = config(*RERUN_BASE)
   _hydra_writes(run_dir, first)
-  train.train(first, run_dir)
+  summary = train.train(first, run_dir)
   (run_dir / "eval_step2_test.json").write_text("{}")  # what evaluate.py would have written
-  return run_dir
+  return run_dir, summary
 
 
 @pytest.mark.parametrize(
@@ -329,7 +330,7 @@ def test_rerun_with_another_config_is_refused_and_changes_nothing(
   first_run, tmp_path, monkeypatch, changed, named
 ):
   base, first = RERUN_BASE, config(*RERUN_BASE)
-  shutil.copytree(first_run, tmp_path, dirs_exist_ok=True)  # a copy: each case changes it
+  shutil.copytree(first_run[0], tmp_path, dirs_exist_ok=True)  # a copy: each case changes it
   before = _files(tmp_path)
   assert json.loads((tmp_path / "run.json").read_text())["fingerprint"] == (
     run_record.fingerprint(first)
