@@ -1,6 +1,7 @@
 """Test-wide settings: CPU only, offline, one persistent compilation cache for the whole suite
 (and the subprocesses it starts), and an opt-in float64 fixture for dense references."""
 
+import collections
 import os
 from pathlib import Path
 
@@ -51,3 +52,41 @@ def no_waiting(monkeypatch):
 
   monkeypatch.setattr(time, "sleep", waited)
   monkeypatch.setattr(socket.socket, "connect", connected)
+
+
+# `make test` spreads the test files over two pytest-xdist workers (--dist loadfile), by
+# default handing out the files with the most tests first: the last ones handed out are then
+# files of a few tests, and several of those are among the longest (a process on 4 simulated
+# devices, 3000-step scans), so that one worker went on alone for half a minute at the end.
+# The files below go first instead, roughly longest first (seconds measured on 2 CPU cores;
+# the others follow in xdist's order). The order changes no result; a stale list only
+# balances the two workers less well.
+LONGEST_FIRST = (
+  "test_train.py",
+  "test_ginger.py",
+  "test_sharding.py",
+  "test_curvature_every.py",
+  "test_startup.py",
+  "test_ginger_kernels_wired.py",
+  "test_properties.py",
+  "test_convergence.py",
+  "test_checkpoints.py",
+  "test_secular.py",
+  "test_sharding_collectives.py",
+  "test_batchnorm_groups.py",
+  "test_t5.py",
+  "test_ginger_layout.py",
+)
+
+
+def pytest_configure(config):
+  if getattr(config.option, "loadscopereorder", False):  # xdist: our order, not its own
+    config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)  # after -m's deselection: xdist counts the tests left
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  tests = collections.Counter(item.path.name for item in items)
+  # A stable sort: each file's tests stay together and in their order.
+  items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -tests[item.path.name]))
