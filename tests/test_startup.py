@@ -172,8 +172,12 @@ def test_compile_all_compiles_at_once():
   barrier = threading.Barrier(len(names), timeout=120)
   lowered_in: list = []
   lower = {n: (lambda n=n: _Lowered(n, barrier, lowered_in)) for n in names}
-  assert train.compile_all(lower) == {n: f"executable of {n}" for n in names}
+  times: dict = {}
+  assert train.compile_all(lower, times=times) == {n: f"executable of {n}" for n in names}
   assert lowered_in == [(n, True) for n in names]
+  # Each program's lowering and compilation timed (the compilations overlap).
+  assert set(times) == set(names)
+  assert all(set(t) == {"lower", "compile"} and min(t.values()) >= 0 for t in times.values())
 
 
 def test_compile_all_one_by_one():
@@ -323,3 +327,7 @@ def test_summary_reports_the_start_up(runs):
   startup = run_record.read_summary(runs["root"] / "concurrent")["startup_s"]
   assert startup["programs"] == 4  # two training steps, the evaluation step at two sizes
   assert startup["build"] > 0 and startup["lower_and_compile"] > 0
+  # Per program: every step the run compiled, lowered one after the other.
+  per_program = startup["per_program"]
+  assert set(per_program) == {"train_step", "precondition_step", "eval_step[100]", "eval_step[59]"}
+  assert sum(t["lower"] for t in per_program.values()) <= startup["lower_and_compile"]

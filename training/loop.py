@@ -245,21 +245,46 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
 COMPILE_THREADS: int | None = None
 
 
-def compile_all(lower: dict[Any, Callable[[], Any]], threads: int | None = None) -> dict:
+def compile_all(
+  lower: dict[Any, Callable[[], Any]], threads: int | None = None, times: dict | None = None
+) -> dict:
   """``{key: lower[key]().compile()}``, the compilations running at once in threads.
 
   Lowering (tracing Python) holds the GIL and runs here, one program after the other; XLA's
   compilation releases it, so each program's compilation starts as soon as it is lowered and
   runs beside the lowering and compilation of the next ones. The executables are those that
   compiling one after the other gives (the same programs, the same compiler options).
-  ``threads``: at most this many compilations at once (default: all of them).
+  ``threads``: at most this many compilations at once (default: all of them). ``times``: if
+  given, filled with ``{key: {"lower": s, "compile": s}}`` (wall-clock seconds of each
+  program's lowering and of its compilation, which overlap the others').
   """
+  times = {} if times is None else times
+
+  def lowered(key):
+    began = time.perf_counter()
+    out = lower[key]()
+    times[key] = {"lower": time.perf_counter() - began}
+    return out
+
+  def compiled(key, program):
+    began = time.perf_counter()
+    out = program.compile()
+    times[key]["compile"] = time.perf_counter() - began
+    return out
+
   threads = len(lower) if threads is None else int(threads)
   if threads < 2 or len(lower) < 2:
-    return {key: fn().compile() for key, fn in lower.items()}
+    return {key: compiled(key, lowered(key)) for key in lower}
   with ThreadPoolExecutor(min(threads, len(lower)), thread_name_prefix="compile") as pool:
-    futures = {key: pool.submit(fn().compile) for key, fn in lower.items()}
+    futures = {key: pool.submit(compiled, key, lowered(key)) for key in lower}
     return {key: future.result() for key, future in futures.items()}
+
+
+def program_name(key) -> str:
+  """A :func:`programs` key as the run record names it."""
+  if isinstance(key, bool):
+    return "train_step" if key else "precondition_step"
+  return f"eval_step[{key[1]}]"
 
 
 # ----------------------------------------------------------------------------- building
@@ -629,7 +654,8 @@ def _run(
   every = setup.curvature_every
   began = time.perf_counter()
   lower = programs(setup, setup.state, frozen, train_arrays, val_arrays, batch_indices(start), cfg)
-  executables = compile_all(lower, COMPILE_THREADS)
+  program_s: dict = {}
+  executables = compile_all(lower, COMPILE_THREADS, program_s)
   compile_s = time.perf_counter() - began
   # Only now the optimizer state (build(materialize=False)): compile-time scratch and the
   # state (Ginger's U) are never on the device at once.
@@ -672,7 +698,15 @@ def _run(
     # Start-up of this attempt (a resumed run's is its last attempt's): building (data, model,
     # optimizer state) and lowering + compiling every program (compile_all; much less where
     # compilation_cache_dir already holds them).
-    "startup_s": {"build": build_s, "lower_and_compile": compile_s, "programs": len(lower)},
+    # Per program, its lowering (one after the other) and its compilation (at once).
+    "startup_s": {
+      "build": build_s,
+      "lower_and_compile": compile_s,
+      "programs": len(lower),
+      "per_program": {
+        program_name(key): {k: round(v, 3) for k, v in t.items()} for key, t in program_s.items()
+      },
+    },
   }
   log.info(
     "built in %.1f s; %d programs lowered and compiled in %.1f s", build_s, len(lower), compile_s
