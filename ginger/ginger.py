@@ -70,7 +70,15 @@ class StackedBasis:
 
   def __repr__(self):
     shapes = ", ".join(str(getattr(x, "shape", "?")) for x in self.stacks)
-    return f"StackedBasis([{shapes}])"
+    return f"{type(self).__name__}([{shapes}])"
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class StackedRows(StackedBasis):
+  """Per-entry state of all blocks (Ginger's momentum), stacked by bucket as ``U`` is: one
+  ``(members, rows)`` array per bucket, zero in the padding rows; ``m[key]`` is a leaf's
+  ``(leaf.size,)`` vector. Saved per leaf like the bases (:func:`checkpoint_state`), and
+  split over devices by the rows of ``U`` (:meth:`ginger.sharding.StateSharding.shardings`)."""
 
 
 class ScaleByGingerState(NamedTuple):
@@ -83,11 +91,15 @@ class ScaleByGingerState(NamedTuple):
       largest block; ``u[key]`` gives a leaf's rows ``(leaf.size, k)`` as before.
     sigma: the eigenvalues ``sigma`` of each block: a pytree like the params of
       ``(k,)`` arrays for ``block="per_tensor"``, a single ``(k,)`` array for ``"global"``.
+    mu: with ``b1``, the momentum (EMA of the updates) as a :class:`StackedRows`; else None.
+    mu_count: with ``b1``, the number of updates averaged into ``mu`` (int32); else None.
   """
 
   count: chex.Array
   u: Any
   sigma: Any
+  mu: Any = None
+  mu_count: Any = None
 
 
 def scale_by_ginger(
@@ -102,6 +114,7 @@ def scale_by_ginger(
   curvature_every: int | None = None,
   passes: str = "jnp",
   sharding: gsharding.StateSharding | None = None,
+  b1: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Preconditions updates by Ginger's damped low-rank curvature model.
 
@@ -136,9 +149,10 @@ def scale_by_ginger(
       int >= 1, static; beyond the paper, like Shampoo's ``preconditioning_compute_steps``).
       With ``None`` or ``1`` (the paper) ``fisher_grads=None`` means the empirical Fisher,
       as above. With ``K > 1`` it means *no curvature update*: the update is
-      ``G^{-1} updates`` with the current ``G`` and the state is returned unchanged (two
-      reads of ``U``, no eigenproblem), so a training loop passes ``fisher_grads`` on every
-      K-th step only and skips the ``d_t`` backward pass on the others. Which steps get one
+      ``G^{-1} updates`` with the current ``G`` and the curvature (``count``, ``U``,
+      ``sigma``) is returned unchanged (two reads of ``U``, no eigenproblem), so a training
+      loop passes ``fisher_grads`` on every K-th step only and skips the ``d_t`` backward
+      pass on the others. Which steps get one
       is the caller's choice (it is static under ``jit``: compile one step with and one
       without ``fisher_grads``).
     passes: how the passes over ``U`` run (:mod:`ginger.kernels`): ``"jnp"`` (default) as
@@ -156,6 +170,12 @@ def scale_by_ginger(
       ``U`` each device holds (``jax.lax.with_sharding_constraint``), so that XLA slices
       the gradients into local rows instead of re-laying them out around the passes. Values
       are the same either way (to float summation order).
+    b1: if set, the updates are first averaged, ``m_t = b1 m_{t-1} + (1 - b1) g_t``, and
+      ``m_t / (1 - b1^t)`` is preconditioned: ``optax.ema(b1, debias=True)`` chained before
+      this transformation, the same arithmetic, but with ``m`` kept in the stacked layout of
+      ``U`` (``state.mu``, in ``state_dtype``), so that averaging is one fused operation per
+      bucket on the gathered gradient instead of one per parameter tensor. Every call
+      averages, also one without a curvature update.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -183,7 +203,26 @@ def scale_by_ginger(
       sigma = jax.tree.unflatten(treedef, _per_leaf(layout, sigmas))
     else:
       sigma = sigmas[0] if sigmas else jnp.zeros((0,), state_dtype)
-    return ScaleByGingerState(count=jnp.zeros([], jnp.int32), u=u, sigma=sigma)
+    mu = mu_count = None
+    if b1 is not None:
+      mu = StackedRows(
+        [jnp.zeros((len(b.members), b.rows), state_dtype) for b in layout.buckets], layout
+      )
+      mu_count = jnp.zeros([], jnp.int32)
+    return ScaleByGingerState(
+      count=jnp.zeros([], jnp.int32), u=u, sigma=sigma, mu=mu, mu_count=mu_count
+    )
+
+  def average(gs, state):
+    """The bias-corrected EMA of the stacked updates (as ``optax.ema(b1, debias=True)``)
+    and the state's new ``mu`` and ``mu_count``; ``gs`` and the state as they are without
+    ``b1``."""
+    if b1 is None:
+      return gs, state.mu, state.mu_count
+    mu_count = optax.safe_increment(state.mu_count)
+    mu = [(1 - b1) * g + b1 * m for g, m in zip(gs, state.mu.stacks, strict=True)]
+    correction = 1 - b1**mu_count
+    return [m / correction.astype(m.dtype) for m in mu], StackedRows(mu, state.mu.layout), mu_count
 
   def rows(xs, us):
     """``xs`` (one array per bucket) pinned to the rows of ``us`` each device holds."""
@@ -201,6 +240,7 @@ def scale_by_ginger(
     layout = state.u.layout
     us = list(state.u.stacks)
     gs = rows(_common.gather(layout, _common.flat_vectors(updates, state_dtype)[0]), us)
+    gs, mu, mu_count = average(gs, state)
     impl = kernels.resolve_impl(passes, None)  # on the backend the step is traced for
     if fisher_grads is None and curvature_every > 1:  # no curvature update this step
       sigmas = _sigma_stacks(layout, state.sigma, block)
@@ -208,7 +248,8 @@ def scale_by_ginger(
         kernels.precondition(u, s, g, gamma, impl=impl[0], interpret=impl[1])
         for u, s, g in zip(us, sigmas, gs, strict=True)
       ]
-      return _common.unflatten_like(_common.scatter(layout, rows(outs, us)), updates), state
+      new_state = state._replace(mu=mu, mu_count=mu_count)
+      return _common.unflatten_like(_common.scatter(layout, rows(outs, us)), updates), new_state
     vs = rows(
       _common.gather(layout, _common.fisher_vectors(updates, fisher_grads, state_dtype)), us
     )
@@ -234,7 +275,9 @@ def scale_by_ginger(
       )
     else:
       sigma = new_sigmas[0][0] if new_sigmas else state.sigma
-    new_state = ScaleByGingerState(count=count, u=StackedBasis(new_us, layout), sigma=sigma)
+    new_state = ScaleByGingerState(
+      count=count, u=StackedBasis(new_us, layout), sigma=sigma, mu=mu, mu_count=mu_count
+    )
     return _common.unflatten_like(_common.scatter(layout, outs), updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -427,7 +470,8 @@ def checkpoint_state(opt_state):
   tuning constant (``_common.BUCKET_OVERHEAD``); saved as they are, a checkpoint would fit
   only the plan it was written with. Here every basis becomes its per-leaf view
   ``u.tree()`` (a pytree like the params of ``(leaf.size, rank)`` arrays; for
-  ``block="global"`` each leaf's rows of the one block), which depends only on the params'
+  ``block="global"`` each leaf's rows of the one block), and Ginger's momentum
+  (:class:`StackedRows`) its ``(leaf.size,)`` vectors, which depend only on the params'
   shapes, ``tau`` and ``block``. Everything else is returned as is, so this can be applied
   to any optimizer state (or a whole training state) before saving::
 
@@ -450,7 +494,7 @@ def restore_checkpoint_state(saved, like):
       return value
     if _is_basis(value):  # already stacked: only one plan fits the template's shapes
       value = value.tree()
-    return StackedBasis.from_tree(value, template.layout)
+    return type(template).from_tree(value, template.layout)
 
   return jax.tree.map(restack, like, saved, is_leaf=_is_basis)
 
@@ -487,14 +531,15 @@ def ginger(
     learning_rate: a scalar or an optax schedule.
     tau, alpha, gamma, block, state_dtype, reorthonormalise_every, eigensolver,
     curvature_every, passes, sharding: see :func:`scale_by_ginger`.
-    b1: momentum (EMA) decay of the gradient, bias-corrected.
+    b1: momentum (EMA) decay of the gradient, bias-corrected: kept in Ginger's state, stacked
+      as ``U`` is (``scale_by_ginger``'s ``b1``; the arithmetic of ``optax.ema(b1,
+      debias=True)`` chained before it, as earlier versions did).
     rho: if set, clip every update entry to ``[-rho, rho]`` before the learning rate.
   """
   every = _common.check_every("curvature_every", curvature_every)
   if rho is not None and _common._concrete(rho) is not None and not float(rho) > 0:
     raise ValueError(f"rho must be > 0 or None (no clip), got {rho}.")
   chain = optax.chain(
-    optax.ema(b1, debias=True),
     scale_by_ginger(
       tau,
       alpha,
@@ -506,6 +551,7 @@ def ginger(
       curvature_every=curvature_every,
       passes=passes,
       sharding=sharding,
+      b1=b1,  # the momentum, kept stacked as U is (optax.ema's arithmetic)
     ),
     optax.clip(rho) if rho is not None else optax.identity(),
     optax.scale_by_learning_rate(learning_rate),

@@ -20,7 +20,9 @@ the last axis of a matrix (a basis's rank); everything else is replicated. For G
 that axis is the rows ``d``, so each device keeps ``d / n`` rows of ``U`` and the passes over
 ``U`` run on the local rows; the ``tau``-vectors ``U^T v`` they reduce to are summed across
 devices by XLA, and the small core and its eigenpairs are computed redundantly on every device.
-Per-device optimizer memory falls ~n-fold.
+Ginger's momentum, stacked ``(members, rows)`` as ``U`` is (``ginger.ginger.StackedRows``), is
+split as its bucket's ``U``: each device averages its own rows. Per-device optimizer memory
+falls ~n-fold.
 
 Results equal the unsharded ones up to float summation order. Note that Ginger amplifies any
 rounding difference (sharded or not, CPU or GPU) by about ``sigma_max / gamma``: float32
@@ -93,11 +95,41 @@ def state_partition_specs(
     min_size: arrays with fewer elements are replicated.
     size: the number of devices along ``axis``, instead of ``mesh``.
   """
+  from ginger.ginger import StackedRows  # that module imports this one
+
   if size is None:
     if mesh is None:
       raise ValueError("state_partition_specs needs a mesh or the axis size.")
     size = axis_size(mesh, axis)
-  return jax.tree.map(lambda x: partition_spec(np.shape(x), size, axis, min_size=min_size), state)
+
+  def spec(x):
+    if isinstance(x, StackedRows):  # (members, rows): split as the bucket's U is
+      return StackedRows(
+        [
+          rows_spec(np.shape(m), (*np.shape(m), b.rank), size, axis, min_size=min_size)
+          for m, b in zip(x.stacks, x.layout.buckets, strict=True)
+        ],
+        x.layout,
+      )
+    return partition_spec(np.shape(x), size, axis, min_size=min_size)
+
+  return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, StackedRows))
+
+
+def rows_spec(
+  shape: Sequence[int],
+  basis_shape: Sequence[int],
+  size: int,
+  axis: Axis = "data",
+  *,
+  min_size: int = MIN_SIZE,
+) -> PartitionSpec:
+  """``PartitionSpec`` of an array of ``shape`` split as a basis of ``basis_shape`` is: the
+  basis itself, or a stack of vectors along its leading axes (``g`` or Ginger's momentum as
+  ``(members, rows)`` beside ``U`` as ``(members, rows, rank)``), so that each device holds
+  the same rows of both. The vectors' own size does not matter: they go where ``U`` goes."""
+  spec = tuple(partition_spec(basis_shape, size, axis, min_size=min_size))
+  return PartitionSpec(*(spec + (None,) * len(basis_shape))[: len(shape)])
 
 
 def state_shardings(state, mesh: Mesh, axis: Axis = "data", *, min_size: int = MIN_SIZE):
@@ -140,15 +172,16 @@ class StateSharding:
 
   def shardings(self, state):
     """``NamedSharding``s for an optimizer ``state``: those of :func:`state_shardings`, except
-    in a state that holds Ginger's stacked bases, where only the bases are split.
+    in a state that holds Ginger's stacked bases, where only the bases and Ginger's momentum
+    (split as the bases' rows, :func:`rows_spec`) are split.
 
-    The rest of such a state is small (counts, ``sigma``) or params-shaped (the momentum
-    that feeds the bases): split by the params' own axes, the momentum would be all-gathered
-    every step (XLA re-lays it out by the bases' rows: 45 MB a ResNet-18 step), while whole
-    on every device it is updated from the all-reduced gradient with no collective, for
-    ``(n - 1) / n`` of one params-sized array more memory per device.
+    The rest of such a state is small (counts, ``sigma``) or params-shaped (the states of
+    transformations chained with Ginger's): split by the params' own axes, such an array that
+    meets the stacked vectors is re-laid out by the bases' rows every step (Ginger's momentum
+    while it was params-shaped: 45 MB of all-gathers a ResNet-18 step), while whole on every
+    device it is updated from the all-reduced gradient with no collective.
     """
-    from ginger.ginger import StackedBasis  # that module imports this one
+    from ginger.ginger import StackedBasis, StackedRows  # that module imports this one
 
     def is_basis(x):
       return isinstance(x, StackedBasis)
@@ -158,6 +191,14 @@ class StateSharding:
     whole = NamedSharding(self.mesh, PartitionSpec())
 
     def place(x):
+      if isinstance(x, StackedRows):  # (members, rows): split as the bucket's U is
+        return StackedRows(
+          [
+            self.row_sharding(np.shape(m), (*np.shape(m), b.rank))
+            for m, b in zip(x.stacks, x.layout.buckets, strict=True)
+          ],
+          x.layout,
+        )
       if is_basis(x):
         return jax.tree.map(lambda u: NamedSharding(self.mesh, self.spec(np.shape(u))), x)
       return whole
@@ -168,9 +209,14 @@ class StateSharding:
     """``tree``'s arrays pinned whole on every device (data parallelism's gradients)."""
     return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec()))
 
+  def row_sharding(self, shape: Sequence[int], basis_shape: Sequence[int]) -> NamedSharding:
+    """The sharding of an array of ``shape`` split as a basis of ``basis_shape`` is
+    (:func:`rows_spec`: the basis, or ``g``, ``d`` or the momentum as ``(members, rows)``
+    beside ``U`` as ``(members, rows, rank)``)."""
+    size = axis_size(self.mesh, self.axis)
+    spec = rows_spec(shape, basis_shape, size, self.axis, min_size=self.min_size)
+    return NamedSharding(self.mesh, spec)
+
   def constrain(self, x: jax.Array, basis_shape: Sequence[int]) -> jax.Array:
-    """``x`` (a basis of ``basis_shape`` or a vector stack of its leading axes, e.g. ``g`` as
-    ``(members, rows)`` for ``U`` as ``(members, rows, rank)``) split as that basis is."""
-    spec = tuple(self.spec(basis_shape))
-    spec = (spec + (None,) * len(basis_shape))[: x.ndim]
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+    """``x`` pinned as :meth:`row_sharding` says."""
+    return jax.lax.with_sharding_constraint(x, self.row_sharding(x.shape, basis_shape))

@@ -89,7 +89,9 @@ def _steps(setup, state, start: int, stop: int):
 
 def _save_as_before(run_dir: Path, step: int, state) -> None:
   """A checkpoint as the code before per-leaf checkpoints (2fea65c) wrote it: the raw state,
-  Ginger's bases as their stacked buckets, PRNG keys as their data."""
+  Ginger's bases (and its momentum) as their stacked buckets, PRNG keys as their data. (That
+  code kept the momentum in ``optax.ema``'s state: see
+  test_a_checkpoint_from_before_the_stacked_momentum_restores_exactly.)"""
   raw = jax.tree.map(
     lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
     state,

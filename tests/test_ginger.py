@@ -228,6 +228,11 @@ def test_state_shapes_and_dtypes():
   glob = ginger.scale_by_ginger(4, block="global").init(params)
   assert glob.u["w"].shape == (20, 4) and glob.u["b"].shape == (3, 4)
   assert glob.sigma.shape == (4,)
+  assert state.mu is None and state.mu_count is None  # no b1: no momentum
+  for block in ("per_tensor", "global"):  # the momentum: per-leaf vectors in state_dtype
+    mu = ginger.scale_by_ginger(4, block=block, b1=0.9).init(params)
+    assert mu.mu["w"].shape == (20,) and mu.mu["b"].shape == (3,)
+    assert mu.mu["w"].dtype == jnp.float32 and int(mu.mu_count) == 0
 
 
 # ---- the composed optimizer --------------------------------------------------------------

@@ -1,9 +1,13 @@
 """Hypothesis properties of Ginger's float32 state: orthonormal U, sorted non-negative sigma,
 finite outputs at extreme scales, zero and repeated vectors, leaves smaller than tau."""
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -111,3 +115,89 @@ def _long_run(steps, d_size=48, tau=8):
 def test_orthonormal_over_1e5_float32_steps():
   state = _long_run(100_000)
   assert float(lowrank.orthonormality_error([state.u["w"]])) < 1e-5
+
+
+# ---- the momentum kept in Ginger's state -------------------------------------------------
+
+_B1, _GAMMA, _STEPS = 0.9, 0.1, 6
+_SMALL = {"w": (6, 4), "b": (5,)}  # one rank: a small program (the compile is the cost)
+
+
+@functools.cache
+def _momentum_run(block):
+  """``STEPS`` steps of ``scale_by_ginger(b1=...)`` and of ``optax.ema`` chained before
+  ``scale_by_ginger``, on the same ``g`` and ``d``, ``d`` folded in where ``folds`` says (a
+  ``cond`` of both kinds of step: one program per block). Returns each step's updates, the
+  first's per-leaf momentum and counts, the second's ``EmaState`` and curvature count."""
+  inside = ginger.scale_by_ginger(3, 0.9, _GAMMA, block, curvature_every=2, b1=_B1)
+  chained = optax.chain(
+    optax.ema(_B1, debias=True), ginger.scale_by_ginger(3, 0.9, _GAMMA, block, curvature_every=2)
+  )
+
+  def both(states, g, d):
+    (out_in, s_in), (out_ch, s_ch) = (
+      tx.update(g, s, fisher_grads=d) for tx, s in zip((inside, chained), states, strict=True)
+    )
+    return (s_in, s_ch), (out_in, out_ch)
+
+  def step(states, xs):
+    g, d, fold = xs
+    states, outs = jax.lax.cond(fold, lambda: both(states, g, d), lambda: both(states, g, None))
+    s_in, (ema, pre) = states
+    seen = (s_in.mu.tree(), s_in.mu_count, s_in.count, ema, pre.count)
+    return states, (outs, seen)
+
+  def run(params, gs, ds, folds):
+    return jax.lax.scan(step, (inside.init(params), chained.init(params)), (gs, ds, folds))[1]
+
+  return jax.jit(run)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+  block=st.sampled_from(["per_tensor", "global"]),
+  folds=st.lists(st.booleans(), min_size=_STEPS, max_size=_STEPS),
+  log_scales=st.lists(st.floats(-2, 2), min_size=_STEPS, max_size=_STEPS),
+  seed=st.integers(0, 2**16),
+)
+def test_momentum_in_the_state_is_optax_ema_chained_before(block, folds, log_scales, seed):
+  """``scale_by_ginger(b1=...)`` keeps the momentum stacked as ``U`` (``state.mu``) and is
+  ``optax.ema(b1, debias=True)`` chained before ``scale_by_ginger``: the same momentum and
+  update every step, also on steps without a curvature update (``curvature_every=2``,
+  ``fisher_grads=None``: ``folds`` says which steps fold in a ``d``).
+
+  Both compute ``m_t = (1 - b1) g_t + b1 m_{t-1}`` in float32, in possibly different
+  fusions: each step adds at most 2 roundings of size ``eps M`` to each (``M = max |g|`` so
+  far bounds every ``|m|``), so the two ``m_t`` differ by at most ``4 eps M (1 - b1^t) /
+  (1 - b1)`` and the bias-corrected ``m_t / (1 - b1^t)`` by ``(4 / (1 - b1) + 2) eps M``.
+  ``G^{-1}`` is linear with norm ``<= 1 / gamma``, so the updates differ by at most that
+  times ``sqrt(n) / gamma`` in any entry (``n`` entries). The curvature sees the same ``d``
+  in both; ``sigma_max / gamma`` stays small here (``d`` of norm ~0.5, ``gamma = 0.1``), so
+  its rounding, amplified by that ratio, stays far below the momentum's bound. A momentum
+  taken from the wrong step, not bias-corrected or not updated on a step without curvature
+  differs by ``O(M)``."""
+  rng = np.random.default_rng(seed)
+  normal = lambda scale: {  # noqa: E731
+    k: (scale[:, None] * rng.normal(size=(_STEPS, math.prod(s)))).reshape(_STEPS, *s)
+    for k, s in _SMALL.items()
+  }
+  gs = normal(10.0 ** np.asarray(log_scales))
+  ds = normal(np.full(_STEPS, 0.1))
+  params = {k: jnp.zeros(s) for k, s in _SMALL.items()}
+  cast = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)  # noqa: E731
+  outs, seen = _momentum_run(block)(params, cast(gs), cast(ds), jnp.asarray(folds))
+  (out_in, out_ch), (mu, mu_count, count, ema, pre_count) = jax.tree.map(np.asarray, (outs, seen))
+  np.testing.assert_array_equal(mu_count, ema.count)
+  np.testing.assert_array_equal(mu_count, np.arange(1, _STEPS + 1))
+  np.testing.assert_array_equal(count, pre_count)
+  np.testing.assert_array_equal(count, np.cumsum(folds))
+  eps, n = float(np.finfo(np.float32).eps), sum(math.prod(s) for s in _SMALL.values())
+  for t in range(_STEPS):
+    top = max(float(np.max(np.abs(gs[k][: t + 1]))) for k in _SMALL)  # M
+    bound = 4 * eps * top * (1 - _B1 ** (t + 1)) / (1 - _B1)
+    for key in _SMALL:
+      assert mu[key].shape[1:] == (ema.ema[key][t].size,) and mu[key].dtype == np.float32
+      assert np.max(np.abs(mu[key][t] - ema.ema[key][t].ravel())) <= bound, (t, key)
+    bound = (4 / (1 - _B1) + 2) * eps * top * math.sqrt(n) / _GAMMA
+    for key in _SMALL:
+      assert np.max(np.abs(out_in[key][t] - out_ch[key][t])) <= bound, (t, key)

@@ -21,7 +21,7 @@ from cpu_devices import run_on_cpu_devices, with_device_count
 from jax.sharding import PartitionSpec as P
 
 import ginger
-from ginger.ginger import StackedBasis
+from ginger.ginger import StackedBasis, StackedRows
 from training import sharding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,9 +84,17 @@ def test_state_partition_specs_split_ginger_bases_along_rows_and_keep_sigma_repl
         s is None for i, s in enumerate(spec) if i != u.ndim - 2
       ), (u.shape, spec)
   for spec in jax.tree.leaves(
-    (inner_specs.sigma, inner_specs.count), is_leaf=lambda x: isinstance(x, P)
+    (inner_specs.sigma, inner_specs.count, inner_specs.mu_count), is_leaf=lambda x: isinstance(x, P)
   ):
     assert spec == P()
+  # The momentum, (members, rows) per bucket, goes where its bucket's U goes, also where it
+  # alone would be under min_size (the (2, 4096) stack of w's and v's under 16384): each
+  # device averages the rows of g it preconditions.
+  for min_size in (4096, 16384):
+    specs = ginger.sharding.state_partition_specs(state, axis="data", size=4, min_size=min_size)
+    assert isinstance(specs[0].mu, StackedRows)
+    for mu, spec in zip(inner.mu.stacks, specs[0].mu.stacks, strict=True):
+      assert spec == P(None, "data"), (mu.shape, spec)
 
 
 def test_state_shardings_place_a_state_on_a_one_device_mesh():
@@ -203,6 +211,17 @@ def _split_and_updated(name, tx, params, batches, mesh) -> dict:
       for u in bases
       if u.size >= 1 << 14
     ],
+    # Ginger's momentum (members, rows) per bucket: its shape, a device's shard of it and of U.
+    "momentum": [
+      [
+        list(m.shape),
+        list(m.addressable_shards[0].data.shape),
+        list(u.addressable_shards[0].data.shape),
+      ]
+      for m, u in zip(inner.mu.stacks, inner.u.stacks, strict=True)
+    ]
+    if name != "qng"
+    else [],
     "basis_ratio": sum(u.nbytes for u in bases) / device_bytes(bases),
     "state_ratio": sum(x.nbytes for x in jax.tree.leaves(sharded)) / device_bytes(sharded),
     "kept": all(
@@ -285,6 +304,10 @@ def test_sharded_optimizer_state_on_four_devices(four_devices):
       if shape[-2] % 4 == 0:  # the rows of U (d), not the rank, are split 4 ways
         assert shard == shape[:-2] + [shape[-2] // 4, shape[-1]], (name, shape, shard)
     assert r["kept"], name
+    for _, mu_shard, u_shard in r["momentum"]:  # the momentum's rows where U's are
+      assert mu_shard == u_shard[:-1], (name, mu_shard, u_shard)
+    if name != "qng":  # and it is split
+      assert any(mu_shard != shape for shape, mu_shard, _ in r["momentum"]), r["momentum"]
     # Rounding of two summation orders, magnified by sigma_max / gamma <= ~20 here (sigma_max
     # ~ (1 - alpha) ||d||^2 = 0.01 x 1e-4 x 2e5 entries, gamma = 1e-2): <= ~100 eps x 20 =
     # 1e-4 (measured: 2e-7). A sharding bug (a shard of U dropped, a sum not all-reduced)
@@ -411,14 +434,11 @@ def _inner(opt_state, kind):
 def _step_differences(start, ref, other_start, other) -> dict[str, float]:
   """How far one step's results (``other_start -> other``) are from the reference step's
   (``start -> ref``), each relative to its own scale, in float64."""
-  import optax
-
-  mu, mu_ref = _inner(other.opt_state, optax.EmaState), _inner(ref.opt_state, optax.EmaState)
   g, g_ref = (_inner(s.opt_state, ginger.ScaleByGingerState) for s in (other, ref))
   out = {
     "loss": _rel(other.stats["last_loss"], ref.stats["last_loss"]),
     "grad_norm": _rel(other.stats["grad_norm"], ref.stats["grad_norm"]),
-    "momentum": _rel(_flat(mu.ema), _flat(mu_ref.ema)),
+    "momentum": _rel(_flat(g.mu.tree()), _flat(g_ref.mu.tree())),
     "batch_stats": _rel(_flat(other.rest), _flat(ref.rest)),
     "update": _rel(
       _flat(other.trainable) - _flat(other_start.trainable),
@@ -542,7 +562,8 @@ def _compare_meshes(configs: str, variants: dict) -> dict:
 
 
 def _state_bytes(opt_state) -> dict[str, int]:
-  """Bytes per device of the optimizer state and of its bases ``U`` alone."""
+  """Bytes per device of the optimizer state and of its stacked arrays alone (the bases ``U``
+  and Ginger's momentum, a ``StackedBasis`` too)."""
   is_basis = lambda x: isinstance(x, StackedBasis)
   bases = [x for x in jax.tree.leaves(opt_state, is_leaf=is_basis) if is_basis(x)]
   return {
@@ -628,8 +649,8 @@ def test_four_devices_give_the_one_device_results(four_device_comparison):
   steps from the 1-device state gives the 1-device step's loss, gradient, BatchNorm
   statistics, curvature and update, to within the rounding the step itself amplifies (the
   step-by-step comparison cannot drift); evaluation on 4 devices gives the 1-device metrics;
-  the bases' bytes per device fall 4 ways, the rest of the state is whole on every device
-  (ginger.sharding.StateSharding.shardings)."""
+  the bytes per device of the bases and the momentum fall 4 ways, the rest of the state is
+  whole on every device (ginger.sharding.StateSharding.shardings)."""
   result = four_device_comparison
   one = result["one"]
   for name in CORRECT:

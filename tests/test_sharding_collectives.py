@@ -75,10 +75,10 @@ for name in json.loads(sys.argv[1]):
   inner = [s for s in jax.tree.leaves(sharded, is_leaf=lambda x: isinstance(
       x, ginger.ScaleByGingerState)) if isinstance(s, ginger.ScaleByGingerState)][0]
   out[name] = {"bytes": {k: sorted(v) for k, v in rows.items()}, "max_rel_error": err,
-               "bases": [list(u.sharding.spec) for u in inner.u.stacks]}
+               "bases": [list(u.sharding.spec) for u in inner.u.stacks],
+               "momentum": [list(m.sharding.spec) for m in inner.mu.stacks]}
 specs = lambda tree: jax.tree.map(lambda s: list(s.spec), tree,
                                   is_leaf=lambda x: isinstance(x, NamedSharding))
-out["momentum"] = specs(split.shardings(state)[0].ema)
 out["adam"] = specs(split.shardings(optax.adam(1e-3).init(params))[0].mu)
 print(json.dumps(out))
 """
@@ -112,9 +112,11 @@ def test_pinned_step_slices_g_and_d_locally_and_gathers_the_update_once(names):
     # Rounding of two summation orders, magnified by sigma_max / gamma (see test_sharding.py's
     # four-device test: <= ~1e-4); a row dropped or a sum not all-reduced changes it by O(1).
     assert out[name]["max_rel_error"] < 1e-4, (name, out[name]["max_rel_error"])
-  # A Ginger state: only the bases are split (the momentum whole, see StateSharding.shardings);
-  # any other state: the generic rule.
-  assert all(spec == [] for spec in out["momentum"].values()), out["momentum"]
+    # Ginger's momentum, (members, rows) per bucket, is split as its bucket's U (placed so by
+    # StateSharding.shardings, and kept by the steps): each device averages its own rows.
+    for mu, u in zip(out[name]["momentum"], out[name]["bases"], strict=True):
+      assert (mu + [None] * 2)[:2] == (u + [None] * 3)[:2], (name, mu, u)
+  # Any other state: the generic rule.
   assert out["adam"]["dense"] == ["data", None], out["adam"]
 
 

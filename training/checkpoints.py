@@ -8,6 +8,9 @@ checkpoint restores, exactly, whatever the bucket plan of the code that reads it
 :func:`ginger.restore_checkpoint_state` stacks it into the plan of the running code. Every
 other state (Adam, Momentum, QNG, params, model state) is saved as it is.
 
+Ginger's momentum (``mu``, kept stacked as ``U`` is) is saved per leaf the same way, as
+``(leaf.size,)`` vectors.
+
 Checkpoints of earlier versions hold the stacked buckets themselves. They restore as before
 while the bucket plan is the one that wrote them (on GPUs the plan has not changed since;
 off GPUs large blocks now get a bucket each, ``SOLO_BUCKETS``); under another plan,
@@ -16,6 +19,7 @@ off GPUs large blocks now get a bucket each, ``SOLO_BUCKETS``); under another pl
 
 from __future__ import annotations
 
+import collections
 import logging
 from pathlib import Path
 
@@ -79,7 +83,7 @@ def _bases_on_host(tree):
   def to_host(x):
     if not isinstance(x, StackedBasis) or not all(s.is_fully_addressable for s in x.stacks):
       return x
-    return StackedBasis([_host_copy(s) for s in x.stacks], x.layout)
+    return type(x)([_host_copy(s) for s in x.stacks], x.layout)  # a basis or the momentum
 
   return jax.tree.map(to_host, tree, is_leaf=lambda x: isinstance(x, StackedBasis))
 
@@ -121,20 +125,26 @@ def _key_name(key) -> str:
 def _restacked_elsewhere(on_disk: Shapes, per_leaf: Shapes, stacked: Shapes) -> tuple | None:
   """``(buckets on disk, buckets now)`` if ``on_disk`` is the stacked layout of this state
   under another bucket plan: every entry outside the bases as in ``per_leaf``, each basis
-  a list of ``(members, rows, rank)`` buckets. None otherwise."""
-  bases = {name[:-1] for name in set(stacked) - set(per_leaf)}  # where a StackedBasis sits
-  if not bases:
+  a list of buckets of its own number of axes (``(members, rows, rank)`` for ``U``,
+  ``(members, rows)`` for the momentum). None otherwise."""
+  # Where a StackedBasis sits -> the number of axes of its buckets.
+  ndim = {k[:-1]: len(v) for k, v in stacked.items() if k not in per_leaf}
+  if not ndim:
     return None
 
   def outside(shapes):
-    return {k: v for k, v in shapes.items() if not any(k[: len(b)] == b for b in bases)}
+    return {k: v for k, v in shapes.items() if not any(k[: len(b)] == b for b in ndim)}
 
-  inside = {k: v for k, v in on_disk.items() if k[:-1] in bases}
+  inside = {k: v for k, v in on_disk.items() if k[:-1] in ndim}
   if outside(on_disk) != outside(per_leaf) or len(inside) + len(outside(on_disk)) != len(on_disk):
     return None
-  if not all(k[-1].isdigit() and len(v) == 3 for k, v in inside.items()):
+  if not all(k[-1].isdigit() and len(v) == ndim[k[:-1]] for k, v in inside.items()):
     return None
-  return len(inside), len(set(stacked) - set(per_leaf))
+
+  def buckets(keys):  # of the basis with the most (U and its momentum have the same)
+    return max(collections.Counter(k[:-1] for k in keys).values())
+
+  return buckets(inside), buckets(k for k in stacked if k not in per_leaf)
 
 
 class Checkpointer:
