@@ -7,10 +7,12 @@ import gc
 import json
 import signal
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from hydra import compose, initialize_config_dir
@@ -18,6 +20,7 @@ from omegaconf import OmegaConf
 
 import ginger
 from ginger import _common
+from ginger.ginger import StackedRows
 from models.tasks import build_task
 from training import logs, run_record, sharding
 from training import loop as train
@@ -341,6 +344,93 @@ def test_a_corrupt_checkpoint_fails_clearly(tmp_path):
       f.write_bytes(b"garbage")
   with pytest.raises(CheckpointError, match=r"checkpoint 3 in .* cannot be read"):
     Checkpointer(tmp_path).restore(setup.state)
+
+
+# ------------------------------------------- checkpoints from before Ginger kept its momentum
+
+
+class _GingerStateBefore(NamedTuple):
+  """``ginger.ScaleByGingerState`` before it held the momentum (its fields then)."""
+
+  count: Any
+  u: Any
+  sigma: Any
+
+
+SMALL = {"a": (5, 3), "b": (11,), "e": (2,)}
+GINGER = dict(tau=3, alpha=0.9, gamma=1e-2)
+
+
+def _small_params():
+  """Params of several sizes (several buckets under MANY, one a rank under FEW), one leaf in
+  bfloat16 (earlier momenta were kept in the params' dtype)."""
+  return {k: jnp.zeros(s, jnp.bfloat16 if k == "e" else jnp.float32) for k, s in SMALL.items()}
+
+
+def _state_before(block: str):
+  """A state of Ginger as earlier versions composed it, ``optax.ema`` chained before the
+  preconditioner: ``(EmaState, Ginger's state of 3 fields, clip, lr)``, with random numbers
+  in every entry (so that nothing passes by being zero or in another's place), the bases
+  stacked with zero padding."""
+  tx = optax.chain(
+    optax.ema(0.9, debias=True),
+    ginger.scale_by_ginger(block=block, **GINGER),
+    optax.identity(),
+    optax.scale_by_learning_rate(0.1),
+  )
+  rng = np.random.default_rng(3)
+
+  def noise(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.asarray(rng.normal(size=x.shape), x.dtype)
+    return jnp.asarray(rng.integers(1, 1000, size=x.shape), x.dtype)
+
+  fresh = tx.init(_small_params())
+  state = ginger.restore_checkpoint_state(
+    jax.tree.map(noise, ginger.checkpoint_state(fresh)), fresh
+  )
+  ema, pre, *rest = state
+  return (ema, _GingerStateBefore(pre.count, pre.u, pre.sigma), *rest)
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+def test_a_checkpoint_from_before_the_stacked_momentum_restores_exactly(tmp_path, block, caplog):
+  """A checkpoint of a version whose Ginger chained ``optax.ema`` before its preconditioner
+  (bases per leaf, as ``Checkpointer.save`` wrote them, or stacked as still earlier versions
+  did) restores into this version's state with a warning: the ``ema`` is the momentum
+  ``mu`` (per leaf, cast from the params' dtype to float32: exact), its count ``mu_count``,
+  everything else as saved, bit for bit, in the structure and placement of the template.
+  Stacked under another bucket plan, it says what to do."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(_common, "BUCKET_OVERHEAD", FEW)
+    before = _state_before(block)
+    Checkpointer(tmp_path / "per_leaf").save(3, before)
+    Checkpointer(tmp_path / "per_leaf").wait()
+    _save_as_before(tmp_path / "stacked", 3, before)
+    like = ginger.ginger(0.1, b1=0.9, block=block, **GINGER).init(_small_params())
+  ema, pre, *rest = before
+  mu = jax.tree.map(lambda e: jnp.ravel(e).astype(jnp.float32), ema.ema)
+  expected = (ginger.ScaleByGingerState(pre.count, pre.u.tree(), pre.sigma, mu, ema.count), *rest)
+  for layout in ("per_leaf", "stacked"):
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="train"):
+      restored = Checkpointer(tmp_path / layout).restore(like, 3)
+    assert "written before Ginger kept its momentum" in caplog.text, layout
+    assert jax.tree.structure(restored) == jax.tree.structure(like)
+    assert isinstance(restored[0].mu, StackedRows)
+    _assert_bitwise(ginger.checkpoint_state(restored), expected)
+    for x, t in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True):
+      assert x.sharding == t.sharding
+  if block == "per_tensor":  # global: one block, the same under every plan
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(_common, "BUCKET_OVERHEAD", MANY)
+      like = ginger.ginger(0.1, b1=0.9, block=block, **GINGER).init(_small_params())
+    with pytest.raises(CheckpointError, match="2 buckets in the checkpoint, 3 now"):
+      Checkpointer(tmp_path / "stacked").restore(like, 3)
+    # Per leaf it restores under any plan.
+    _assert_bitwise(
+      ginger.checkpoint_state(Checkpointer(tmp_path / "per_leaf").restore(like, 3)), expected
+    )
 
 
 # ----------------------------------------------------------------------------- metrics.jsonl
