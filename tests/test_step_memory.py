@@ -85,10 +85,10 @@ def test_summary_reports_the_steps_own_memory(tmp_path, monkeypatch, every):
   seen = []
   compile_all = train.compile_all
 
-  def recording(lower, threads=None):
+  def recording(lower, threads=None, times=None):
     gc.collect()
     seen.append({(x.shape, x.dtype) for x in jax.live_arrays()})
-    return compile_all(lower, threads)
+    return compile_all(lower, threads, times)
 
   monkeypatch.setattr(train, "compile_all", recording)
   summary = train.train(cfg, tmp_path)
