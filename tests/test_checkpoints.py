@@ -334,6 +334,34 @@ def test_saving_makes_no_device_copy_of_the_bases(tmp_path, monkeypatch):
   _assert_bitwise(Checkpointer(tmp_path).restore(state), state)
 
 
+def test_saving_copies_the_bases_to_the_host_once(tmp_path, monkeypatch):
+  """The per-leaf bases a save hands orbax are views of the one host copy of each bucket, and
+  orbax writes them as they are: its default deep-copied every numpy array before ``save``
+  returned, another pass over ``U`` in host memory that held training (on a 4x H200 host a
+  checkpoint stalled Ginger 1.0 s, Adam 0.6 s). No numpy array is copied while saving, and
+  the checkpoint restores bit for bit."""
+  import copy
+
+  setup = train.build(config("experiment=demo", "logger=none", "optimizer=ginger", "tau=8"))
+  state = _random_state(setup, seed=3)
+  del setup
+  copied = []
+  deepcopy = copy.deepcopy
+
+  def counting(x, *args, **kwargs):
+    if isinstance(x, np.ndarray):
+      copied.append(x.nbytes)
+    return deepcopy(x, *args, **kwargs)
+
+  monkeypatch.setattr(copy, "deepcopy", counting)
+  checkpointer = Checkpointer(tmp_path)
+  checkpointer.save(5, state)
+  checkpointer.wait()
+  monkeypatch.undo()
+  assert copied == []
+  _assert_bitwise(Checkpointer(tmp_path).restore(state), state)
+
+
 def test_a_corrupt_checkpoint_fails_clearly(tmp_path):
   setup = train.build(config("experiment=demo", "logger=none", "optimizer=ginger"))
   checkpointer = Checkpointer(tmp_path)
