@@ -115,6 +115,10 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
   separate_d_pass = cfg.fisher_forward == "eval"
 
+  # A function of its own under jit: a run's programs (the training step with and without the
+  # curvature update, their gradients) trace the model once, then reuse JAX's cached jaxpr and
+  # its derivatives; XLA inlines the call, so the compiled steps are unchanged.
+  @functools.partial(jax.jit, static_argnums=0)
   def apply(graphdef, trainable, frozen, rest, inputs):
     model = nnx.merge(graphdef, task.full_params(trainable, frozen), rest, copy=True)
     logits = task.forward(model, inputs)
