@@ -305,7 +305,14 @@ def test_saving_makes_no_device_copy_of_the_bases(tmp_path, monkeypatch):
   next training steps (ResNet-50, tau 32, on an H200: peak 13.29 GB = the step's 10.13 + U
   3.01 + 0.15). What a save hands orbax holds no device buffer but the state's own, and the
   device memory in use grows by less than one parameter tensor's bytes, while saving and
-  after (one U is ``tau`` times all of them); the checkpoint restores bit for bit."""
+  after (one U is ``tau`` times all of them); the checkpoint restores bit for bit.
+
+  Nor a second host copy: the per-leaf bases are views of the one host copy of each bucket,
+  and orbax writes them as given (its default deep-copied every numpy array before ``save``
+  returned, another pass over ``U`` that held training: on a 4x H200 host a checkpoint stalled
+  Ginger 1.0 s, Adam 0.6 s); no numpy array is copied while saving."""
+  import copy
+
   setup = train.build(config("experiment=demo", "logger=none", "optimizer=ginger", "tau=8"))
   state = _random_state(setup, seed=2)
   del setup  # its template U
@@ -322,29 +329,6 @@ def test_saving_makes_no_device_copy_of_the_bases(tmp_path, monkeypatch):
     handed.append((copies, _live_device_bytes()))
     return save(self, step, *args, **kwargs)
 
-  monkeypatch.setattr(ocp.CheckpointManager, "save", spying)
-  checkpointer = Checkpointer(tmp_path)
-  before = _live_device_bytes()
-  checkpointer.save(5, state)
-  after = _live_device_bytes()  # before the write is waited for: what training steps see
-  checkpointer.wait()
-  [(copies, during)] = handed
-  assert copies < margin
-  assert during - before < margin and after - before < margin
-  _assert_bitwise(Checkpointer(tmp_path).restore(state), state)
-
-
-def test_saving_copies_the_bases_to_the_host_once(tmp_path, monkeypatch):
-  """The per-leaf bases a save hands orbax are views of the one host copy of each bucket, and
-  orbax writes them as they are: its default deep-copied every numpy array before ``save``
-  returned, another pass over ``U`` in host memory that held training (on a 4x H200 host a
-  checkpoint stalled Ginger 1.0 s, Adam 0.6 s). No numpy array is copied while saving, and
-  the checkpoint restores bit for bit."""
-  import copy
-
-  setup = train.build(config("experiment=demo", "logger=none", "optimizer=ginger", "tau=8"))
-  state = _random_state(setup, seed=3)
-  del setup
   copied = []
   deepcopy = copy.deepcopy
 
@@ -353,12 +337,18 @@ def test_saving_copies_the_bases_to_the_host_once(tmp_path, monkeypatch):
       copied.append(x.nbytes)
     return deepcopy(x, *args, **kwargs)
 
+  monkeypatch.setattr(ocp.CheckpointManager, "save", spying)
   monkeypatch.setattr(copy, "deepcopy", counting)
   checkpointer = Checkpointer(tmp_path)
+  before = _live_device_bytes()
   checkpointer.save(5, state)
+  after = _live_device_bytes()  # before the write is waited for: what training steps see
   checkpointer.wait()
-  monkeypatch.undo()
+  monkeypatch.setattr(copy, "deepcopy", deepcopy)
   assert copied == []
+  [(copies, during)] = handed
+  assert copies < margin
+  assert during - before < margin and after - before < margin
   _assert_bitwise(Checkpointer(tmp_path).restore(state), state)
 
 

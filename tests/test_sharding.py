@@ -518,16 +518,8 @@ def _compare_meshes(configs: str, variants: dict) -> dict:
   perm = one.task.batch_order(int(cfg.seed), 0)  # the loop's order of epoch 0
   batches = [perm[t * batch : (t + 1) * batch] for t in range(STEPS)]
 
-  compiled = {}  # per setup: its train step, compiled on the first call
-
   def step(setup, arrays, host, idx):
-    state = _place(host, setup)
-    if id(setup) not in compiled:  # the program the loop runs, with LLVM's optimisations:
-      # each runs >= 8 steps, cheaper at -O3 than at `make test`'s -O0 (`make test-all`
-      # compares at -O3 too: the bounds hold for either)
-      lowered = setup.train_step.lower(state, setup.frozen, arrays, idx)
-      compiled[id(setup)] = lowered.compile({"xla_backend_optimization_level": 3})
-    return _host(compiled[id(setup)](state, setup.frozen, arrays, idx))
+    return _host(setup.train_step(_place(host, setup), setup.frozen, arrays, idx))
 
   states, twin = [_host(one.state)], []
   for t, idx in enumerate(batches):
