@@ -104,16 +104,22 @@ def state_partition_specs(
 
   def spec(x):
     if isinstance(x, StackedRows):  # (members, rows): split as the bucket's U is
-      return StackedRows(
-        [
-          rows_spec(np.shape(m), (*np.shape(m), b.rank), size, axis, min_size=min_size)
-          for m, b in zip(x.stacks, x.layout.buckets, strict=True)
-        ],
-        x.layout,
-      )
+      return _per_bucket(x, lambda s, b: rows_spec(s, b, size, axis, min_size=min_size))
     return partition_spec(np.shape(x), size, axis, min_size=min_size)
 
   return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, StackedRows))
+
+
+def _per_bucket(rows, of):
+  """``rows`` (Ginger's momentum, a ``StackedRows``) with each bucket's ``(members, rows)``
+  array replaced by ``of(its shape, the shape of the bucket's U (members, rows, rank))``."""
+  return type(rows)(
+    [
+      of(np.shape(m), (*np.shape(m), b.rank))
+      for m, b in zip(rows.stacks, rows.layout.buckets, strict=True)
+    ],
+    rows.layout,
+  )
 
 
 def rows_spec(
@@ -192,13 +198,7 @@ class StateSharding:
 
     def place(x):
       if isinstance(x, StackedRows):  # (members, rows): split as the bucket's U is
-        return StackedRows(
-          [
-            self.row_sharding(np.shape(m), (*np.shape(m), b.rank))
-            for m, b in zip(x.stacks, x.layout.buckets, strict=True)
-          ],
-          x.layout,
-        )
+        return _per_bucket(x, self.row_sharding)
       if is_basis(x):
         return jax.tree.map(lambda u: NamedSharding(self.mesh, self.spec(np.shape(u))), x)
       return whole
