@@ -16,7 +16,7 @@ The method (Golub 1973; Bunch, Nielsen and Sorensen 1978; Gu and Eisenstat 1994;
    reflection per group, which leaves ``D`` unchanged and moves the group's part of ``z``
    onto its last member; the others get ``z = 0``. Every entry with
    ``rho |z_j| <= sqrt(tiny) max(|d|_max, rho)`` then gets ``z_j = 0`` (far below the
-   matrix's rounding level; LAPACK deflates up to ``8 eps ||M||``, which the root search below
+   matrix's rounding level; LAPACK deflates up to ``8 eps ||M||``, which the bisection below
    does not need and which costs the eigenvectors of eigenvalues near such a ``d_j``
    accuracy). An entry with ``z_j = 0`` is an exact eigenpair
    ``(d_j, e_j)``: eigenvalues that are zero in exact arithmetic stay exactly zero.
@@ -25,10 +25,9 @@ The method (Golub 1973; Bunch, Nielsen and Sorensen 1978; Gu and Eisenstat 1994;
    active poles and one in ``(d_top, d_top + rho ||z||^2]``. Each is written as
    ``lambda = d_K + s * t`` from the nearer pole ``K`` (``s = +-1``), so that the differences
    ``d_j - lambda = (d_j - d_K) - s t`` are accurate however close the poles are, and ``t``
-   is found by multisection on the bit pattern of the float ``t``: each step evaluates ``f``
-   at 15 floats evenly spaced in the bracket and keeps the sixteenth where ``f`` changes sign,
-   so 8 steps (16 in float64) end at adjacent floats for any scale of ``t``, from subnormal
-   to ``finfo.max``: the root bisection's 31 (63) steps find, in a quarter of the steps.
+   is found by bisection on the bit pattern of the float ``t``: each step halves the number
+   of floats left in the bracket, so 31 steps (63 in float64) end at adjacent floats for any
+   scale of ``t``, from subnormal to ``finfo.max``.
 3. *Eigenvectors.* With the computed roots, ``z`` is recomputed by Lowner's formula
    (Gu-Eisenstat), ``zhat_j^2 = prod_i (lambda_i - d_j) / (rho prod_{i != j} (d_i - d_j))``,
    which makes the eigenvectors ``(zhat_j / (d_j - lambda_i))_j`` (normalised) numerically
@@ -41,8 +40,6 @@ import jax
 import jax.numpy as jnp
 
 HIGHEST = jax.lax.Precision.HIGHEST
-# Parts the bracket of each root is split into per step of the root search.
-SECTIONS = 16
 
 
 def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array, jax.Array]:
@@ -93,7 +90,7 @@ def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array,
   house = jnp.eye(n, dtype=dtype) - same * (coef[..., :, None] * u[..., :, None] * u[..., None, :])
   z = jnp.where(reflect, jnp.where(last, -sign_last * group_norm, 0.0), z)
   # Only couplings below sqrt(tiny) of the matrix's scale are dropped (their squares would
-  # underflow); the root search needs no wider deflation, and LAPACK's 8 eps ||M|| tolerance
+  # underflow); the bisection needs no wider deflation, and LAPACK's 8 eps ||M|| tolerance
   # would cost the smallest kept eigenvectors accuracy (eps ||M|| / gap).
   tol = jnp.sqrt(finfo.tiny) * scale
   active = rho[..., None] * jnp.abs(z) > tol[..., None]
@@ -130,31 +127,15 @@ def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array,
   lo = jnp.zeros(half.shape, ibits)
   hi = jnp.maximum(jax.lax.bitcast_convert_type(jnp.maximum(half, 0.0).astype(dtype), ibits), floor)
 
-  # Each step splits [lo, hi] (bit patterns) at the points lo + floor(i (hi - lo) / SECTIONS)
-  # and keeps [last point below the root, first point not below]: ``below`` (f < 0 along s t)
-  # holds left of the root, so the kept part holds it, at most ceil(length / SECTIONS) long.
-  # The steps are few and unrolled (no loop): on a GPU each step of a loop is a few kernel
-  # launches and a copy of the carry, which cost more than the evaluations (bisection's 31
-  # steps were half the kernels of a ResNet-18 update).
-  sections = jnp.arange(1, SECTIONS, dtype=ibits)
-  origin_each = jnp.repeat(origin_d, SECTIONS - 1, axis=-1)
-  sign_each = jnp.repeat(sign, SECTIONS - 1, axis=-1)
-  for _ in range(_steps(jnp.finfo(dtype).bits - 1)):
-    length = hi - lo
-    # floor(i length / SECTIONS) without overflowing ibits.
-    offset = (length // SECTIONS)[..., None] * sections
-    offset += ((length % SECTIONS)[..., None] * sections) // SECTIONS
-    points = jnp.maximum(lo[..., None] + offset, floor)  # (..., roots, SECTIONS - 1)
-    t = jax.lax.bitcast_convert_type(points, dtype).reshape(*lo.shape[:-1], -1)
-    below = sign_each * secular(origin_each, sign_each * t) < 0  # f increases along s t
-    below = below.reshape(points.shape)
-    # The first point not below the root (SECTIONS - 1: none is): it and the one before
-    # bracket the root, as bisection's steps would, also where rounding makes f not monotone.
-    first = jnp.where(jnp.all(below, -1), SECTIONS - 1, jnp.argmin(below, axis=-1))
-    left_of_first = sections - 1 < first[..., None]
-    # The points ascend: the last one left of ``first`` and ``first`` itself, or lo and hi.
-    lo = jnp.max(jnp.where(left_of_first, points, lo[..., None]), -1)
-    hi = jnp.min(jnp.where(left_of_first, hi[..., None], points), -1)
+  def bisect(_, bracket):
+    lo, hi = bracket
+    mid = jnp.maximum(lo + (hi - lo) // 2, floor)
+    t = jax.lax.bitcast_convert_type(mid, dtype)
+    below = sign * secular(origin_d, sign * t) < 0  # f increases along s t
+    return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
+
+  # A loop, not unrolled: 31 (63) copies of the evaluation would multiply compile time.
+  lo, hi = jax.lax.fori_loop(0, jnp.finfo(dtype).bits - 1, bisect, (lo, hi))
   t = jax.lax.bitcast_convert_type(jnp.maximum(hi, floor), dtype)
   shift = sign * t
   w = jnp.where(active, origin_d + shift, d)
@@ -186,15 +167,6 @@ def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array,
   w = jnp.take_along_axis(w, order, -1)
   vecs = jnp.take_along_axis(vecs, order[..., None, :], -1)
   return w, vecs
-
-
-def _steps(bits: int) -> int:
-  """Multisection steps that shrink any bracket of ``2**bits`` bit patterns to adjacent ones:
-  each step leaves at most ``ceil(length / SECTIONS)``."""
-  steps, length = 0, 1 << bits
-  while length > 1:
-    length, steps = -(-length // SECTIONS), steps + 1
-  return steps
 
 
 def _safe_max_abs(x: jax.Array) -> jax.Array:
