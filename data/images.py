@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import lzma
 import os
@@ -213,13 +214,31 @@ def channel_stats(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------------- digits
 
 
-def _load_digits() -> _Splits:
-  """scikit-learn's bundled 8x8 digits (16 grey levels scaled to 0..255), 80/20 split."""
+def _digits_table() -> tuple[np.ndarray, np.ndarray]:
+  """scikit-learn's bundled digits: ``(images (1797, 8, 8) of 0..16, labels)``.
+
+  Read from the package's own data file, ``sklearn/datasets/data/digits.csv.gz`` (what
+  ``sklearn.datasets.load_digits`` reads: 64 pixels then the label per row), found without
+  importing scikit-learn, whose import takes ~2.5 s of every run's start-up; where the file
+  is not there (another scikit-learn's layout), ``load_digits`` itself.
+  """
+  spec = importlib.util.find_spec("sklearn")
+  folders = list(spec.submodule_search_locations or []) if spec else []
+  table = [Path(f) / "datasets" / "data" / "digits.csv.gz" for f in folders]
+  if table and table[0].is_file():
+    rows = np.loadtxt(table[0], delimiter=",")
+    return rows[:, :-1].reshape(-1, 8, 8), rows[:, -1].astype(np.int64)
   from sklearn.datasets import load_digits
 
   digits = load_digits()
-  images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
-  labels = digits.target.astype(np.int32)
+  return digits.images, digits.target
+
+
+def _load_digits() -> _Splits:
+  """scikit-learn's bundled 8x8 digits (16 grey levels scaled to 0..255), 80/20 split."""
+  images, labels = _digits_table()
+  images = np.round(images * (255.0 / 16.0)).astype(np.uint8)[..., None]
+  labels = labels.astype(np.int32)
   perm = np.random.default_rng(_DIGITS_SPLIT_SEED).permutation(len(labels))
   n_test = int(len(labels) * DIGITS_TEST_FRACTION)
   train, test = perm[:-n_test], perm[-n_test:]

@@ -50,6 +50,19 @@ def test_digits_offline_shapes_and_dtypes(digits):
   assert 0 < digits.mean[0] < 1 and 0 < digits.std[0] < 1
 
 
+def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
+  """The table read from scikit-learn's data file is ``load_digits()``'s, and reading it does
+  not import scikit-learn (``import sklearn.datasets`` fails inside; ~2.5 s a process)."""
+  from sklearn.datasets import load_digits
+
+  with monkeypatch.context() as patched:
+    patched.setitem(sys.modules, "sklearn.datasets", None)
+    pixels, labels = image_data._digits_table()
+  expected = load_digits()
+  np.testing.assert_array_equal(pixels, expected.images)
+  np.testing.assert_array_equal(labels, expected.target)
+
+
 def test_digits_ignores_source_and_is_deterministic(digits):
   again = load_image_dataset("digits", source="hf", seed=123)
   np.testing.assert_array_equal(again.val_images, digits.val_images)
