@@ -81,6 +81,56 @@ class StackedRows(StackedBasis):
   split over devices by the rows of ``U`` (:meth:`ginger.sharding.StateSharding.shardings`)."""
 
 
+@jax.tree_util.register_pytree_with_keys_class
+class StackedSigma:
+  """The eigenvalues ``sigma`` of all per-tensor blocks, stacked by bucket as ``U`` is: one
+  ``(members, rank)`` array per bucket, so that a step reads and writes them as a few arrays
+  (per leaf, a step on a GPU cut the new ``sigma`` out of the batched solve's result as one
+  small copy per parameter tensor: 62 of ResNet-18's ~370 kernels an update). Indexing reads
+  like a pytree like the params of ``(rank,)`` vectors: ``sigma[key]``, ``sigma.tree()``.
+  Saved per leaf (:func:`checkpoint_state`); whole on every device when the state is split
+  (small).
+  """
+
+  def __init__(self, stacks, layout: _common.Layout):
+    self.stacks = tuple(stacks)
+    self.layout = layout
+
+  def tree_flatten_with_keys(self):
+    keys = [jax.tree_util.SequenceKey(b) for b in range(len(self.stacks))]
+    return list(zip(keys, self.stacks, strict=True)), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, stacks):
+    return cls(stacks, layout)
+
+  def leaf(self, i: int) -> jax.Array:
+    """``sigma`` of leaf ``i``'s block (in ``jax.tree.leaves(params)`` order)."""
+    b, j, _ = self.layout.where(i)
+    return self.stacks[b][j]
+
+  def tree(self):
+    """A pytree like the params whose leaves are :meth:`leaf`."""
+    return jax.tree.unflatten(
+      self.layout.treedef, [self.leaf(i) for i in range(len(self.layout.sizes))]
+    )
+
+  @classmethod
+  def from_tree(cls, tree, layout: _common.Layout) -> StackedSigma:
+    """Inverse of :meth:`tree`."""
+    leaves = jax.tree.leaves(tree)
+    return cls(
+      [jnp.stack([leaves[piece[0][0]] for piece in b.members]) for b in layout.buckets], layout
+    )
+
+  def __getitem__(self, key):
+    return self.tree()[key]
+
+  def __repr__(self):
+    shapes = ", ".join(str(getattr(x, "shape", "?")) for x in self.stacks)
+    return f"{type(self).__name__}([{shapes}])"
+
+
 class ScaleByGingerState(NamedTuple):
   """State of :func:`scale_by_ginger`.
 
@@ -89,8 +139,9 @@ class ScaleByGingerState(NamedTuple):
     u: a :class:`StackedBasis`. Its leaves are one ``(members, rows, k)`` array per bucket
       of equal-rank blocks (``k = min(tau, block size)``), zero-padded to the bucket's
       largest block; ``u[key]`` gives a leaf's rows ``(leaf.size, k)`` as before.
-    sigma: the eigenvalues ``sigma`` of each block: a pytree like the params of
-      ``(k,)`` arrays for ``block="per_tensor"``, a single ``(k,)`` array for ``"global"``.
+    sigma: the eigenvalues ``sigma`` of each block: for ``block="per_tensor"`` a
+      :class:`StackedSigma` (one ``(members, k)`` array per bucket; ``sigma[key]`` gives a
+      leaf's ``(k,)``), for ``"global"`` a single ``(k,)`` array.
     mu: with ``b1``, the momentum (EMA of the updates) as a :class:`StackedRows`; else None.
     mu_count: with ``b1``, the number of updates averaged into ``mu`` (int32); else None.
   """
@@ -198,11 +249,11 @@ def scale_by_ginger(
       [lowrank.init_basis(len(b.members), b.rows, b.rank, state_dtype) for b in layout.buckets],
       layout,
     )
-    sigmas = [jnp.zeros((b.rank,), state_dtype) for b in layout.buckets for _ in b.members]
+    sigmas = [jnp.zeros((len(b.members), b.rank), state_dtype) for b in layout.buckets]
     if block == "per_tensor":
-      sigma = jax.tree.unflatten(treedef, _per_leaf(layout, sigmas))
+      sigma = StackedSigma(sigmas, layout)
     else:
-      sigma = sigmas[0] if sigmas else jnp.zeros((0,), state_dtype)
+      sigma = sigmas[0][0] if sigmas else jnp.zeros((0,), state_dtype)
     mu = mu_count = None
     if b1 is not None:
       mu = StackedRows(
@@ -270,9 +321,7 @@ def scale_by_ginger(
     )  # fmt: skip
     new_us, outs = rows(new_us, us), rows(outs, us)
     if block == "per_tensor":
-      sigma = jax.tree.unflatten(
-        jax.tree.structure(state.sigma), _per_leaf(layout, [s for st in new_sigmas for s in st])
-      )
+      sigma = StackedSigma(new_sigmas, layout)
     else:
       sigma = new_sigmas[0][0] if new_sigmas else state.sigma
     new_state = ScaleByGingerState(
@@ -416,20 +465,7 @@ def _sigma_stacks(layout: _common.Layout, sigma, block) -> list[jax.Array]:
   """State ``sigma`` as one ``(members, rank)`` array per bucket."""
   if block != "per_tensor":
     return [sigma[None]] if layout.buckets else []
-  leaves = jax.tree.leaves(sigma)
-  return [
-    jnp.stack([leaves[pieces[0][0]] for pieces in bucket.members]) for bucket in layout.buckets
-  ]
-
-
-def _per_leaf(layout: _common.Layout, sigmas: list[jax.Array]) -> list[jax.Array]:
-  """Per-block ``sigma`` in bucket order -> per-leaf order (per-tensor blocks)."""
-  out: list[jax.Array] = [None] * len(layout.sizes)  # type: ignore[list-item]
-  flat = iter(sigmas)
-  for bucket in layout.buckets:
-    for pieces in bucket.members:
-      out[pieces[0][0]] = next(flat)
-  return out
+  return list(sigma.stacks)
 
 
 def curvature_spectrum(opt_state) -> dict[str, jax.Array]:
@@ -451,16 +487,17 @@ def curvature_spectrum(opt_state) -> dict[str, jax.Array]:
   out = {}
   for n, state in enumerate(states):
     prefix = f"{n}:" if len(states) > 1 else ""
-    if jax.tree_util.treedef_is_leaf(jax.tree.structure(state.sigma)):
-      out[prefix + "global"] = state.sigma  # one block (also per-tensor over one array)
+    sigmas = state.sigma.tree() if isinstance(state.sigma, StackedSigma) else state.sigma
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(sigmas)):
+      out[prefix + "global"] = sigmas  # one block (also per-tensor over one array)
     else:
-      for path, sigma in jax.tree_util.tree_leaves_with_path(state.sigma):
+      for path, sigma in jax.tree_util.tree_leaves_with_path(sigmas):
         out[prefix + jax.tree_util.keystr(path)] = sigma
   return out
 
 
-def _is_basis(x) -> bool:
-  return isinstance(x, StackedBasis)
+def _is_stacked(x) -> bool:
+  return isinstance(x, StackedBasis | StackedSigma)
 
 
 def checkpoint_state(opt_state):
@@ -470,9 +507,10 @@ def checkpoint_state(opt_state):
   tuning constant (``_common.BUCKET_OVERHEAD``); saved as they are, a checkpoint would fit
   only the plan it was written with. Here every basis becomes its per-leaf view
   ``u.tree()`` (a pytree like the params of ``(leaf.size, rank)`` arrays; for
-  ``block="global"`` each leaf's rows of the one block), and Ginger's momentum
-  (:class:`StackedRows`) its ``(leaf.size,)`` vectors, which depend only on the params'
-  shapes, ``tau`` and ``block``. Everything else is returned as is, so this can be applied
+  ``block="global"`` each leaf's rows of the one block), Ginger's momentum
+  (:class:`StackedRows`) its ``(leaf.size,)`` vectors and the per-tensor ``sigma``
+  (:class:`StackedSigma`) its ``(rank,)`` vectors, which depend only on the params' shapes,
+  ``tau`` and ``block``. Everything else is returned as is, so this can be applied
   to any optimizer state (or a whole training state) before saving::
 
       save(checkpoint_state(state))
@@ -482,7 +520,7 @@ def checkpoint_state(opt_state):
   (numpy) stacks it is made of views, which is how the training loop saves without a device
   copy (``training/checkpoints.py``).
   """
-  return jax.tree.map(lambda x: x.tree() if _is_basis(x) else x, opt_state, is_leaf=_is_basis)
+  return jax.tree.map(lambda x: x.tree() if _is_stacked(x) else x, opt_state, is_leaf=_is_stacked)
 
 
 def restore_checkpoint_state(saved, like):
@@ -490,13 +528,13 @@ def restore_checkpoint_state(saved, like):
   (a freshly initialised state of the same optimizer, whatever its bucketing)."""
 
   def restack(template, value):
-    if not _is_basis(template):
+    if not _is_stacked(template):
       return value
-    if _is_basis(value):  # already stacked: only one plan fits the template's shapes
+    if _is_stacked(value):  # already stacked: only one plan fits the template's shapes
       value = value.tree()
     return type(template).from_tree(value, template.layout)
 
-  return jax.tree.map(restack, like, saved, is_leaf=_is_basis)
+  return jax.tree.map(restack, like, saved, is_leaf=_is_stacked)
 
 
 def ginger(

@@ -22,7 +22,7 @@ import ginger
 from ginger import _common
 from ginger.ginger import StackedRows
 from models.tasks import build_task
-from training import logs, run_record, sharding
+from training import checkpoints, logs, run_record, sharding
 from training import loop as train
 from training.checkpoints import Checkpointer, CheckpointError
 from training.errors import Interrupted
@@ -92,12 +92,12 @@ def _steps(setup, state, start: int, stop: int):
 
 def _save_as_before(run_dir: Path, step: int, state) -> None:
   """A checkpoint as the code before per-leaf checkpoints (2fea65c) wrote it: the raw state,
-  Ginger's bases (and its momentum) as their stacked buckets, PRNG keys as their data. (That
-  code kept the momentum in ``optax.ema``'s state: see
+  Ginger's bases (and its momentum) as their stacked buckets, the per-tensor ``sigma`` per
+  leaf, PRNG keys as their data. (That code kept the momentum in ``optax.ema``'s state: see
   test_a_checkpoint_from_before_the_stacked_momentum_restores_exactly.)"""
   raw = jax.tree.map(
     lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
-    state,
+    checkpoints._sigma_per_leaf(state),
   )
   manager = ocp.CheckpointManager(
     Path(run_dir).absolute() / "checkpoints",
@@ -428,7 +428,8 @@ def test_a_checkpoint_from_before_the_stacked_momentum_restores_exactly(tmp_path
     like = ginger.ginger(0.1, b1=0.9, block=block, **GINGER).init(_small_params())
   ema, pre, *rest = before
   mu = jax.tree.map(lambda e: jnp.ravel(e).astype(jnp.float32), ema.ema)
-  expected = (ginger.ScaleByGingerState(pre.count, pre.u.tree(), pre.sigma, mu, ema.count), *rest)
+  sigma = ginger.checkpoint_state(pre.sigma)  # per leaf (per_tensor), as saved
+  expected = (ginger.ScaleByGingerState(pre.count, pre.u.tree(), sigma, mu, ema.count), *rest)
   for layout in ("per_leaf", "stacked"):
     caplog.clear()
     with caplog.at_level("WARNING", logger="train"):

@@ -12,7 +12,7 @@ from reference import ginger_direction, ginger_step
 
 import ginger
 from ginger import _common, lowrank
-from ginger.ginger import StackedBasis
+from ginger.ginger import StackedBasis, StackedSigma
 
 RESNET_LIKE = [64, 64, 100, 128, 1728, 8192, 36864, 36864, 147456, 589824, 2359296]
 
@@ -85,6 +85,21 @@ def test_stacked_basis_reads_like_per_leaf_state():
   same = jax.jit(lambda s: s)(state)
   assert same.u.layout == state.u.layout
   assert jax.tree.map(lambda x: x, state.u).layout == state.u.layout
+  # sigma: one (members, rank) array per bucket (a step on a GPU cut it per leaf, one copy
+  # kernel per tensor), read per leaf after an update as the per-leaf state was.
+  _, state = jax.jit(ginger.scale_by_ginger(4).update)(
+    jax.tree.map(jnp.ones_like, params), state, fisher_grads=jax.tree.map(jnp.ones_like, params)
+  )
+  assert isinstance(state.sigma, StackedSigma) and state.sigma.layout == state.u.layout
+  assert [x.shape for x in state.sigma.stacks] == [
+    (len(b.members), b.rank) for b in state.u.layout.buckets
+  ]
+  for i, key in enumerate(("b", "c", "w")):  # jax.tree.leaves order
+    np.testing.assert_array_equal(state.sigma[key], state.sigma.leaf(i))
+    assert state.sigma[key].shape == (state.u[key].shape[1],)
+  restored = StackedSigma.from_tree(state.sigma.tree(), state.u.layout)
+  for x, y in zip(restored.stacks, state.sigma.stacks, strict=True):
+    np.testing.assert_array_equal(x, y)
 
 
 def test_buckets_and_padding_change_no_result(x64, monkeypatch):

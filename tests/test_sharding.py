@@ -448,7 +448,7 @@ def _step_differences(start, ref, other_start, other) -> dict[str, float]:
     "curvature": 0.0,
   }
   probes = np.random.default_rng(0)
-  sigmas = zip(jax.tree.leaves(g.sigma), jax.tree.leaves(g_ref.sigma), strict=True)
+  sigmas = zip(jax.tree.leaves(g.sigma.tree()), jax.tree.leaves(g_ref.sigma.tree()), strict=True)
   for i, (s, s_ref) in enumerate(sigmas):  # per-tensor blocks: one per leaf
     s, s_ref = s.astype(np.float64), s_ref.astype(np.float64)
     top = float(np.max(s_ref))

@@ -35,7 +35,7 @@ import optax
 import orbax.checkpoint as ocp
 
 import ginger
-from ginger.ginger import StackedBasis
+from ginger.ginger import StackedBasis, StackedSigma
 from training import sharding
 from training.errors import TrainingError
 
@@ -114,6 +114,25 @@ def _bases_abstract(tree):
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, x)
 
   return jax.tree.map(abstract, tree, is_leaf=lambda x: isinstance(x, StackedBasis))
+
+
+def _is_sigma(x) -> bool:
+  return isinstance(x, StackedSigma)
+
+
+def _sigma_per_leaf(tree):
+  """``tree`` with Ginger's per-tensor ``sigma`` per leaf, as every checkpoint saves it (its
+  bases stacked or not)."""
+  return jax.tree.map(lambda x: x.tree() if _is_sigma(x) else x, tree, is_leaf=_is_sigma)
+
+
+def _sigma_restacked(saved, like):
+  """Inverse of :func:`_sigma_per_leaf`: ``saved``'s per-leaf ``sigma`` stacked as in ``like``."""
+
+  def restack(template, value):
+    return StackedSigma.from_tree(value, template.layout) if _is_sigma(template) else value
+
+  return jax.tree.map(restack, like, saved, is_leaf=_is_sigma)
 
 
 def _entries(tree) -> Entries:
@@ -344,7 +363,7 @@ class Checkpointer:
     # The per-leaf view of `like` gives the entries' shapes and, for the bases, shardings
     # (its U is a fresh zero state: the copy lives only until `abstract` is made).
     per_leaf = _abstract(ginger.checkpoint_state(like))
-    stacked = _abstract(like)
+    stacked = _abstract(_sigma_per_leaf(like))  # earlier versions: U stacked, sigma per leaf
     like = _bases_abstract(like)  # a template built here loses its U now
     entries = self._entries_on_disk(step)
     on_disk = {k: tuple(x.shape) for k, x in entries.items()}
@@ -356,7 +375,8 @@ class Checkpointer:
           step,
           self.directory,
         )
-        return _from_saveable(self._read(step, stacked), like)
+        restacked = _sigma_restacked(self._read(step, stacked), like)
+        return _placed_like(_from_saveable(restacked, like), like)
       # Written before Ginger kept its momentum (optax.ema's state, then Ginger's), with the
       # bases per leaf or, earlier still, stacked.
       before = {
