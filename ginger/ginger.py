@@ -26,16 +26,9 @@ from ginger import _common, kernels, lowrank
 from ginger import sharding as gsharding
 
 
-@jax.tree_util.register_pytree_with_keys_class
-class StackedBasis:
-  """The bases ``U`` of all blocks, stacked by bucket (see ``_common.Layout``).
-
-  Its pytree leaves are ``stacks``: one ``(members, rows, rank)`` array per bucket, blocks of
-  one rank padded with zero rows to a common size, so that a step runs a few kernels per
-  bucket rather than per parameter tensor and never copies ``U`` to stack it. Indexing reads
-  like the old per-leaf layout: ``u[key]`` (or ``u.tree()[...]``) is that leaf's rows of
-  ``U``, shape ``(leaf.size, rank)``.
-  """
+class _Stacked:
+  """Per-block state stacked by bucket (``_common.Layout``): the pytree leaves are ``stacks``,
+  one array per bucket; ``x[key]`` (or ``x.tree()[...]``) is a leaf's part (:meth:`leaf`)."""
 
   def __init__(self, stacks, layout: _common.Layout):
     self.stacks = tuple(stacks)
@@ -50,9 +43,7 @@ class StackedBasis:
     return cls(stacks, layout)
 
   def leaf(self, i: int) -> jax.Array:
-    """Rows of ``U`` belonging to leaf ``i`` (in ``jax.tree.leaves(params)`` order)."""
-    b, j, row = self.layout.where(i)
-    return self.stacks[b][j, row : row + self.layout.sizes[i]]
+    raise NotImplementedError
 
   def tree(self):
     """A pytree like the params whose leaves are :meth:`leaf`."""
@@ -60,17 +51,34 @@ class StackedBasis:
       self.layout.treedef, [self.leaf(i) for i in range(len(self.layout.sizes))]
     )
 
-  @classmethod
-  def from_tree(cls, tree, layout: _common.Layout) -> StackedBasis:
-    """Inverse of :meth:`tree`: per-leaf rows ``(leaf.size, rank)`` stacked by ``layout``."""
-    return cls(_common.gather(layout, jax.tree.leaves(tree)), layout)
-
   def __getitem__(self, key):
     return self.tree()[key]
 
   def __repr__(self):
     shapes = ", ".join(str(getattr(x, "shape", "?")) for x in self.stacks)
     return f"{type(self).__name__}([{shapes}])"
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class StackedBasis(_Stacked):
+  """The bases ``U`` of all blocks, stacked by bucket (see ``_common.Layout``).
+
+  Its pytree leaves are ``stacks``: one ``(members, rows, rank)`` array per bucket, blocks of
+  one rank padded with zero rows to a common size, so that a step runs a few kernels per
+  bucket rather than per parameter tensor and never copies ``U`` to stack it. Indexing reads
+  like the old per-leaf layout: ``u[key]`` (or ``u.tree()[...]``) is that leaf's rows of
+  ``U``, shape ``(leaf.size, rank)``.
+  """
+
+  def leaf(self, i: int) -> jax.Array:
+    """Rows of ``U`` belonging to leaf ``i`` (in ``jax.tree.leaves(params)`` order)."""
+    b, j, row = self.layout.where(i)
+    return self.stacks[b][j, row : row + self.layout.sizes[i]]
+
+  @classmethod
+  def from_tree(cls, tree, layout: _common.Layout) -> StackedBasis:
+    """Inverse of :meth:`tree`: per-leaf rows ``(leaf.size, rank)`` stacked by ``layout``."""
+    return cls(_common.gather(layout, jax.tree.leaves(tree)), layout)
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -82,38 +90,20 @@ class StackedRows(StackedBasis):
 
 
 @jax.tree_util.register_pytree_with_keys_class
-class StackedSigma:
+class StackedSigma(_Stacked):
   """The eigenvalues ``sigma`` of all per-tensor blocks, stacked by bucket as ``U`` is: one
   ``(members, rank)`` array per bucket, so that a step reads and writes them as a few arrays
   (per leaf, a step on a GPU cut the new ``sigma`` out of the batched solve's result as one
   small copy per parameter tensor: 62 of ResNet-18's ~370 kernels an update). Indexing reads
   like a pytree like the params of ``(rank,)`` vectors: ``sigma[key]``, ``sigma.tree()``.
   Saved per leaf (:func:`checkpoint_state`); whole on every device when the state is split
-  (small).
+  (small). Not a :class:`StackedBasis`: nothing of it is placed by rows.
   """
-
-  def __init__(self, stacks, layout: _common.Layout):
-    self.stacks = tuple(stacks)
-    self.layout = layout
-
-  def tree_flatten_with_keys(self):
-    keys = [jax.tree_util.SequenceKey(b) for b in range(len(self.stacks))]
-    return list(zip(keys, self.stacks, strict=True)), self.layout
-
-  @classmethod
-  def tree_unflatten(cls, layout, stacks):
-    return cls(stacks, layout)
 
   def leaf(self, i: int) -> jax.Array:
     """``sigma`` of leaf ``i``'s block (in ``jax.tree.leaves(params)`` order)."""
     b, j, _ = self.layout.where(i)
     return self.stacks[b][j]
-
-  def tree(self):
-    """A pytree like the params whose leaves are :meth:`leaf`."""
-    return jax.tree.unflatten(
-      self.layout.treedef, [self.leaf(i) for i in range(len(self.layout.sizes))]
-    )
 
   @classmethod
   def from_tree(cls, tree, layout: _common.Layout) -> StackedSigma:
@@ -122,13 +112,6 @@ class StackedSigma:
     return cls(
       [jnp.stack([leaves[piece[0][0]] for piece in b.members]) for b in layout.buckets], layout
     )
-
-  def __getitem__(self, key):
-    return self.tree()[key]
-
-  def __repr__(self):
-    shapes = ", ".join(str(getattr(x, "shape", "?")) for x in self.stacks)
-    return f"{type(self).__name__}([{shapes}])"
 
 
 class ScaleByGingerState(NamedTuple):
