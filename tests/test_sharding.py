@@ -28,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_DEFAULT = [
   "experiment=demo",
   "optimizer=ginger",
+  # 8 examples a device on 4 (the demo's 64: the same programs, twice the convolution work,
+  # which XLA:CPU runs as unoptimised loop nests under `make test`'s -O0)
+  "batch_size=32",
   "logger=none",
   "max_steps=20",
   "eval_every=10",

@@ -435,9 +435,10 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
   (spectrum.jsonl.gz, cut back to the checkpoint on resume, then appended to) and the final
   state (parameters, BatchNorm statistics, optimizer state), bit for bit."""
   # Enough steps that the signal, sent once step 5 is logged (after the step-4 checkpoint),
-  # lands mid-run: 24 steps of the demo at batch 16 take about 1 s at XLA:CPU's default -O3
-  # (5 s at `make test`'s -O0); the loop checks for it between steps.
-  steps = 24
+  # lands mid-run: the 13 steps after it take about 0.5 s at XLA:CPU's default -O3 (2.5 s at
+  # `make test`'s -O0); the loop checks for it between steps. A multiple of eval_every, as
+  # the expected events below assume (the last step is evaluated anyway).
+  steps = 18
   args = [
     *RESUMED,
     f"max_steps={steps}",
