@@ -17,8 +17,10 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from rouge_score import rouge_scorer
+if TYPE_CHECKING:
+  from rouge_score import rouge_scorer
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[]?[A-Z0-9])")
@@ -60,6 +62,9 @@ def sentences_per_line(text: str) -> str:
 
 @functools.cache
 def _scorer() -> rouge_scorer.RougeScorer:
+  # Imported here: rouge_score imports nltk and scipy.stats (~4 s), which only evaluation needs.
+  from rouge_score import rouge_scorer
+
   return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
 
 

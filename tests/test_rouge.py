@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from rouge_score import rouge_scorer
 
 from models.rouge import ROUGE_TYPES, regex_sentences, rouge_scores, sentences_per_line
 
@@ -20,6 +19,8 @@ REFS = [
 
 
 def test_matches_rouge_score_exactly():
+  from rouge_score import rouge_scorer  # here, not at collection (~4 s with nltk)
+
   scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
   per = [
     scorer.score(sentences_per_line(r), sentences_per_line(p))

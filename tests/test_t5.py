@@ -23,8 +23,18 @@ from models.t5 import (
 )
 from models.t5_convert import ModelUnavailableError, load_t5, state_dict_to_nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+
+# Imported by the tests that compare with them, not when the file is collected (torch and
+# transformers take ~6 s to import, in every pytest-xdist worker).
+@pytest.fixture(scope="module")
+def torch():
+  return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def transformers():
+  return pytest.importorskip("transformers")
+
 
 HF_KW = dict(
   vocab_size=100,
@@ -42,7 +52,7 @@ HF_KW = dict(
 
 
 @pytest.fixture(scope="module")
-def hf_model():
+def hf_model(torch, transformers):
   torch.manual_seed(0)
   model = transformers.T5ForConditionalGeneration(transformers.T5Config(**HF_KW))
   with torch.no_grad():  # shrink the embedding so a random model does not just copy its input
@@ -89,7 +99,7 @@ def test_config_presets_and_param_count():
   assert param_count(untied) == 60_506_624 + 32128 * 512
 
 
-def test_relative_position_bucket_matches_hf():
+def test_relative_position_bucket_matches_hf(torch, transformers):
   rel = np.arange(-300, 300)[None, :]
   for bidirectional in (True, False):
     ours = relative_position_bucket(
@@ -107,7 +117,7 @@ def test_shift_right_hf_semantics():
   np.testing.assert_array_equal(shift_right(jnp.array([[4, -100, -100]]), 0, 0), [[0, 4, 0]])
 
 
-def test_matches_hf_encoder_logits_loss(hf_model, converted):
+def test_matches_hf_encoder_logits_loss(hf_model, converted, torch):
   config, model = converted
   ids, mask, labels = _batch()
   with torch.no_grad():
@@ -127,7 +137,7 @@ def test_matches_hf_encoder_logits_loss(hf_model, converted):
   assert abs(float(loss) - out.loss.item()) <= 1e-4 * abs(out.loss.item())
 
 
-def test_greedy_matches_hf_generate(hf_model, converted):
+def test_greedy_matches_hf_generate(hf_model, converted, torch):
   _, model = converted
   ids, mask, _ = _batch()
   with torch.no_grad():
