@@ -513,7 +513,9 @@ def restore_checkpoint_state(saved, like):
   def restack(template, value):
     if not _is_stacked(template):
       return value
-    if _is_stacked(value):  # already stacked: only one plan fits the template's shapes
+    if type(value) is type(template) and value.layout == template.layout:
+      return value  # stacked in the template's plan already: as it is, no copy
+    if _is_stacked(value):  # stacked otherwise: only one plan fits the template's shapes
       value = value.tree()
     return type(template).from_tree(value, template.layout)
 

@@ -126,15 +126,6 @@ def _sigma_per_leaf(tree):
   return jax.tree.map(lambda x: x.tree() if _is_sigma(x) else x, tree, is_leaf=_is_sigma)
 
 
-def _sigma_restacked(saved, like):
-  """Inverse of :func:`_sigma_per_leaf`: ``saved``'s per-leaf ``sigma`` stacked as in ``like``."""
-
-  def restack(template, value):
-    return StackedSigma.from_tree(value, template.layout) if _is_sigma(template) else value
-
-  return jax.tree.map(restack, like, saved, is_leaf=_is_sigma)
-
-
 def _entries(tree) -> Entries:
   """Entry path -> leaf of a state, or of the metadata of a saved one (orbax saves a NamedTuple
   as a dict of its fields, a custom node as the list or dict of its children)."""
@@ -375,7 +366,7 @@ class Checkpointer:
           step,
           self.directory,
         )
-        restacked = _sigma_restacked(self._read(step, stacked), like)
+        restacked = ginger.restore_checkpoint_state(self._read(step, stacked), like)
         return _placed_like(_from_saveable(restacked, like), like)
       # Written before Ginger kept its momentum (optax.ema's state, then Ginger's), with the
       # bases per leaf or, earlier still, stacked.
