@@ -353,28 +353,32 @@ def brand_step(
   p1s = [p1 for *_, p1 in second]
   for s, (c2u, pp, pg, vv, _), (q, sigma) in zip(small, second, factors, strict=True):
     s.update(c2=lowrank.small_matvec(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
-  # Brand's cores of all blocks of one rank share one batched solve.
+  # Brand's cores of all blocks of one rank share one batched solve. Pass 3 reads each
+  # bucket's coefficients from the joined arrays at the bucket's first block (``first``):
+  # slices of them would each be a small copy kernel on a GPU.
   by_rank: dict[int, list[int]] = defaultdict(list)
   for b, u in enumerate(us):
     by_rank[u.shape[-1]].append(b)
-  coefs: list[dict] = [{}] * len(us)
+  coefs: list[tuple[dict, int]] = [({}, 0)] * len(us)
+  new_sigmas: list = [None] * len(us)
   for members in by_rank.values():
     sizes = [us[b].shape[0] for b in members]
     joined = {key: jnp.concatenate([small[b][key] for b in members]) for key in small[members[0]]}
     joined["q"] = jnp.concatenate([qs[b] for b in members])
-    for b, part in zip(
-      members, _split(_after_residual(joined, alpha, gamma, eigensolver), sizes), strict=True
-    ):
-      coefs[b] = part
+    co = _after_residual(joined, alpha, gamma, eigensolver)
+    starts = np.cumsum([0] + sizes[:-1]).tolist()
+    for b, first, sigma in zip(members, starts, jnp.split(co["sigma"], starts[1:]), strict=True):
+      coefs[b], new_sigmas[b] = (co, first), sigma
   new_us, outs = [], []
   shards = [1] * len(us) if row_shards is None else row_shards
-  for u, p1, g, co, n in zip(us, p1s, gs, coefs, shards, strict=True):
+  for u, p1, g, (co, first), n in zip(us, p1s, gs, coefs, shards, strict=True):
     u_new, out = kernels.rotate_from_residual(
-      u, p1, g, co["a2"], co["inv_r"], co["rot"], co["b"], co["z"], gamma, row_shards=n, **kw
-    )
+      u, p1, g, co["a2"], co["inv_r"], co["rot"], co["b"], co["z"], gamma, first=first,
+      row_shards=n, **kw,
+    )  # fmt: skip
     new_us.append(u_new)
     outs.append(out)
-  return new_us, outs, [co["sigma"] for co in coefs]
+  return new_us, outs, new_sigmas
 
 
 def _before_residual(cu, yu, l1, q):
@@ -421,13 +425,6 @@ def _after_residual(s, alpha, gamma, eigensolver):
     "b": b,
     "z": weight * y_new,
   }
-
-
-def _split(tree: dict, sizes: list[int]) -> list[dict]:
-  """Splits every batched entry of ``tree`` along axis 0 into parts of ``sizes``."""
-  bounds = np.cumsum(sizes)[:-1].tolist()
-  parts = {key: jnp.split(x, bounds) for key, x in tree.items()}
-  return [{key: parts[key][i] for key in tree} for i in range(len(sizes))]
 
 
 def _identity_factors(us, sigmas):

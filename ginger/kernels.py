@@ -121,13 +121,15 @@ def resolve_impl(impl: str, interpret: bool | None) -> tuple[str, bool]:
   return impl, bool(interpret)
 
 
-def _check(u, vectors: dict, smalls: dict | None = None, squares: dict | None = None):
+def _check(u, vectors: dict, smalls: dict | None = None, squares: dict | None = None, blocks=None):
   """Shapes of one pass's operands against ``u`` (``(..., n, k)``), before anything is traced
-  into a kernel."""
+  into a kernel. ``blocks``: the leading shape of the small and square operands (default
+  ``u``'s, see :func:`_joined_blocks`)."""
   if u.ndim < 3:
     raise ValueError(f"u must have shape (blocks, rows, rank), got {u.shape}.")
   lead, k = u.shape[:-2], u.shape[-1]
-  want = {"vector": u.shape[:-1], "small": lead + (k,), "square": lead + (k, k)}
+  small_lead = lead if blocks is None else blocks
+  want = {"vector": u.shape[:-1], "small": small_lead + (k,), "square": small_lead + (k, k)}
   for kind, arrays in (("vector", vectors), ("small", smalls or {}), ("square", squares or {})):
     for name, x in arrays.items():
       if x.shape != want[kind]:
@@ -137,13 +139,36 @@ def _check(u, vectors: dict, smalls: dict | None = None, squares: dict | None = 
       raise ValueError(f"{name} must have u's dtype {u.dtype}, got {x.dtype}.")
 
 
-def _scalar(name: str, x, u) -> jax.Array:
-  """A per-block scalar (``(...)`` like ``u``'s leading axes, or one for all) as ``(...)``."""
+def _scalar(name: str, x, u, blocks=None) -> jax.Array:
+  """A per-block scalar (``(...)`` like ``u``'s leading axes, or one for all) as ``(...)``;
+  ``blocks``: the leading shape instead of ``u``'s (see :func:`_joined_blocks`)."""
   x = jnp.asarray(x, u.dtype)
-  lead = u.shape[:-2]
+  lead = u.shape[:-2] if blocks is None else blocks
   if x.shape not in ((), lead):
     raise ValueError(f"{name} must be a scalar or have shape {lead}, got {x.shape}.")
   return jnp.broadcast_to(x, lead)
+
+
+def _joined_blocks(u, first: int, a) -> tuple[int, ...] | None:
+  """The leading shape of pass 3's small operands when they are joined (``first`` given, or
+  more blocks than ``u`` has), else None (``u``'s own); checks that ``u``'s blocks
+  ``first .. first + blocks`` lie inside them."""
+  if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+    raise ValueError(f"first must be an int >= 0, got {first!r}.")
+  if u.ndim < 3:
+    raise ValueError(f"u must have shape (blocks, rows, rank), got {u.shape}.")
+  if first == 0 and a.shape[:-1] == u.shape[:-2]:
+    return None
+  if u.ndim != 3 or a.ndim != 2:
+    raise ValueError(
+      f"joined small operands need u of shape (blocks, rows, rank) and a2 of shape "
+      f"(joined blocks, rank), got u {u.shape} and a2 {a.shape}."
+    )
+  if first + u.shape[0] > a.shape[0]:
+    raise ValueError(
+      f"u's {u.shape[0]} blocks from first={first} run past the {a.shape[0]} joined blocks."
+    )
+  return a.shape[:1]
 
 
 # ---- the jnp reference: the formulas of ginger.lowrank ----------------------------------------
@@ -394,16 +419,17 @@ class _Tiles:
     return jax.lax.fori_loop(0, self.steps, body, init)
 
 
-def _specs(kp: int, chunk: int):
+def _specs(kp: int, chunk: int, first: int = 0):
   """BlockSpecs of the operand kinds over the grid ``(block, chunk of rows)``. Blocks span the
   padded rank ``kp`` (wider than the arrays' ``k``: the loads mask the extra columns), so that
-  every slice a kernel takes lies inside its block."""
+  every slice a kernel takes lies inside its block. ``first``: block ``b`` of the grid reads
+  block ``first + b`` of the small, square and scalar operands (joined operands)."""
   return {
     "u": pl.BlockSpec((None, chunk, kp), lambda b, c: (b, c, 0)),
     "vector": pl.BlockSpec((None, chunk), lambda b, c: (b, c)),
-    "small": pl.BlockSpec((None, kp), lambda b, c: (b, 0)),
-    "square": pl.BlockSpec((None, kp, kp), lambda b, c: (b, 0, 0)),
-    "scalar": pl.BlockSpec((None,), lambda b, c: (b,)),
+    "small": pl.BlockSpec((None, kp), lambda b, c: (b + first, 0)),
+    "square": pl.BlockSpec((None, kp, kp), lambda b, c: (b + first, 0, 0)),
+    "scalar": pl.BlockSpec((None,), lambda b, c: (b + first,)),
   }
 
 
@@ -592,11 +618,11 @@ def _rotate_kernel(t: _Tiles, from_p1: bool):
   return kernel
 
 
-def _rotate_pallas(u, *arrays, from_p1: bool, interpret, tile=None, steps=None):
+def _rotate_pallas(u, *arrays, from_p1: bool, interpret, tile=None, steps=None, first=0):
   m, n, k = u.shape
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
-  s = _specs(kp, chunk)
+  s = _specs(kp, chunk, first)
   residual = [s["vector"]] if from_p1 else [s["vector"], s["small"], s["scalar"]]
   g = arrays[1]  # (p1 or v, g, ...)
   return _call(
@@ -733,8 +759,8 @@ def rotate_and_precondition(
 
 
 def rotate_from_residual(
-  u, p1, g, a2, inv_r, rot, b, z, gamma, *, impl="auto", interpret=None, tile=None, steps=None,
-  rows_per_block=None, row_shards=1,
+  u, p1, g, a2, inv_r, rot, b, z, gamma, *, first=0, impl="auto", interpret=None, tile=None,
+  steps=None, rows_per_block=None, row_shards=1,
 ):  # fmt: skip
   """Pass 3 from pass 2's ``p1`` (``residual_sums(..., with_p1=True)``): ``p = (p1 - U a2)
   inv_r``, ``U' = U rot + p b^T`` and ``(g - U' z) / gamma``. Same as
@@ -745,9 +771,16 @@ def rotate_from_residual(
   :func:`row_block`, and forces the blocked path). The jnp path off GPUs rotates the whole
   ``U`` at once, with the output as ``k`` multiply-adds (faster on the CPU, one more ``U``
   of memory). ``row_shards``: the number of devices ``U``'s rows are split over (a sharded
-  state), so that the row blocks are blocks of each device's own rows."""
-  _check(u, {"p1": p1, "g": g}, {"a2": a2, "b": b, "z": z}, {"rot": rot})
-  inv_r, gamma = _scalar("inv_r", inv_r, u), _scalar("gamma", gamma, u)
+  state), so that the row blocks are blocks of each device's own rows.
+
+  ``first``: the small operands (``a2, inv_r, rot, b, z``, and ``gamma`` unless a scalar) may
+  be those of several calls joined along their first axis (one batched solve of Brand's cores
+  for several buckets): ``u`` (``(blocks, n, k)``) then uses their blocks ``first`` to
+  ``first + blocks``. The kernel reads them there (an offset in its block index maps): slices
+  cut out for it would each be one more small copy kernel on a GPU."""
+  blocks = _joined_blocks(u, first, a2)
+  _check(u, {"p1": p1, "g": g}, {"a2": a2, "b": b, "z": z}, {"rot": rot}, blocks)
+  inv_r, gamma = _scalar("inv_r", inv_r, u, blocks), _scalar("gamma", gamma, u, blocks)
   rows = row_block(u.shape, rows_per_block)  # checks rows_per_block before anything is traced
   if rows_per_block is not None or _jnp_row_blocks():
     jnp_fn = functools.partial(
@@ -757,9 +790,15 @@ def rotate_from_residual(
     )
   else:
     jnp_fn = _rotate_from_residual_jnp
+  if blocks is not None:
+    m, joined_fn = u.shape[0], jnp_fn
+
+    def jnp_fn(u, p1, g, *smalls):
+      return joined_fn(u, p1, g, *(x[first : first + m] for x in smalls))
+
   return _dispatch(
     jnp_fn,
-    functools.partial(_rotate_pallas, from_p1=True),
+    functools.partial(_rotate_pallas, from_p1=True, first=first),
     u,
     (p1, g, a2, inv_r, rot, b, z, gamma),
     impl,

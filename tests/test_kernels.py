@@ -195,6 +195,35 @@ def test_jnp_rotation_in_row_blocks(m, n, k, rows):
   assert kernels.row_block((m, n, k), rows) == min(rows, n)
 
 
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_rotation_reads_joined_small_operands_at_first(impl):
+  """Pass 3 of a bucket whose small operands are the rows ``first ..`` of arrays joined with
+  other buckets' (one batched solve) equals it on the bucket's own rows, bit for bit: the kernel
+  offsets its block index maps, the jnp path slices; other rows are never read (NaN there)."""
+  m, before, after = 2, 3, 1
+  x = random_inputs(5, m, 40, 8)
+  smalls = ("a2", "inv_r", "rot", "b", "z", "gamma")
+
+  def joined(a):
+    pad = lambda rows: jnp.full((rows,) + a.shape[1:], jnp.nan, a.dtype)
+    return jnp.concatenate([pad(before), a, pad(after)])
+
+  kw = dict(impl=impl, interpret=True)
+
+  @jax.jit
+  def run(x):
+    args = [x[q] for q in ("u", "p1", "g")]
+    own = kernels.rotate_from_residual(*args, *(x[q] for q in smalls), **kw)
+    at_first = kernels.rotate_from_residual(
+      *args, *(joined(x[q]) for q in smalls), first=before, **kw
+    )
+    return own, at_first
+
+  own, at_first = run(x)
+  for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(at_first), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_row_block_sizes():
   """Up to ROW_BLOCK_ELEMENTS one block; beyond, blocks of about that size, at most
   MAX_ROW_BLOCKS of them."""
@@ -220,6 +249,10 @@ def test_bad_arguments():
     kernels.project_pair(x["u"], x["v"], x["g"], impl="pallas", tile=24)
   with pytest.raises(ValueError, match="rows_per_block must be an int >= 1"):
     call("rotate_from_residual", x, rows_per_block=0)
+  with pytest.raises(ValueError, match="first must be an int >= 0"):
+    call("rotate_from_residual", x, first=-1)
+  with pytest.raises(ValueError, match="1 blocks from first=1 run past the 1 joined blocks"):
+    call("rotate_from_residual", x, first=1)
 
 
 def test_defaults_off_gpu():
