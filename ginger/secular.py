@@ -37,12 +37,12 @@ The method (Golub 1973; Bunch, Nielsen and Sorensen 1978; Gu and Eisenstat 1994;
 The bisection runs as ``impl`` says (:func:`eigh_diag_plus_rank_one`): ``"jnp"``, a
 ``fori_loop`` of jnp expressions (the reference, and the CPU path), or ``"pallas"``, one
 Pallas kernel (:func:`bisect_pallas`; Triton on GPUs, interpreted elsewhere). On a GPU the
-loop is three XLA kernels per step, 93 launches an update (~88 us of kernel time on an H200
-for a handful of ``(n, n)`` evaluations); the kernel runs all 31 steps for all roots of a
-batch entry in registers, one program per entry. Both evaluate ``f`` with the same operations
-in the same order, and so end at the same bits of every root (tests/test_secular.py), which
-is what the eigenvectors depend on. Deflation, the choice of origin and the eigenvectors are
-shared jnp code.
+loop is three small XLA kernels a step, 93 launches a solve (~88 us of kernel time on an
+H200, mostly launch latency); the kernel runs all 31 steps for all roots of a batch entry in
+registers, one program per entry. Both evaluate ``f`` with the same operations in the same
+order (on GPUs also the same float32 division, PTX ``div.full`` in XLA and in Triton), and
+so end at the same bits of every root (tests/test_secular.py): the eigenvectors depend on
+those bits. Deflation, the choice of origin and the eigenvectors are shared jnp code.
 """
 
 from __future__ import annotations
@@ -306,9 +306,10 @@ def _bisect_kernel(n: int, padded: int, dtype):
 def bisect_pallas(d, z2, active, origin_d, sign, inv_rho, lo, hi, *, interpret=False):
   """:func:`bisect_jnp` as one Pallas kernel (Triton on GPUs), the same bits.
 
-  On a GPU the ``fori_loop`` of :func:`bisect_jnp` is three kernels a step, 93 launches an
-  update; here one program per batch entry runs all steps in registers. ``float32`` bits are
-  ``int32``; ``float64`` (``int64`` bits) runs in interpret mode only.
+  On a GPU the ``fori_loop`` of :func:`bisect_jnp` is three kernels a step, 93 launches a
+  solve; here one program per batch entry runs all steps in registers, its ``(padded,
+  padded)`` block of poles by roots (:func:`_padded`) summed with :func:`_pole_sum`'s tree.
+  ``float32`` bits are ``int32``; ``float64`` (``int64`` bits) runs in interpret mode only.
   """
   dtype, n = d.dtype, d.shape[-1]
   lead = d.shape[:-1]
