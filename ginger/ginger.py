@@ -194,9 +194,10 @@ def scale_by_ginger(
       interpreted elsewhere: a test harness, slow); ``"auto"``: ``"pallas"`` on GPUs,
       ``"jnp"`` elsewhere. Both agree to float32 summation order. Either way the rotation
       of ``U`` is written in place when the state is donated to the jitted step (the Pallas
-      kernel aliases ``U``; the jnp path rotates large buckets in row blocks). A
-      ``pallas_call`` cannot be split by GSPMD: do not shard this state over several
-      devices with ``"pallas"``.
+      kernel aliases ``U``; the jnp path rotates large buckets in row blocks). With
+      ``"pallas"`` the secular eigensolver's bisection is one kernel too (the same bits as
+      its jnp loop; :mod:`ginger.secular`). A ``pallas_call`` cannot be split by GSPMD: do
+      not shard this state over several devices with ``"pallas"``.
     sharding: where the state's bases are placed when it is split over devices
       (:class:`ginger.sharding.StateSharding`, the arguments the state was placed with), or
       None (default: nothing is pinned; one device, a replicated state, or plain ``jit``).
@@ -338,7 +339,8 @@ def brand_step(
   and ``G'^{-1} g``, where ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further pass. Pass 3
   reads pass 2's ``p1`` rather than recomputing it, so that it removes the rounding that pass
   2 measured from the very same ``p1`` (CGS2), whatever the compiler fuses. The passes run
-  with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`);
+  with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`), and
+  so does the secular eigensolver's bisection (:mod:`ginger.secular`);
   ``row_shards[b]``: the devices bucket ``b``'s rows are split over (None: 1 each).
   Returns ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
   """
@@ -365,7 +367,7 @@ def brand_step(
     sizes = [us[b].shape[0] for b in members]
     joined = {key: jnp.concatenate([small[b][key] for b in members]) for key in small[members[0]]}
     joined["q"] = jnp.concatenate([qs[b] for b in members])
-    co = _after_residual(joined, alpha, gamma, eigensolver)
+    co = _after_residual(joined, alpha, gamma, eigensolver, **kw)
     starts = np.cumsum([0] + sizes[:-1]).tolist()
     for b, first, sigma in zip(members, starts, jnp.split(co["sigma"], starts[1:]), strict=True):
       coefs[b], new_sigmas[b] = (co, first), sigma
@@ -394,8 +396,10 @@ def _before_residual(cu, yu, l1, q):
   }
 
 
-def _after_residual(s, alpha, gamma, eigensolver):
-  """From the pass-1/2 sums to pass 3's coefficients (batched over blocks).
+def _after_residual(s, alpha, gamma, eigensolver, *, impl="jnp", interpret=False):
+  """From the pass-1/2 sums to pass 3's coefficients (batched over blocks). ``impl``: how
+  the secular solver's bisection runs (:func:`ginger.secular.eigh_diag_plus_rank_one`), as
+  the passes do: one Pallas kernel with ``"pallas"``.
 
   With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``:
   ``||p||^2 = ||p1||^2 - ||c2||^2``, ``r = l1 ||p||``, ``U^T v = c + l1 c2`` and
@@ -410,7 +414,15 @@ def _after_residual(s, alpha, gamma, eigensolver):
   inv_p = jnp.where(in_span, 0.0, 1.0 / jnp.where(in_span, 1.0, p_norm))
   c = s["c"] + s["l1"][..., None] * s["c2"]
   w, vecs, scale = lowrank.brand_eigh(
-    c, s["l1"] * p_norm, s["sigma"], s["l1"] * v_norm_l1, in_span, alpha, eigensolver
+    c,
+    s["l1"] * p_norm,
+    s["sigma"],
+    s["l1"] * v_norm_l1,
+    in_span,
+    alpha,
+    eigensolver,
+    impl=impl,
+    interpret=interpret,
   )
   sigma = lowrank.rescale_sigma(w, scale, rank, lowrank.rank_after_update(s["sigma"]))
   top, b = vecs[..., :rank, :rank], vecs[..., rank, :rank]

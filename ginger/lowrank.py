@@ -181,17 +181,21 @@ def brand_core(c, r, sigma, v_norm, in_span, alpha):
   return core + beta * w[..., :, None] * w[..., None, :], s
 
 
-def brand_eigh(c, r, sigma, v_norm, in_span, alpha, solver: str = "secular"):
+def brand_eigh(
+  c, r, sigma, v_norm, in_span, alpha, solver: str = "secular", *, impl="jnp", interpret=False
+):
   """Eigenpairs of Brand's matrix in units of ``s^2``, descending: ``(w, vectors, s)``.
 
   ``"secular"``: the diagonal-plus-rank-one solver (:mod:`ginger.secular`), O(k^2), exact
-  zeros for deflated entries; ``"dense"``: ``eigh`` of the formed matrix (the reference).
+  zeros for deflated entries, its bisection run by ``impl`` (``"jnp"`` or ``"pallas"``, the
+  same bits; ``interpret``: the kernel interpreted); ``"dense"``: ``eigh`` of the formed
+  matrix (the reference).
   """
   if solver == "dense":
     core, s = brand_core(c, r, sigma, v_norm, in_span, alpha)
     return *sorted_eigh(core), s
   diagonal, w, beta, s = brand_diag_rank_one(c, r, sigma, v_norm, in_span, alpha)
-  return *secular.eigh_diag_plus_rank_one(diagonal, w, beta), s
+  return *secular.eigh_diag_plus_rank_one(diagonal, w, beta, impl=impl, interpret=interpret), s
 
 
 def sorted_eigh(core: jax.Array) -> tuple[jax.Array, jax.Array]:

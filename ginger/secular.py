@@ -27,33 +27,60 @@ The method (Golub 1973; Bunch, Nielsen and Sorensen 1978; Gu and Eisenstat 1994;
    ``d_j - lambda = (d_j - d_K) - s t`` are accurate however close the poles are, and ``t``
    is found by bisection on the bit pattern of the float ``t``: each step halves the number
    of floats left in the bracket, so 31 steps (63 in float64) end at adjacent floats for any
-   scale of ``t``, from subnormal to ``finfo.max``.
+   scale of ``t``, from subnormal to ``finfo.max``. The sum over the poles is a pairwise
+   tree of fixed order (:func:`_pole_sum`), so that the two implementations below agree.
 3. *Eigenvectors.* With the computed roots, ``z`` is recomputed by Lowner's formula
    (Gu-Eisenstat), ``zhat_j^2 = prod_i (lambda_i - d_j) / (rho prod_{i != j} (d_i - d_j))``,
    which makes the eigenvectors ``(zhat_j / (d_j - lambda_i))_j`` (normalised) numerically
    orthogonal, the exact eigenvectors of a matrix within rounding of the given one.
+
+The bisection runs as ``impl`` says (:func:`eigh_diag_plus_rank_one`): ``"jnp"``, a
+``fori_loop`` of jnp expressions (the reference, and the CPU path), or ``"pallas"``, one
+Pallas kernel (:func:`bisect_pallas`; Triton on GPUs, interpreted elsewhere). On a GPU the
+loop is three small XLA kernels a step, 93 launches a solve (~88 us of kernel time on an
+H200, mostly launch latency); the kernel runs all 31 steps for all roots of a batch entry in
+registers, one program per entry. Both evaluate ``f`` with the same operations in the same
+order (on GPUs also the same float32 division, PTX ``div.full`` in XLA and in Triton), and
+so end at the same bits of every root (tests/test_secular.py): the eigenvectors depend on
+those bits. Deflation, the choice of origin and the eigenvectors are shared jnp code.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ginger import kernels
 
 HIGHEST = jax.lax.Precision.HIGHEST
+IMPLS = ("jnp", "pallas")
 
 
-def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array, jax.Array]:
+def eigh_diag_plus_rank_one(
+  d: jax.Array, z: jax.Array, rho, *, impl: str = "jnp", interpret: bool = False
+) -> tuple[jax.Array, jax.Array]:
   """Eigenpairs of ``diag(d) + rho z z^T`` (``rho > 0``), batched over leading axes.
 
   Args:
     d: ``(..., n)`` diagonal, any order.
     z: ``(..., n)`` rank-one vector (any scale; ``rho ||z||^2`` must be finite).
     rho: positive scalar or ``(...)`` array.
+    impl: how the bisection (step 2) runs: ``"jnp"``, a ``fori_loop`` of jnp expressions
+      (the reference, and the CPU path), or ``"pallas"``, one Pallas kernel
+      (:func:`bisect_pallas`). Both give the same bits; the rest is shared.
+    interpret: run the ``"pallas"`` kernel in Pallas' interpreter (off GPUs).
 
   Returns:
     ``(w, v)``: eigenvalues ``(..., n)`` sorted descending and the matching orthonormal
     eigenvectors as the columns of ``v`` ``(..., n, n)``, like ``eigh`` flipped.
   """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
   dtype = d.dtype
   n = d.shape[-1]
   # Normalise z: rho ||z||^2 becomes rho, and z^2 never overflows.
@@ -106,36 +133,19 @@ def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array,
   half = jnp.where(has_next, 0.5 * (d_next - d), rho[..., None] * jnp.sum(z2, -1, keepdims=True))
   inv_rho = 1.0 / rho[..., None]
 
-  def secular(origin_d, shift):
-    """``f(origin_d + shift)`` for every root (column i), from accurate differences."""
-    delta = (d[..., :, None] - origin_d[..., None, :]) - shift[..., None, :]
-    terms = jnp.where(
-      active[..., :, None], z2[..., :, None] / jnp.where(active[..., :, None], delta, 1.0), 0.0
-    )
-    return inv_rho + jnp.sum(terms, -2)
-
   # The nearer pole is the origin: the left one if f at the gap's middle is positive.
-  left = ~has_next | (secular(d, half) > 0)
+  f_half = _secular(d[..., :, None], z2[..., :, None], active[..., :, None], inv_rho, d, half)
+  left = ~has_next | (f_half > 0)
   origin = jnp.where(left, index, next_)
   origin_d = jnp.take_along_axis(d, origin, -1)
   sign = jnp.where(left, 1.0, -1.0).astype(dtype)
-  ibits = jnp.int32 if dtype == jnp.float32 else jnp.int64
-  # Shifts stay at or above the smallest normal number: XLA flushes subnormals to zero, and a
-  # zero shift would put the root on its pole (a division by zero in the eigenvectors). The
-  # eigenvalue error this allows is at most that number.
-  floor = jax.lax.bitcast_convert_type(jnp.asarray(jnp.finfo(dtype).tiny, dtype), ibits)
-  lo = jnp.zeros(half.shape, ibits)
-  hi = jnp.maximum(jax.lax.bitcast_convert_type(jnp.maximum(half, 0.0).astype(dtype), ibits), floor)
-
-  def bisect(_, bracket):
-    lo, hi = bracket
-    mid = jnp.maximum(lo + (hi - lo) // 2, floor)
-    t = jax.lax.bitcast_convert_type(mid, dtype)
-    below = sign * secular(origin_d, sign * t) < 0  # f increases along s t
-    return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
-
-  # A loop, not unrolled: 31 (63) copies of the evaluation would multiply compile time.
-  lo, hi = jax.lax.fori_loop(0, jnp.finfo(dtype).bits - 1, bisect, (lo, hi))
+  floor = _floor_bits(dtype)
+  lo = jnp.zeros(half.shape, floor.dtype)
+  hi = jnp.maximum(
+    jax.lax.bitcast_convert_type(jnp.maximum(half, 0.0).astype(dtype), floor.dtype), floor
+  )
+  bisect = bisect_jnp if impl == "jnp" else functools.partial(bisect_pallas, interpret=interpret)
+  hi = bisect(d, z2, active, origin_d, sign, inv_rho, lo, hi)
   t = jax.lax.bitcast_convert_type(jnp.maximum(hi, floor), dtype)
   shift = sign * t
   w = jnp.where(active, origin_d + shift, d)
@@ -167,6 +177,167 @@ def eigh_diag_plus_rank_one(d: jax.Array, z: jax.Array, rho) -> tuple[jax.Array,
   w = jnp.take_along_axis(w, order, -1)
   vecs = jnp.take_along_axis(vecs, order[..., None, :], -1)
   return w, vecs
+
+
+# ---- step 2: the bisection, as jnp (reference) and as one Pallas kernel -----------------------
+#
+# Both evaluate f with the same operations in the same order (the shared helpers below), so that
+# they give the same bits: the eigenvectors are functions of the roots' bits.
+
+
+def _terms(d_j, z2_j, active_j, origin_d, shift):
+  """``z_j^2 / (d_j - lambda_i)`` with ``d_j - lambda_i = (d_j - d_K) - s t`` (pole ``j`` on
+  the pole axis of the inputs, root ``i`` on the last axis), zero for inactive poles."""
+  delta = (d_j - origin_d) - shift
+  return jnp.where(active_j, z2_j / jnp.where(active_j, delta, 1.0), 0.0)
+
+
+def _pole_sum(terms, padded: int):
+  """Sum over the pole axis (-2) of ``terms`` as a pairwise tree: halves ``x[:h] + x[h:]`` of
+  the axis padded with zeros to ``padded`` (a power of two), down to one row.
+
+  A fixed order, unlike ``jnp.sum``'s (XLA's, or Triton's in a kernel): the kernel sums its
+  zero-padded block with this tree (``lax.split`` in halves, which Triton lowers), the
+  reference its unpadded rows with the same tree, where additions of padding are left out.
+  Adding a zero returns the other operand as a real number (a zero result's sign aside, which
+  no later addition of a nonzero number sees), so both give the same bits."""
+  rows = terms.shape[-2]
+  while padded > 1:
+    h = padded // 2
+    if rows == padded:  # no padding left: halve the block (the kernel's case)
+      top, bottom = jax.lax.split(terms, (h, h), axis=terms.ndim - 2)
+      terms = top + bottom
+    elif rows > h:  # rows h..rows-1 meet rows 0..rows-h-1; the others meet padding
+      pairs = terms[..., : rows - h, :] + terms[..., h:rows, :]
+      terms = jnp.concatenate([pairs, terms[..., rows - h : h, :]], -2)
+    rows, padded = min(rows, h), h
+  return jnp.squeeze(terms, -2)  # a reshape, as Triton lowers it (no slicing of registers)
+
+
+def _secular(d_j, z2_j, active_j, inv_rho, origin_d, shift):
+  """``f(d_K + s t) = 1/rho + sum_j z_j^2 / (d_j - lambda)`` for every root: the poles'
+  operands ``(..., poles, 1)``, the roots' ``origin_d = d_K`` and ``shift = s t`` ``(..., n)``."""
+  terms = _terms(d_j, z2_j, active_j, origin_d[..., None, :], shift[..., None, :])
+  return inv_rho + _pole_sum(terms, _padded(d_j.shape[-2]))
+
+
+def _bisect_step(lo, hi, floor, sign, f_of_t, dtype):
+  """One step of the bisection on the bits of ``t``: ``f(d_K + s t)`` increases along
+  ``s t``, so the root is above ``t`` where ``s f < 0``. ``hi >= lo >= 0``: the halving is a
+  shift."""
+  mid = jnp.maximum(lo + ((hi - lo) >> 1), floor)
+  t = jax.lax.bitcast_convert_type(mid, dtype)
+  below = sign * f_of_t(sign * t) < 0
+  return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
+
+
+def _steps(dtype) -> int:
+  """Bisection steps: each halves the floats of the bracket, 31 (63 in float64) reach
+  adjacent floats from ``[0, finfo.max]``."""
+  return jnp.finfo(dtype).bits - 1
+
+
+def _padded(n: int) -> int:
+  """Roots and poles of the kernel's block: a power of two >= 16 (Triton's block sizes)."""
+  return max(16, 1 << max(0, n - 1).bit_length())
+
+
+def _bits_dtype(dtype):
+  return jnp.int32 if jnp.dtype(dtype) == jnp.float32 else jnp.int64
+
+
+def _floor_bits(dtype) -> np.integer:
+  """The bits of the smallest normal number (a constant of the bits' dtype). Shifts stay at
+  or above it: XLA flushes subnormals to zero, and a zero shift would put the root on its pole
+  (a division by zero in the eigenvectors). The eigenvalue error this allows is at most that
+  number."""
+  return np.asarray(jnp.finfo(dtype).tiny, dtype).view(_bits_dtype(dtype))[()]
+
+
+def bisect_jnp(d, z2, active, origin_d, sign, inv_rho, lo, hi):
+  """The bisection as a ``fori_loop`` of jnp expressions (the reference): the final ``hi``
+  bits of ``t`` for every root.
+
+  ``d, z2, active``: ``(..., n)`` poles (ascending), ``z_j^2`` (zero where inactive) and
+  which are active; ``origin_d, sign``: ``(..., n)`` each root's origin ``d_K`` and ``s``;
+  ``inv_rho``: ``(..., 1)``; ``lo, hi``: ``(..., n)`` brackets of the bits of ``t``.
+  """
+  dtype = d.dtype
+  floor = _floor_bits(dtype)
+  poles = (d[..., :, None], z2[..., :, None], active[..., :, None])
+
+  def bisect(_, bracket):
+    f = lambda shift: _secular(*poles, inv_rho, origin_d, shift)
+    return _bisect_step(*bracket, floor, sign, f, dtype)
+
+  # A loop, not unrolled: 31 (63) copies of the evaluation would multiply compile time.
+  return jax.lax.fori_loop(0, _steps(dtype), bisect, (lo, hi))[1]
+
+
+def _bisect_kernel(n: int, padded: int, dtype):
+  """One program per batch entry: all roots (lanes of the block's last axis) and all poles
+  (its first axis) of the ``(padded, padded)`` block of ``d_j - lambda_i``, every bisection
+  step in registers. Padded poles are inactive (zero terms); padded roots are not stored."""
+  floor = _floor_bits(dtype)
+
+  def kernel(d_ref, z2_ref, active_ref, origin_ref, sign_ref, inv_rho_ref, lo_ref, hi_ref, out):
+    lanes = jnp.arange(padded)
+    real = lanes < n
+
+    def load(ref, other):
+      return plgpu.load(ref.at[pl.ds(0, padded)], mask=real, other=other)
+
+    d, z2, active = load(d_ref, 0.0), load(z2_ref, 0.0), load(active_ref, 0) != 0
+    origin_d, sign = load(origin_ref, 0.0), load(sign_ref, 1.0)
+    inv_rho = inv_rho_ref[...]
+    poles = (d[:, None], z2[:, None], active[:, None])
+
+    def bisect(_, bracket):
+      f = lambda shift: _secular(*poles, inv_rho, origin_d, shift)
+      return _bisect_step(*bracket, floor, sign, f, dtype)
+
+    bracket = (load(lo_ref, 0), load(hi_ref, floor))
+    _, hi = jax.lax.fori_loop(0, _steps(dtype), bisect, bracket)
+    plgpu.store(out.at[pl.ds(0, padded)], hi, mask=real)
+
+  return kernel
+
+
+def bisect_pallas(d, z2, active, origin_d, sign, inv_rho, lo, hi, *, interpret=False):
+  """:func:`bisect_jnp` as one Pallas kernel (Triton on GPUs), the same bits.
+
+  On a GPU the ``fori_loop`` of :func:`bisect_jnp` is three kernels a step, 93 launches a
+  solve; here one program per batch entry runs all steps in registers, its ``(padded,
+  padded)`` block of poles by roots (:func:`_padded`) summed with :func:`_pole_sum`'s tree.
+  ``float32`` bits are ``int32``; ``float64`` (``int64`` bits) runs in interpret mode only.
+  """
+  dtype, n = d.dtype, d.shape[-1]
+  lead = d.shape[:-1]
+  padded = _padded(n)
+  ibits = lo.dtype
+  flat = lambda x: x.reshape((-1, n))
+  rows = pl.BlockSpec((None, padded), lambda b: (b, 0))
+  scalar = pl.BlockSpec((None,), lambda b: (b,))
+  batch = int(np.prod(lead, dtype=np.int64))
+  hi = kernels._call(
+    _bisect_kernel(n, padded, dtype),
+    (batch,),
+    [rows] * 5 + [scalar] + [rows] * 2,
+    rows,
+    jax.ShapeDtypeStruct((batch, n), ibits),
+    interpret,
+    "ginger_secular_bisect",
+  )(
+    flat(d),
+    flat(z2),
+    flat(active.astype(jnp.int32)),
+    flat(origin_d),
+    flat(sign),
+    inv_rho.reshape((batch,)),
+    flat(lo),
+    flat(hi),
+  )
+  return hi.reshape(lead + (n,))
 
 
 def _safe_max_abs(x: jax.Array) -> jax.Array:

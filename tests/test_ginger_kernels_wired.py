@@ -36,7 +36,7 @@ from reference import (
 )
 
 import ginger
-from ginger import kernels
+from ginger import kernels, secular
 
 SHAPES = {"w": (19, 3), "b": (7,), "tiny": (2,)}  # 57 rows: several 16-row tiles, a masked tail
 
@@ -247,14 +247,42 @@ def test_jnp_rotation_on_cpu_is_one_piece():
 def test_pallas_rotation_aliases_u(monkeypatch):
   """On a GPU the rotation's kernel writes U' over U: the step traced as on a GPU and lowered
   for CUDA (no card needed: Pallas builds the Triton IR in Python) carries the aliasing of the
-  pass-3 kernel (``output_operand_aliases``), which with the state donated is U's buffer."""
+  pass-3 kernel (``output_operand_aliases``), which with the state donated is U's buffer. The
+  secular solver's bisection lowers to Triton too (the fourth kernel; ``while`` loops left in
+  the step are none: the jnp bisection's is gone)."""
   monkeypatch.setattr(kernels, "_on_gpu", lambda: True)  # compiled kernels, not interpreted
   try:
     text = _compiled_step(8, "global", "pallas", 4096, platforms=("cuda",)).as_text()
   except Exception as e:  # noqa: BLE001 (a jaxlib without the CUDA lowering rules: say so)
     pytest.skip(f"cannot lower the step for CUDA here: {e!r}")
-  assert text.count("__gpu$xla.gpu.triton") == 3  # the three passes of the one bucket
+  assert text.count("__gpu$xla.gpu.triton") == 4  # the three passes of the one bucket, bisection
+  assert "ginger_secular_bisect" in text
+  assert "stablehlo.while" not in text
   assert "output_operand_aliases" in text
+
+
+def test_pallas_passes_run_the_bisection_kernel(monkeypatch):
+  """``passes="pallas"`` (interpreted on the CPU) solves Brand's cores with the bisection
+  kernel, once per rank of the buckets; ``"jnp"`` and the dense eigensolver never call it
+  (traced only, nothing compiled)."""
+  calls = []
+  kernel = secular.bisect_pallas
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(secular, "bisect_pallas", spy)
+  params = {"w": jnp.zeros((9, 2)), "b": jnp.zeros((3,))}
+  for passes, eigensolver, expected in (
+    ("pallas", "secular", [{"interpret": True}]),
+    ("jnp", "secular", []),
+    ("pallas", "dense", []),
+  ):
+    calls.clear()
+    tx = ginger.scale_by_ginger(2, passes=passes, eigensolver=eigensolver)
+    jax.make_jaxpr(lambda s, tx=tx: tx.update(params, s, fisher_grads=params))(tx.init(params))
+    assert calls == expected, (passes, eigensolver)
 
 
 def test_row_blocks_change_no_update(x64, monkeypatch):

@@ -163,3 +163,65 @@ def test_brand_core_is_diagonal_plus_rank_one(x64, in_span):
     w, vecs, _ = lowrank.brand_eigh(*args, solver)
     np.testing.assert_allclose(w, np.linalg.eigvalsh(expected)[::-1], atol=1e-14)
     np.testing.assert_allclose(np.asarray(core) @ vecs, vecs * w, atol=1e-14)
+
+
+# ---- the bisection as one Pallas kernel (interpreted here) -----------------------------------
+
+
+def _hard_batch(n, dtype, lead=(10,)):
+  """The hard cases of :func:`_cases` as one batch of ``lead`` (10 cases) matrices."""
+  cases = _cases(n, np.random.default_rng(n))
+  d = jnp.asarray(np.stack([c[1] for c in cases]).reshape(lead + (n,)), dtype)
+  z = jnp.asarray(np.stack([c[2] for c in cases]).reshape(lead + (n,)), dtype)
+  rho = jnp.asarray(np.reshape([c[3] for c in cases], lead), dtype)
+  return d, z, rho
+
+
+def _spy(monkeypatch, name):
+  """Records the operands and result of every call of ``secular.<name>`` (while traced)."""
+  calls = []
+  fn = getattr(secular, name)
+
+  def spy(*args, **kwargs):
+    hi = fn(*args, **kwargs)
+    calls.append((args, kwargs, hi))
+    return hi
+
+  monkeypatch.setattr(secular, name, spy)
+  return calls
+
+
+@pytest.mark.parametrize(
+  ("dtype", "n", "lead"), [("float32", 9, (10,)), ("float32", 33, (2, 5)), ("float64", 33, (10,))]
+)
+def test_bisection_kernel_gives_the_jnp_bits(x64, dtype, n, lead, monkeypatch):
+  """The solver with the kernel (interpreted) equals the jnp solver exactly, and the kernel's
+  brackets the jnp loop's bit for bit on the same operands: the hard cases (deflated entries,
+  ties, clustered poles, tiny z) as tau 8 and tau 32 cores (n = 9, 33: blocks of 16 and 64,
+  padded poles and roots), batches of one and two axes. A different summation order over
+  the poles (``jnp.sum``'s, Triton's) fails this for some root; so do a missed padding mask
+  and a step too few.
+
+  Both solvers run in one program: XLA computes the code before the bisection once there,
+  while two programs may fuse its reductions (``jnp.sum``, ``einsum``) differently and round
+  them differently, which has nothing to do with the kernel."""
+  kernel_calls, jnp_calls = _spy(monkeypatch, "bisect_pallas"), _spy(monkeypatch, "bisect_jnp")
+
+  def both(d, z, rho):
+    ref = secular.eigh_diag_plus_rank_one(d, z, rho)
+    got = secular.eigh_diag_plus_rank_one(d, z, rho, impl="pallas", interpret=True)
+    [(args, kwargs, hi)], [(jnp_args, _, jnp_hi)] = kernel_calls, jnp_calls
+    assert kwargs == {"interpret": True}
+    return ref, got, hi, jnp_hi, args, jnp_args
+
+  ref, got, hi, jnp_hi, args, jnp_args = jax.jit(both)(*_hard_batch(n, dtype, lead))
+  for a, b in zip(args, jnp_args):
+    np.testing.assert_array_equal(a, b)
+  assert hi.shape == lead + (n,) and hi.dtype == (np.int32 if dtype == "float32" else np.int64)
+  np.testing.assert_array_equal(hi, jnp_hi)
+  for a, b in zip(got, ref):
+    np.testing.assert_array_equal(a, b)
+  active = np.asarray(args[2])
+  assert active.any() and not active.all()  # deflated entries among active ones
+  with pytest.raises(ValueError, match="impl must be one of"):
+    secular.eigh_diag_plus_rank_one(*_hard_batch(n, dtype, lead), impl="auto")
