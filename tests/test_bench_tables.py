@@ -1,9 +1,12 @@
 """The benchmarks' printed tables: every row has the header's columns (a row wider than its
 header shifts every value under the wrong name, as bench.scaling's once did)."""
 
+import json
+import subprocess
+
 import pytest
 
-from bench import scaling, train_step
+from bench import checkpoint_stall, scaling, train_step
 
 SUMMARY = {
   "step_time_s": 0.01,
@@ -64,6 +67,35 @@ def test_train_step_rows_match_the_header(monkeypatch, capsys):
   monkeypatch.setattr(train_step, "run", lambda *a, **k: SUMMARY)
   train_step.main(["--suite", "resnet18", "--data", "x", "--only", "adam"])
   _check(capsys.readouterr().out, expect_rows=1)
+
+
+def test_checkpoint_stall_rows_match_the_header(monkeypatch, capsys):
+  """One row a run, the stall the difference of the medians; a failed child keeps the
+  columns."""
+  result = {
+    "device": "gpu H200",
+    "plain_s": 0.24,
+    "saving_s": 0.65,
+    "stall_s": 0.41,
+    "save_s": 0.09,
+    "wait_s": 0.05,
+  }
+  children = []
+
+  def fake_child(cmd, label, timeout, **kwargs):
+    children.append(json.loads(cmd[-1]))
+    if len(children) == 2:
+      return None
+    return subprocess.CompletedProcess(cmd, 0, stdout="log line\n" + json.dumps(result) + "\n")
+
+  monkeypatch.setattr(train_step, "run_child", fake_child)
+  checkpoint_stall.main(["--data", "x", "--steps", "20", "--intervals", "3"])
+  out = capsys.readouterr().out
+  _check(out, expect_rows=2)
+  assert "| adam | 0.240 | 0.650 | **0.410** | 0.090 | 0.050 |" in out
+  assert "| ginger tau=8 K=16 | failed |" in out
+  assert [c["overrides"] for c in children] == list(checkpoint_stall.RUNS.values())
+  assert all(c["steps"] == 20 and c["intervals"] == 3 and c["data"] == "x" for c in children)
 
 
 def test_every_run_has_a_run_dir_hydra_accepts():
