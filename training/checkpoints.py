@@ -393,8 +393,9 @@ class Checkpointer:
     (donation) as soon as this returns. orbax's ``save`` returns only once it has set up the
     write of every array (Python bookkeeping, ~1 ms an array: 0.3-0.5 s for a ResNet-18
     state of 200-400 arrays on 2 CPU cores) and writes in the background after that; run in
-    the training loop, that bookkeeping held training at every checkpoint (on 4x H200: 0.44-
-    0.51 s a save for Adam, 0.70-0.75 s for Ginger tau 8). One save at a time: a save waits
+    the training loop, that bookkeeping held training at every checkpoint (ResNet-18 on an
+    H200, ``python -m bench.checkpoint_stall``: Ginger tau 8 0.81 s a save, 0.49 s with the
+    thread; Adam 0.43 and 0.41 s). One save at a time: a save waits
     for the thread of the one before; :meth:`wait` (and every other method) for the last, and
     raises its error if it failed. With several processes orbax's ``save`` coordinates them
     and is called here, as before.
