@@ -331,3 +331,42 @@ def test_summary_reports_the_start_up(runs):
   per_program = startup["per_program"]
   assert set(per_program) == {"train_step", "precondition_step", "eval_step[100]", "eval_step[59]"}
   assert sum(t["lower"] for t in per_program.values()) <= startup["lower_and_compile"]
+
+
+def test_a_run_reads_back_the_programs_an_earlier_run_kept(runs, tmp_path, monkeypatch):
+  """With ``compilation_cache_dir`` the first run keeps its four lowered programs
+  (training/program_cache.py) and the next run of the same configuration reads them back
+  without tracing the steps' Python (the d-pass is never called); both log exactly what the
+  run without the cache logged (the same programs: the same bits)."""
+  import ginger.fisher
+
+  calls = []
+  traced = ginger.fisher.fisher_vector
+  monkeypatch.setattr(
+    ginger.fisher, "fisher_vector", lambda *a, **k: calls.append(1) or traced(*a, **k)
+  )
+  names = ["jax_compilation_cache_dir", "jax_hlo_source_file_canonicalization_regex"]
+  saved = [getattr(jax.config, n) for n in names]
+  cfg = config(*BASE, f"compilation_cache_dir={tmp_path / 'cache'}")
+  how = {}
+  try:
+    for run in ("first", "second"):
+      calls.clear()
+      train.train(cfg, tmp_path / run, stop=lambda step: None)
+      how[run] = (len(calls), summary_programs(tmp_path / run))
+  finally:
+    for n, v in zip(names, saved, strict=True):
+      jax.config.update(n, v)
+  assert how["first"][0] > 0 and how["first"][1] == {"exported"}
+  assert how["second"] == (0, {"read"})
+  plain = events(runs["root"] / "concurrent")
+  assert events(tmp_path / "first") == plain
+  assert events(tmp_path / "second") == plain
+
+
+def summary_programs(run_dir: Path) -> set:
+  from training import run_record
+
+  per_program = run_record.read_summary(run_dir)["startup_s"]["per_program"]
+  assert len(per_program) == 4
+  return {t["program"] for t in per_program.values()}

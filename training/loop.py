@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 import ginger
 from models import flops
 from models.tasks import Task, build_task
-from training import logs, profiling, run_record, sharding
+from training import logs, profiling, program_cache, run_record, sharding
 from training.checkpoints import Checkpointer, CheckpointError
 from training.config_check import ConfigError, check_config
 from training.errors import Interrupted, NonFiniteLossError
@@ -234,15 +234,34 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
   steps = {True: setup.train_step}
   if setup.curvature_every > 1:
     steps[False] = setup.precondition_step
-  lower: dict[Any, Callable[[], Any]] = {
-    update: functools.partial(fn.lower, state, frozen, train_arrays, indices)
-    for update, fn in steps.items()
-  }
+  jobs = {key: (fn, (state, frozen, train_arrays, indices), (0,)) for key, fn in steps.items()}
   for size in eval_batch_sizes(setup.task.num_val, int(cfg.eval_batch_size)):
-    lower["eval", size] = functools.partial(
-      setup.eval_step.lower, state.trainable, frozen, state.rest, val_arrays, np.arange(size)
+    args = (state.trainable, frozen, state.rest, val_arrays, setup.plan.indices(np.arange(size)))
+    jobs["eval", size] = (setup.eval_step.jitted, args, ())
+  if not cfg.get("compilation_cache_dir"):
+    return {key: functools.partial(fn.lower, *args) for key, (fn, args, _) in jobs.items()}
+  # With a compilation cache, the lowered programs are kept beside it (program_cache).
+  folder = program_cache.folder_of(cfg.compilation_cache_dir)
+  config = OmegaConf.to_container(cfg, resolve=True)
+
+  def cached(key, fn, args, donate):
+    lowered, how = program_cache.lower(
+      fn, args, name=program_name(key), donate_argnums=donate, config=config, folder=folder
     )
-  return lower
+    return Lowering(lowered, how)
+
+  return {key: functools.partial(cached, key, *job) for key, job in jobs.items()}
+
+
+class Lowering(NamedTuple):
+  """A program lowered through :mod:`training.program_cache`: ``how`` it was (see
+  :func:`training.program_cache.lower`); :func:`compile_all` records it."""
+
+  lowered: Any
+  how: str
+
+  def compile(self):
+    return self.lowered.compile()
 
 
 # Threads that compile a run's programs (None: one per program; 1: one after the other).
@@ -268,6 +287,8 @@ def compile_all(
     began = time.perf_counter()
     out = lower[key]()
     times[key] = {"lower": time.perf_counter() - began}
+    if isinstance(out, Lowering):
+      times[key]["program"] = out.how
     return out
 
   def compiled(key, program):
@@ -702,13 +723,16 @@ def _run(
     # Start-up of this attempt (a resumed run's is its last attempt's): building (data, model,
     # optimizer state) and lowering + compiling every program (compile_all; much less where
     # compilation_cache_dir already holds them).
-    # Per program, its lowering (one after the other) and its compilation (at once).
+    # Per program, its lowering (one after the other) and its compilation (at once); with
+    # compilation_cache_dir, "program": "read" (kept by an earlier run: no tracing), "exported"
+    # (traced and kept) or "traced" (training/program_cache.py).
     "startup_s": {
       "build": build_s,
       "lower_and_compile": compile_s,
       "programs": len(lower),
       "per_program": {
-        program_name(key): {k: round(v, 3) for k, v in t.items()} for key, t in program_s.items()
+        program_name(key): {k: v if isinstance(v, str) else round(v, 3) for k, v in t.items()}
+        for key, t in program_s.items()
       },
     },
   }

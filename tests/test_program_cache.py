@@ -1,0 +1,116 @@
+"""training.program_cache: a program kept on disk is read back without tracing, computes what
+the traced program computes, donates what it donated, and is keyed by everything that changes
+it. (A whole run reading its programs back: tests/test_startup.py.)"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from training import program_cache
+
+CONFIG = {"lr": 0.1, "tau": 8, "seed": 0, "logger": "none"}
+
+
+def make_step(traced: list):
+  """A jitted step that donates its state and counts how often Python traces it."""
+
+  def step(state, x):
+    traced.append(1)
+    new = {"w": state["w"] - 0.1 * x.T @ jnp.tanh(x @ state["w"]), "n": state["n"] + 1}
+    return new, jnp.sum(new["w"] ** 2)
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def arguments():
+  state = {"w": jnp.arange(12.0).reshape(4, 3) / 10, "n": jnp.zeros([], jnp.int32)}
+  return state, jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+
+
+def lower(fn, args, folder, config=CONFIG):
+  return program_cache.lower(
+    fn, args, name="train_step", donate_argnums=(0,), config=config, folder=folder
+  )
+
+
+def test_a_program_kept_is_read_back_without_tracing_and_computes_the_same(tmp_path):
+  traced: list = []
+  step = make_step(traced)
+  state, x = arguments()
+  want = jax.device_get(step.lower(state, x).compile()(*arguments()))
+  first, how = lower(step, (state, x), tmp_path)
+  assert how == "exported" and len(list(tmp_path.iterdir())) == 1
+  count = len(traced)
+  second, how = lower(make_step(traced), (state, x), tmp_path)  # a fresh function: no jit cache
+  assert how == "read" and len(traced) == count  # Python did not run
+  for lowered in (first, second):
+    state, x = arguments()
+    got = jax.device_get(lowered.compile()(state, x))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(a, b)  # the same program: the same bits
+    assert state["w"].is_deleted()  # the state is still donated
+
+
+@pytest.mark.parametrize(
+  "change",
+  ["config", "shape", "dtype", "donation", "name", "sources"],
+)
+def test_what_changes_the_program_changes_the_key(change, monkeypatch):
+  state, x = arguments()
+  args, config, donate, name = (state, x), dict(CONFIG), (0,), "train_step"
+  before = program_cache.key(name, args, donate, config)
+  if change == "config":
+    config["lr"] = 0.2
+  elif change == "shape":
+    args = (state, jnp.zeros((3, 4)))
+  elif change == "dtype":
+    args = (state, x.astype(jnp.bfloat16))
+  elif change == "donation":
+    donate = ()
+  elif change == "name":
+    name = "precondition_step"
+  else:
+    monkeypatch.setattr(program_cache, "source_digest", lambda: "edited")
+  assert program_cache.key(name, args, donate, config) != before
+
+
+def test_what_only_changes_the_arguments_values_keeps_the_key():
+  """Another seed (the initial state and key are arguments), another logger or run name: the
+  same program, read back."""
+  state, x = arguments()
+  before = program_cache.key("train_step", (state, x), (0,), CONFIG)
+  other = {**CONFIG, "seed": 1, "logger": "wandb", "name": "other"}
+  assert program_cache.key("train_step", (state, x + 1), (0,), other) == before
+
+
+def test_a_damaged_file_is_traced_again_and_replaced(tmp_path, caplog):
+  state, x = arguments()
+  lower(make_step([]), (state, x), tmp_path)
+  (path,) = tmp_path.iterdir()
+  path.write_bytes(b"not a program")
+  with caplog.at_level(logging.WARNING, logger="train"):
+    _, how = lower(make_step([]), (state, x), tmp_path)
+  assert how == "exported" and "could not be read back" in caplog.text
+  assert lower(make_step([]), (state, x), tmp_path)[1] == "read"
+
+
+def test_a_program_with_a_host_callback_is_traced_without_the_cache(tmp_path, caplog):
+  """A host callback is a Python object of the process that traced it: not kept."""
+
+  @jax.jit
+  def step(state, x):
+    jax.debug.callback(lambda v: None, x)
+    return state, jnp.sum(x)
+
+  state, x = arguments()
+  with caplog.at_level(logging.WARNING, logger="train"):
+    lowered, how = program_cache.lower(
+      step, (state, x), name="train_step", donate_argnums=(), config=CONFIG, folder=tmp_path
+    )
+  assert how == "traced" and "could not be exported" in caplog.text
+  assert not tmp_path.exists() or not list(tmp_path.iterdir())
+  lowered.compile()(state, x)
