@@ -188,10 +188,12 @@ def test_compile_all_one_by_one():
 # ---- compilation_cache_dir -------------------------------------------------------------------
 
 
-def test_compilation_cache_dir_stores_the_compiled_steps(tmp_path):
+def test_compilation_cache_dir_keeps_the_steps_for_a_later_process(tmp_path):
   """train.py with ``compilation_cache_dir`` (and no JAX_COMPILATION_CACHE_DIR: the test
   suite's own cache is off in the child) writes the compiled training and evaluation steps
-  into that folder."""
+  into that folder, and their lowered programs into its ``programs/``
+  (training/program_cache.py). A later process (this one) with the same configuration reads
+  every program back instead of tracing it, and logs exactly the child's numbers."""
   import os
   import subprocess
   import sys
@@ -199,18 +201,17 @@ def test_compilation_cache_dir_stores_the_compiled_steps(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # store every program
   cache = tmp_path / "compiled"
+  overrides = [
+    "experiment=demo",
+    "optimizer=adam",
+    "logger=none",
+    "max_steps=2",
+    "eval_every=1",
+    "spectrum_every=0",
+    f"compilation_cache_dir={cache}",
+  ]
   out = subprocess.run(
-    [
-      sys.executable,
-      "train.py",
-      "experiment=demo",
-      "optimizer=adam",
-      "max_steps=1",
-      "eval_every=1",
-      "spectrum_every=0",
-      f"compilation_cache_dir={cache}",
-      f"hydra.run.dir={tmp_path / 'run'}",
-    ],
+    [sys.executable, "train.py", *overrides, f"hydra.run.dir={tmp_path / 'first'}"],
     cwd=ROOT,
     env=env,
     capture_output=True,
@@ -220,6 +221,27 @@ def test_compilation_cache_dir_stores_the_compiled_steps(tmp_path):
   names = [p.name for p in cache.iterdir()]
   assert any(n.startswith("jit_step") for n in names), names
   assert any(n.startswith("jit_eval_step") for n in names), names
+  kept = sorted(p.name.split("-")[0] for p in (cache / "programs").iterdir())
+  assert kept == ["eval_step[359]", "train_step"], kept  # the digits' 359 test images
+  assert programs_of(tmp_path / "first") == {"exported"}
+
+  names = ["jax_compilation_cache_dir", "jax_hlo_source_file_canonicalization_regex"]
+  saved = [getattr(jax.config, n) for n in names]
+  try:
+    train.train(config(*overrides), tmp_path / "second", stop=lambda step: None)
+  finally:
+    for n, v in zip(names, saved, strict=True):
+      jax.config.update(n, v)
+  assert programs_of(tmp_path / "second") == {"read"}
+  assert events(tmp_path / "second") == events(tmp_path / "first")
+
+
+def programs_of(run_dir: Path) -> set:
+  """How the run's programs were lowered (summary.json: "read", "exported" or "traced")."""
+  from training import run_record
+
+  per_program = run_record.read_summary(run_dir)["startup_s"]["per_program"]
+  return {t["program"] for t in per_program.values()}
 
 
 def test_the_cached_ginger_kernels_do_not_depend_on_where_the_checkout_is(tmp_path):
@@ -331,42 +353,3 @@ def test_summary_reports_the_start_up(runs):
   per_program = startup["per_program"]
   assert set(per_program) == {"train_step", "precondition_step", "eval_step[100]", "eval_step[59]"}
   assert sum(t["lower"] for t in per_program.values()) <= startup["lower_and_compile"]
-
-
-def test_a_run_reads_back_the_programs_an_earlier_run_kept(runs, tmp_path, monkeypatch):
-  """With ``compilation_cache_dir`` the first run keeps its four lowered programs
-  (training/program_cache.py) and the next run of the same configuration reads them back
-  without tracing the steps' Python (the d-pass is never called); both log exactly what the
-  run without the cache logged (the same programs: the same bits)."""
-  import ginger.fisher
-
-  calls = []
-  traced = ginger.fisher.fisher_vector
-  monkeypatch.setattr(
-    ginger.fisher, "fisher_vector", lambda *a, **k: calls.append(1) or traced(*a, **k)
-  )
-  names = ["jax_compilation_cache_dir", "jax_hlo_source_file_canonicalization_regex"]
-  saved = [getattr(jax.config, n) for n in names]
-  cfg = config(*BASE, f"compilation_cache_dir={tmp_path / 'cache'}")
-  how = {}
-  try:
-    for run in ("first", "second"):
-      calls.clear()
-      train.train(cfg, tmp_path / run, stop=lambda step: None)
-      how[run] = (len(calls), summary_programs(tmp_path / run))
-  finally:
-    for n, v in zip(names, saved, strict=True):
-      jax.config.update(n, v)
-  assert how["first"][0] > 0 and how["first"][1] == {"exported"}
-  assert how["second"] == (0, {"read"})
-  plain = events(runs["root"] / "concurrent")
-  assert events(tmp_path / "first") == plain
-  assert events(tmp_path / "second") == plain
-
-
-def summary_programs(run_dir: Path) -> set:
-  from training import run_record
-
-  per_program = run_record.read_summary(run_dir)["startup_s"]["per_program"]
-  assert len(per_program) == 4
-  return {t["program"] for t in per_program.values()}
