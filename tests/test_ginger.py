@@ -267,7 +267,11 @@ def test_ginger_without_fisher_uses_raw_gradient_not_momentum(x64):
     g = _random_like(rng, params)
     o1, s_default = update(g, s_default, params)
     o2, s_explicit = update(g, s_explicit, params, fisher_grads=g)
-    np.testing.assert_array_equal(o1["w"], o2["w"])
+    # Two programs (XLA may fuse the shared g differently in the first): the same math to
+    # float64 rounding amplified by G's condition number, sigma_max / gamma ~ 0.01 x 4 x 3 /
+    # 1e-5 ~ 1e4 here, so ~1e-12 (measured: up to 2e-13). Taking the momentum for d instead
+    # of the raw gradient changes the update by O(1).
+    np.testing.assert_allclose(o1["w"], o2["w"], rtol=1e-9, atol=0)
 
 
 def test_works_with_optax_wrappers():
