@@ -41,7 +41,7 @@ for way in order:
   exe[way] = low.compile()
   print(way, "lower", round(t1 - t, 2), "compile", round(time.perf_counter() - t1, 2), flush=True)
 state = setup.init_state()
-for rep in range(3):
+for _rep in range(3):
   for way in order:
     for _ in range(5):
       state = exe[way](state, setup.frozen, arrays, idx)
