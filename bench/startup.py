@@ -21,9 +21,12 @@ process's CPU seconds: on a busy machine the wall clock includes waiting for a c
 size of the lowered program (StableHLO operations), and per run the time from the start of
 ``build`` to every program compiled. The persistent compilation cache is off in the children
 (``--cache-dir`` turns it on: then the first run of a configuration fills it and a rerun reads
-it back). Without ``--data`` the images are random (the CIFAR-10 layout, 640 training and 500
-test images): the programs have the real shapes except the dataset's length, which does not
-change what is compiled beyond one dimension of the gather.
+it back). ``--extra compilation_cache_dir=DIR`` turns on the run's own cache as train.py would:
+JAX's compilation cache and the kept programs (``DIR/programs``, training/program_cache.py): the
+first measurement of a configuration traces and keeps its programs, a rerun reads them back (the
+table's "how" column). Without ``--data`` the images are random (the CIFAR-10 layout, 640
+training and 500 test images): the programs have the real shapes except the dataset's length,
+which does not change what is compiled beyond one dimension of the gather.
 """
 
 from __future__ import annotations
@@ -110,7 +113,9 @@ def child(spec: dict) -> dict:
       record.update(
         lower_s=time.perf_counter() - t,
         lower_cpu_s=time.process_time() - c,
-        stablehlo_ops=_stablehlo_ops(lowered),
+        # With compilation_cache_dir, how the program was lowered (training/program_cache.py)
+        program=getattr(lowered, "how", "traced"),
+        stablehlo_ops=_stablehlo_ops(getattr(lowered, "lowered", lowered)),
       )
 
       class Timed:
@@ -160,20 +165,20 @@ def run(
 
 def table(results: dict) -> str:
   lines = [
-    "| run | mode | build s | program | StableHLO ops | lower s | compile s (wall) "
+    "| run | mode | build s | program | how | StableHLO ops | lower s | compile s (wall) "
     "| all programs: wall s (CPU s) | build to compiled s |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for (name, mode), r in results.items():
     if not r:
-      lines.append(f"| {name} | {mode} | failed | | | | | | |")
+      lines.append(f"| {name} | {mode} | failed | | | | | | | |")
       continue
     for i, (program, p) in enumerate(r["programs"].items()):
       first = i == 0
       lines.append(
         f"| {name if first else ''} | {mode if first else ''} "
         f"| {format(r['build_s'], '.1f') if first else ''} | {program} "
-        f"| {p['stablehlo_ops']} | {p['lower_s']:.2f} "
+        f"| {p.get('program', 'traced')} | {p['stablehlo_ops']} | {p['lower_s']:.2f} "
         f"| {p.get('compile_s', float('nan')):.1f} "
         + (
           f"| {r['lower_and_compile_s']:.1f} ({r['lower_and_compile_cpu_s']:.1f}) "

@@ -158,3 +158,24 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   _check(table, expect_rows=3)
   assert "| warm | adam | 2 (2 reached) | 3.0 | 30.0 | 40.0 |" in means
   assert "| warm | ginger tau=8 K=8 | 1 (0 reached) |  |  | 20.0 |" in means
+
+
+def test_startup_rows_match_the_header():
+  """bench.startup's table: one row per program (how it was lowered: traced, or with the
+  run's own compilation_cache_dir exported or read back), a failed measurement one row."""
+  from bench import startup
+
+  program = {"stablehlo_ops": 100, "lower_s": 0.1, "compile_s": 1.0}
+  results = {
+    ("adam", "concurrent"): {
+      "build_s": 2.0,
+      "lower_and_compile_s": 1.2,
+      "lower_and_compile_cpu_s": 1.5,
+      "startup_s": 3.2,
+      "programs": {"train step": program, "eval step (batch 500)": {**program, "program": "read"}},
+    },
+    ("ginger tau=8", "concurrent"): {},
+  }
+  out = startup.table(results)
+  _check(out, expect_rows=3)
+  assert "| traced |" in out and "| read |" in out
