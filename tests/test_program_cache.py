@@ -114,3 +114,32 @@ def test_a_program_with_a_host_callback_is_traced_without_the_cache(tmp_path, ca
   assert how == "traced" and "could not be exported" in caplog.text
   assert not tmp_path.exists() or not list(tmp_path.iterdir())
   lowered.compile()(state, x)
+
+
+def test_the_data_is_part_of_the_key():
+  """Constants computed from the data (the images' mean and std) are baked into the steps:
+  another dataset at the same path (same config, same shapes) is another program. The model's
+  parameters (JAX arrays, arguments of the steps: another seed) are not."""
+  import dataclasses
+
+  @dataclasses.dataclass
+  class Task:
+    train_arrays: dict
+    mean: np.ndarray
+    model: dict
+    name: str = "images"
+
+  images = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+  task = Task({"images": images}, np.array([0.5, 0.4], np.float32), {"w": jnp.ones(3)})
+  before = program_cache.data_digest(task)
+  assert program_cache.data_digest(dataclasses.replace(task, model={"w": jnp.zeros(3)})) == before
+  other_mean = dataclasses.replace(task, mean=np.array([0.5, 0.3], np.float32))
+  other_images = dataclasses.replace(task, train_arrays={"images": images[::-1].copy()})
+  for other in (other_mean, other_images):
+    assert program_cache.data_digest(other) != before
+  state, x = arguments()
+  keys = {
+    program_cache.key("train_step", (state, x), (0,), CONFIG, data=program_cache.data_digest(t))
+    for t in (task, other_mean)
+  }
+  assert len(keys) == 2

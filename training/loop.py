@@ -243,10 +243,17 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
   # With a compilation cache, the lowered programs are kept beside it (program_cache).
   folder = program_cache.folder_of(cfg.compilation_cache_dir)
   config = OmegaConf.to_container(cfg, resolve=True)
+  data = program_cache.data_digest(setup.task)
 
   def cached(key, fn, args, donate):
     lowered, how = program_cache.lower(
-      fn, args, name=program_name(key), donate_argnums=donate, config=config, folder=folder
+      fn,
+      args,
+      name=program_name(key),
+      donate_argnums=donate,
+      config=config,
+      folder=folder,
+      data=data,
     )
     return Lowering(lowered, how)
 

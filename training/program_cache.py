@@ -9,7 +9,9 @@ a later run whose program has the same key reads the module back and lowers only
 it (~0.2 s), and XLA's cache then finds the executable that the first run compiled from it.
 
 The key is a sha256 of everything that decides the program: its name and donated arguments,
-the arguments' pytree structure, shapes, dtypes and shardings, the run's resolved config
+the arguments' pytree structure, shapes, dtypes and shardings, the task's data (its contents:
+constants computed from it, such as the images' mean and std, are part of the program), the
+run's resolved config
 without the keys that only change the arguments' values or the loop around the steps
 (:data:`NEUTRAL_KEYS`: the seed, logging, checkpointing), the source files of the packages
 the steps are built from, the versions of Python, jax, jaxlib, flax and optax, JAX's own
@@ -22,6 +24,7 @@ own program, as before.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax import export
 
 log = logging.getLogger("train")
@@ -121,14 +125,34 @@ def _describe(x) -> list:
   return [list(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)), repr(sharding)]
 
 
-def key(name: str, args: tuple, donate_argnums: tuple[int, ...], config: dict) -> str:
+def data_digest(task) -> str:
+  """sha256 of a task's data: every numpy array and number among its dataclass fields (the
+  datasets, and what was computed from them and enters the steps as constants, e.g. the
+  images' per-channel mean and std). The model's parameters (JAX arrays: arguments of the
+  steps) are not part of it. ~0.15 s for CIFAR's 150 MB on one core."""
+  digest = hashlib.sha256()
+  for field in dataclasses.fields(task):
+    leaves = jax.tree.leaves_with_path(getattr(task, field.name))
+    for path, leaf in leaves:
+      if isinstance(leaf, np.ndarray | np.generic | int | float):
+        array = np.ascontiguousarray(leaf)
+        head = f"{field.name}{jax.tree_util.keystr(path)}:{array.dtype}{array.shape}"
+        digest.update(head.encode() + b"\0")
+        digest.update(memoryview(array.reshape(-1)).cast("B"))
+  return digest.hexdigest()
+
+
+def key(
+  name: str, args: tuple, donate_argnums: tuple[int, ...], config: dict, data: str = ""
+) -> str:
   """The program's key (hex sha256): see the module's docstring. ``config``: the run's
-  resolved config as plain containers."""
+  resolved config as plain containers; ``data``: :func:`data_digest` of the run's task."""
   leaves, tree = jax.tree.flatten(args)
   text = json.dumps(
     {
       "layout": LAYOUT,
       "name": name,
+      "data": data,
       "donate_argnums": list(donate_argnums),
       "tree": str(tree),
       "leaves": [_describe(x) for x in leaves],
@@ -145,7 +169,14 @@ def key(name: str, args: tuple, donate_argnums: tuple[int, ...], config: dict) -
 
 
 def lower(
-  jitted, args: tuple, *, name: str, donate_argnums: tuple[int, ...], config: dict, folder: Path
+  jitted,
+  args: tuple,
+  *,
+  name: str,
+  donate_argnums: tuple[int, ...],
+  config: dict,
+  folder: Path,
+  data: str = "",
 ):
   """``jitted.lower(*args)``, through the program kept in ``folder`` under the program's key.
 
@@ -157,7 +188,7 @@ def lower(
   """
   if jax.process_count() > 1:
     return jitted.lower(*args), "traced"
-  path = Path(folder) / f"{name}-{key(name, args, donate_argnums, config)}.bin"
+  path = Path(folder) / f"{name}-{key(name, args, donate_argnums, config, data)}.bin"
   leaves, in_tree = jax.tree.flatten(args)
   if path.exists():
     try:
