@@ -80,7 +80,11 @@ def child(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from fakes import cifar_pickle_folder
 
-    data = str(cifar_pickle_folder(Path(tempfile.mkdtemp()), "cifar10", 640, 500))
+    # The same images (a fixed draw) at the same path in every child: its config, and its
+    # programs' keys with the kept programs, are those of the previous child.
+    root = Path(tempfile.gettempdir()) / "ginger-bench-startup-fake-cifar10"
+    folder = root / "cifar-10-batches-py"
+    data = str(folder if folder.exists() else cifar_pickle_folder(root, "cifar10", 640, 500))
   overrides = BASE + ["data.source=local", f"data.path={data}"] + spec["overrides"]
   with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
     cfg = compose(config_name="config", overrides=overrides)
