@@ -143,3 +143,43 @@ def test_the_data_is_part_of_the_key():
     for t in (task, other_mean)
   }
   assert len(keys) == 2
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: a process on 4 simulated devices, two demo runs
+def test_a_sharded_run_reads_its_programs_back(tmp_path):
+  """The demo with the batch and Ginger's state split over 4 devices: the first run keeps its
+  programs, the second reads them back (their shardings are part of the module) and logs the
+  same numbers."""
+  from cpu_devices import run_on_cpu_devices
+
+  out = run_on_cpu_devices(
+    """
+    import json, sys
+    from pathlib import Path
+    from hydra import compose, initialize_config_dir
+    from training import loop, run_record
+    root = Path(sys.argv[1])
+    overrides = ["experiment=demo", "optimizer=ginger", "logger=none", "max_steps=3",
+                 "eval_every=3", "batch_size=32", "spectrum_every=0", "mesh.data=4",
+                 "mesh.min_shard_size=16384", f"compilation_cache_dir={root / 'cache'}"]
+    with initialize_config_dir(config_dir=str(Path.cwd() / "configs"), version_base=None):
+      cfg = compose(config_name="config", overrides=overrides)
+    out = {}
+    for run in ("first", "second"):
+      loop.train(cfg, root / run, stop=lambda step: None)
+      summary = run_record.read_summary(root / run)
+      out[run] = {
+        "how": sorted({p["program"] for p in summary["startup_s"]["per_program"].values()}),
+        "mesh": summary["mesh"]["shape"],
+        "events": [
+          [e.get("train_loss"), e.get("val_loss")] for e in run_record.read_events(root / run)
+        ],
+      }
+    print(json.dumps(out))
+    """,
+    str(tmp_path),
+    timeout=600,
+  )
+  assert out["first"]["how"] == ["exported"] and out["second"]["how"] == ["read"]
+  assert out["first"]["mesh"] == out["second"]["mesh"] == {"data": 4, "model": 1}
+  assert out["first"]["events"] == out["second"]["events"]
