@@ -67,7 +67,8 @@ NEUTRAL_KEYS = frozenset(
     "best_lr",
   }
 )
-# Version 1 of the files' layout: a pickled dict of the output's tree and the serialized module.
+# Version 1 of the files' layout: a pickled dict of the output's tree and the serialized module
+# (a pickle: the folder must be as trusted as the code, like any cache a run loads code from).
 LAYOUT = 1
 # Beyond the custom calls jax.export keeps stable (LAPACK, cuSOLVER, ...), Pallas' kernels on
 # GPUs: a module is read back only by the same versions on the same devices (the key), so
