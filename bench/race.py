@@ -5,7 +5,8 @@
 Every folder below the given ones that holds a run's ``summary.json`` and ``metrics.jsonl`` is
 one row, grouped by the folder above it (e.g. ``1_cold``, ``2_warm``: whether the compilation
 cache held the run's programs): optimizer, Ginger's K (``curvature_every``) and d-pass forward,
-seed, the seconds its programs took to lower and compile (or to read from the cache), the
+seed, the seconds its programs took to lower and compile (or to read from the cache) and how
+they were lowered (read back from the programs an earlier run kept, exported, traced), the
 epochs and the seconds to the first evaluation at ``--target`` % or more, the best accuracy and
 the seconds to it, and the median step time. Seconds count from the training loop's start
 (``metrics.jsonl``'s ``wall_time_s``: compilation and evaluations included, building the data
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 HEADER = (
-  "| group | run | seed | compile s | epochs to {t} % | s to {t} % | best acc % | s to best "
-  "| ms/step |"
+  "| group | run | seed | compile s | programs | epochs to {t} % | s to {t} % | best acc % "
+  "| s to best | ms/step |"
 )
 
 
@@ -32,6 +33,9 @@ class Race(NamedTuple):
   run: str
   seed: int
   compile_s: float
+  # How its programs were lowered (summary.json's startup_s.per_program: "read" back from the
+  # programs an earlier run kept, "exported", "traced"; "" in records from before)
+  programs: str
   epochs_to_target: int | None
   s_to_target: float | None
   best: float
@@ -62,12 +66,19 @@ def race(run_dir: Path, target: float, group: str) -> Race:
     run_label(summary),
     summary["run"]["seed"],
     summary["startup_s"]["lower_and_compile"],
+    programs_of(summary),
     None if hit is None else round(hit["step"] / per_epoch),
     None if hit is None else hit["wall_time_s"],
     best["val_accuracy"],
     best["wall_time_s"],
     1e3 * summary["step_time_s"],
   )
+
+
+def programs_of(summary: dict) -> str:
+  """The ways the run's programs were lowered, e.g. "read" or "exported" ("" if unrecorded)."""
+  per_program = summary["startup_s"].get("per_program", {}).values()
+  return "/".join(sorted({p["program"] for p in per_program if "program" in p}))
 
 
 def collect(folders: list[Path], target: float) -> list[Race]:
@@ -89,7 +100,8 @@ def table(rows: list[Race], target: float) -> str:
   out = [header, "|---" * (header.count("|") - 1) + "|"]
   for r in rows:
     out.append(
-      f"| {r.group} | {r.run} | {r.seed} | {r.compile_s:.1f} | {_cell(r.epochs_to_target, 'd')} "
+      f"| {r.group} | {r.run} | {r.seed} | {r.compile_s:.1f} | {r.programs} "
+      f"| {_cell(r.epochs_to_target, 'd')} "
       f"| {_cell(r.s_to_target, '.1f')} | {r.best:.2f} | {r.s_to_best:.1f} "
       f"| {r.ms_per_step:.2f} |"
     )

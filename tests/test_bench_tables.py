@@ -138,7 +138,12 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   _race_run(tmp_path / "warm" / "a0", "adam", 0, [50.0, 86.0, 85.5, 88.0])
   _race_run(tmp_path / "warm" / "a1", "adam", 1, [50.0, 70.0, 84.0, 85.0])
   _race_run(tmp_path / "warm" / "g0", "ginger", 0, [80.0, 84.9], tau=8, curvature_every=8)
+  summary_path = tmp_path / "warm" / "g0" / "summary.json"  # a run that read its programs back
+  summary = json.loads(summary_path.read_text())
+  summary["startup_s"]["per_program"] = {"train_step": {"lower": 0.1, "program": "read"}}
+  summary_path.write_text(json.dumps(summary))
   rows = race.collect([tmp_path], target=85.0)
+  assert [r.programs for r in rows] == ["", "", "read"]
   assert [(r.group, r.run, r.seed) for r in rows] == [
     ("warm", "adam", 0),
     ("warm", "adam", 1),
