@@ -211,10 +211,14 @@ class EvalStep(NamedTuple):
 
   def __call__(self, trainable, frozen, rest, arrays, idx):
     run = self.compiled.get(len(idx), self.jitted)
-    return run(trainable, frozen, rest, arrays, self.plan.indices(idx))
+    return run(*self.arguments(trainable, frozen, rest, arrays, idx))
+
+  def arguments(self, trainable, frozen, rest, arrays, idx) -> tuple:
+    """The jitted function's arguments for host indices ``idx`` (placed on the mesh)."""
+    return trainable, frozen, rest, arrays, self.plan.indices(idx)
 
   def lower(self, trainable, frozen, rest, arrays, idx):
-    return self.jitted.lower(trainable, frozen, rest, arrays, self.plan.indices(idx))
+    return self.jitted.lower(*self.arguments(trainable, frozen, rest, arrays, idx))
 
   def with_compiled(self, compiled: dict) -> EvalStep:
     return self._replace(compiled={**self.compiled, **compiled})
@@ -236,7 +240,9 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
     steps[False] = setup.precondition_step
   jobs = {key: (fn, (state, frozen, train_arrays, indices), (0,)) for key, fn in steps.items()}
   for size in eval_batch_sizes(setup.task.num_val, int(cfg.eval_batch_size)):
-    args = (state.trainable, frozen, state.rest, val_arrays, setup.plan.indices(np.arange(size)))
+    args = setup.eval_step.arguments(
+      state.trainable, frozen, state.rest, val_arrays, np.arange(size)
+    )
     jobs["eval", size] = (setup.eval_step.jitted, args, ())
   if not cfg.get("compilation_cache_dir"):
     return {key: functools.partial(fn.lower, *args) for key, (fn, args, _) in jobs.items()}
