@@ -8,6 +8,7 @@ training), :func:`training.loop.compile_all` really compiles at once, and a run 
 were compiled concurrently logs exactly the numbers of one compiled one after the other.
 """
 
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -225,15 +226,23 @@ def test_compilation_cache_dir_keeps_the_steps_for_a_later_process(tmp_path):
   assert kept == ["eval_step[359]", "train_step"], kept  # the digits' 359 test images
   assert programs_of(tmp_path / "first") == {"exported"}
 
+  with cache_settings_restored():
+    train.train(config(*overrides), tmp_path / "second", stop=lambda step: None)
+  assert programs_of(tmp_path / "second") == {"read"}
+  assert events(tmp_path / "second") == events(tmp_path / "first")
+
+
+@contextlib.contextmanager
+def cache_settings_restored():
+  """JAX's settings that ``train.use_compilation_cache`` changes (process-wide), as they were
+  before the block: the suite's other tests keep the suite's cache."""
   names = ["jax_compilation_cache_dir", "jax_hlo_source_file_canonicalization_regex"]
   saved = [getattr(jax.config, n) for n in names]
   try:
-    train.train(config(*overrides), tmp_path / "second", stop=lambda step: None)
+    yield
   finally:
     for n, v in zip(names, saved, strict=True):
       jax.config.update(n, v)
-  assert programs_of(tmp_path / "second") == {"read"}
-  assert events(tmp_path / "second") == events(tmp_path / "first")
 
 
 def programs_of(run_dir: Path) -> set:
@@ -262,14 +271,9 @@ def test_the_cached_ginger_kernels_do_not_depend_on_where_the_checkout_is(tmp_pa
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
   assert f"{ROOT}/ginger/kernels.py" in text()  # the kernels carry their source paths
-  names = ["jax_compilation_cache_dir", "jax_hlo_source_file_canonicalization_regex"]
-  saved = [getattr(jax.config, n) for n in names]
-  try:
+  with cache_settings_restored():
     train.use_compilation_cache(str(tmp_path / "cache"))
     lowered = text()
-  finally:
-    for n, v in zip(names, saved, strict=True):
-      jax.config.update(n, v)
   assert str(ROOT) not in lowered and "ginger/kernels.py" in lowered
 
 
