@@ -6,7 +6,9 @@ memory-bound (about ``2k`` flops per element of ``U`` read), so it should cost o
 ``U`` (and one write for the rotation) and nothing more. This module writes each pass twice:
 
 * ``impl="jnp"``: the formulas of :mod:`ginger.lowrank` as they are (the reference, and the
-  CPU path): XLA decides what it fuses.
+  CPU path): XLA decides what it fuses. Off GPUs a few products are written as dots where
+  XLA:CPU's fusion of the plain formula is slow (:func:`_row_sums`, :func:`_matvec`,
+  :func:`_vdot`): the same values up to summation order.
 * ``impl="pallas"``: one ``pl.pallas_call`` per pass (Triton lowering on GPUs, interpreted
   elsewhere), each program owning a chunk of rows of one block: it streams ``tile x k`` tiles
   of ``U`` (rows past the block masked, ``k`` padded to a power of two, at least
