@@ -1,0 +1,187 @@
+"""The shared d-pass's backward with the batch split over devices, three ways.
+
+    python -m bench.dpass_backward --devices 1 4                       # GPUs: ResNet-18
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
+        python -m bench.dpass_backward --devices 4 --model resnet_tiny --per-device-batch 4
+
+One forward pass, then the loss gradient ``g`` and the Fisher vector ``d``
+(:func:`ginger.fisher.value_grad_and_fisher`) for a ResNet (random weights and CIFAR-shaped
+random images, ``--per-device-batch`` each, BatchNorm statistics per device as train.py's
+``batchnorm=per_device``), on a data mesh of the first N devices, computed as:
+
+* ``sequential``: GSPMD, two backward passes (the training loop's ``fisher_backward=auto``
+  wherever the batch is split);
+* ``batched``: GSPMD, one backward over the pair of cotangents (``auto`` on one device; on
+  several, a convolution's batching rule folds the pair into the batch axis outside the
+  split and XLA all-gathers);
+* ``local``: one backward over the pair inside ``jax.shard_map``: every device pulls both
+  cotangents back through its own examples (the model with one BatchNorm group: the same
+  statistics), and JAX sums the replicated parameters' cotangents over the devices. The
+  per-device losses were means over B / N examples and the Fisher cotangent is scaled by
+  ``1 / sqrt(B / N)``, so ``g`` is that sum over N and ``d`` over ``sqrt(N)``.
+
+Columns: median ms per call (jitted, host-timed with ``block_until_ready`` after a warm-up),
+the collectives of the compiled program (:func:`bench.collectives.collectives`: count and MB),
+and the largest difference of ``g``, ``d`` and the updated BatchNorm running statistics from
+``sequential`` relative to their largest entry. The Fisher labels are the true ones
+(``fisher="empirical"``) so that the three compute the same vectors; sampling them is the same
+small work in each. The question this answers for issue 14's scale-out target: does the 4-GPU
+step lose its time in the second backward?
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bench.collectives import collectives
+from ginger.fisher import value_grad_and_fisher
+from models.resnet import build_resnet
+
+BACKWARDS = ("sequential", "batched", "local")
+HEADER = (
+  "| devices | backward | ms | collectives (count, MB) | g rel. diff | d rel. diff "
+  "| BN stats rel. diff |"
+)
+
+
+def split_model(name: str, groups: int, num_classes: int = 10):
+  """``(graphdef, params, rest)`` of a ResNet in training mode with ``groups`` BatchNorm
+  groups; the variables do not depend on ``groups`` (models.resnet.GroupedBatchNorm)."""
+  model = build_resnet(name, num_classes, rngs=nnx.Rngs(0), batchnorm_groups=groups)
+  model.train()
+  return nnx.split(model, nnx.Param, ...)
+
+
+def grads_and_fisher(graphdef, params, rest, images, labels, backward: str):
+  """``(loss, rest, g, d)`` of one forward pass (``backward``: ginger.fisher's)."""
+
+  def forward(p):
+    model = nnx.merge(graphdef, p, rest, copy=True)
+    logits = model(images)
+    return logits, nnx.split(model, nnx.Param, ...)[2]
+
+  (loss, new_rest), g, d = value_grad_and_fisher(
+    forward,
+    params,
+    labels,
+    jax.random.key(0),
+    has_aux=True,
+    fisher="empirical",
+    backward=backward,
+  )
+  return loss, new_rest, g, d
+
+
+def step_fn(backward: str, mesh, graphdefs: dict):
+  """The jitted ``(params, rest, images, labels) -> (loss, rest, g, d)`` of one way."""
+  n = mesh.devices.size
+  replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  if backward != "local":
+    fn = functools.partial(grads_and_fisher, graphdefs["grouped"], backward=backward)
+    return jax.jit(
+      lambda *a: fn(*a),
+      in_shardings=(replicated, replicated, batch, batch),
+      out_shardings=replicated,
+    )
+
+  def per_device(params, rest, images, labels):
+    loss, new_rest, g, d = grads_and_fisher(
+      graphdefs["one group"], params, rest, images, labels, "batched"
+    )
+    # g and d arrive summed over the devices (the cotangents of replicated parameters).
+    return (
+      jax.lax.pmean(loss, "data"),
+      jax.lax.pmean(new_rest, "data"),
+      jax.tree.map(lambda x: x / n, g),
+      jax.tree.map(lambda x: x / math.sqrt(n), d),
+    )
+
+  local = jax.shard_map(
+    per_device, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=P()
+  )
+  return jax.jit(local, in_shardings=(replicated, replicated, batch, batch))
+
+
+def rel_diff(xs, ys) -> float:
+  xs, ys = jax.tree.leaves(xs), jax.tree.leaves(ys)
+  scale = max(float(jnp.max(jnp.abs(y))) for y in ys)
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(xs, ys, strict=True)) / scale
+
+
+def measure(model: str, devices: int, per_device_batch: int, steps: int) -> list[dict]:
+  """One row per way of computing (g, d) on the first ``devices`` devices."""
+  mesh = jax.make_mesh(
+    (devices,), ("data",), devices=jax.devices()[:devices], axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  graphdef, params, rest = split_model(model, devices)
+  graphdefs = {"grouped": graphdef, "one group": split_model(model, 1)[0]}
+  kx, ky = jax.random.split(jax.random.key(1))
+  images = jax.random.normal(kx, (devices * per_device_batch, 32, 32, 3))
+  labels = jax.random.randint(ky, (devices * per_device_batch,), 0, 10)
+  rows, reference = [], None
+  for backward in BACKWARDS:
+    compiled = step_fn(backward, mesh, graphdefs).lower(params, rest, images, labels).compile()
+    out = jax.block_until_ready(compiled(params, rest, images, labels))  # warm-up
+    times = []
+    for _ in range(steps):
+      began = time.perf_counter()
+      jax.block_until_ready(compiled(params, rest, images, labels))
+      times.append(time.perf_counter() - began)
+    reference = out if reference is None else reference
+    sent = collectives(compiled.as_text())
+    rows.append(
+      {
+        "devices": devices,
+        "backward": backward,
+        "ms": 1e3 * statistics.median(times),
+        "collectives": {k: (c, b / 1e6) for (k, _), (c, b) in sorted(sent.items())},
+        "g": rel_diff(out[2], reference[2]),
+        "d": rel_diff(out[3], reference[3]),
+        "rest": rel_diff(out[1], reference[1]),
+      }
+    )
+  return rows
+
+
+def format_row(row: dict) -> str:
+  sent = ", ".join(f"{k} {c} ({mb:.1f})" for k, (c, mb) in row["collectives"].items()) or "none"
+  return (
+    f"| {row['devices']} | {row['backward']} | {row['ms']:.2f} | {sent} | {row['g']:.1e} "
+    f"| {row['d']:.1e} | {row['rest']:.1e} |"
+  )
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--devices", type=int, nargs="+", default=[1, 4])
+  parser.add_argument("--model", default="resnet18")
+  parser.add_argument("--per-device-batch", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=30, help="timed calls per way")
+  args = parser.parse_args(argv)
+  available = len(jax.devices())
+  if any(not 1 <= n <= available for n in args.devices):
+    parser.error(f"--devices {args.devices}: each must be between 1 and {available} (available)")
+  print(
+    f"# {datetime.date.today()} {args.model}, batch {args.per_device_batch} per device, "
+    f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+  )
+  print(HEADER)
+  print("|---" * (HEADER.count("|") - 1) + "|", flush=True)
+  for n in args.devices:
+    for row in measure(args.model, n, args.per_device_batch, args.steps):
+      print(format_row(row), flush=True)
+
+
+if __name__ == "__main__":
+  main()
