@@ -12,7 +12,8 @@ high-water mark, the optimizer state). ``--batchnorm per_device`` runs with
 ``batchnorm=per_device`` (BatchNorm statistics over each device's batch, no per-layer
 all-reduce; at 1 device the same as ``sync``). ``--profile N`` traces N steps of every run
 and prints where each device's time goes (:mod:`bench.profile_summary`: kernels, collectives
-hidden behind them or exposed, idle gaps).
+hidden behind them or exposed, idle gaps). ``--extra`` passes more overrides to every run (e.g.
+``curvature_every=16``, the race's Ginger).
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def main(argv=None) -> None:
     help="BatchNorm statistics: over the global batch (sync) or each device's (per_device)",
   )
   parser.add_argument(
+    "--extra",
+    nargs="*",
+    default=[],
+    help="more overrides for every run, e.g. curvature_every=16 (the run dirs are not renamed: "
+    "give each such invocation its own --out)",
+  )
+  parser.add_argument(
     "--profile",
     type=int,
     default=0,
@@ -65,7 +73,7 @@ def main(argv=None) -> None:
 
   print(
     f"# {datetime.date.today()} ResNet-18, batch {args.per_device_batch} per device, "
-    f"steps={args.steps}, batchnorm={args.batchnorm}"
+    f"steps={args.steps}, batchnorm={args.batchnorm}, extra={args.extra}"
   )
   print(HEADER)
   print("|---" * (HEADER.count("|") - 1) + "|", flush=True)
@@ -90,7 +98,9 @@ def main(argv=None) -> None:
           traced.append(
             (f"{name}, {n} devices, {out.name}", out / "resnet18" / train_step.run_dir_name(name))
           )
-        summary = train_step.run("resnet18", name, args.data, args.steps, out, args.timeout, extra)
+        summary = train_step.run(
+          "resnet18", name, args.data, args.steps, out, args.timeout, extra + args.extra
+        )
         layout = "sharded" if shard and n > 1 else "replicated"
         if not summary:
           print(

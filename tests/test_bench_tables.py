@@ -63,6 +63,14 @@ def test_scaling_profile_traces_a_window_of_every_run(monkeypatch, capsys, tmp_p
     scaling.main([*argv, "--steps", "25", "--profile", "10"])  # no room for the window
 
 
+def test_scaling_extra_reaches_every_run(monkeypatch, capsys):
+  calls = []
+  monkeypatch.setattr(train_step, "run", lambda *a: calls.append(a[-1]) or SUMMARY)
+  scaling.main(["--data", "x", "--devices", "1", "2", "--runs", "adam", "--extra", "a=1", "b=2"])
+  assert len(calls) == 3 and all(extra[-2:] == ["a=1", "b=2"] for extra in calls)
+  assert "extra=['a=1', 'b=2']" in capsys.readouterr().out
+
+
 def test_train_step_rows_match_the_header(monkeypatch, capsys):
   monkeypatch.setattr(train_step, "run", lambda *a, **k: SUMMARY)
   train_step.main(["--suite", "resnet18", "--data", "x", "--only", "adam"])
