@@ -14,11 +14,10 @@ random images, ``--per-device-batch`` each, BatchNorm statistics per device as t
 * ``batched``: GSPMD, one backward over the pair of cotangents (``auto`` on one device; on
   several, a convolution's batching rule folds the pair into the batch axis outside the
   split and XLA all-gathers);
-* ``local``: one backward over the pair inside ``jax.shard_map``: every device pulls both
-  cotangents back through its own examples (the model with one BatchNorm group: the same
-  statistics), and JAX sums the replicated parameters' cotangents over the devices. The
-  per-device losses were means over B / N examples and the Fisher cotangent is scaled by
-  ``1 / sqrt(B / N)``, so ``g`` is that sum over N and ``d`` over ``sqrt(N)``.
+* ``local``: :func:`ginger.fisher.value_grad_and_fisher_per_device`, one backward over the
+  pair inside ``jax.shard_map``: every device pulls both cotangents back through its own
+  examples (the model with one BatchNorm group: the same statistics), then ``g`` and ``d``
+  are summed over the devices (``fisher_backward=local`` in train.py).
 
 Columns: median ms per call (jitted, host-timed with ``block_until_ready`` after a warm-up),
 the collectives of the compiled program (:func:`bench.collectives.collectives`: count and MB),
@@ -34,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import math
 import statistics
 import time
 
@@ -45,7 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bench.collectives import collectives
-from ginger.fisher import value_grad_and_fisher
+from ginger.fisher import value_grad_and_fisher, value_grad_and_fisher_per_device
 from models.resnet import build_resnet
 
 BACKWARDS = ("sequential", "batched", "local")
@@ -85,7 +83,6 @@ def grads_and_fisher(graphdef, params, rest, images, labels, backward: str):
 
 def step_fn(backward: str, mesh, graphdefs: dict):
   """The jitted ``(params, rest, images, labels) -> (loss, rest, g, d)`` of one way."""
-  n = mesh.devices.size
   replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   if backward != "local":
     fn = functools.partial(grads_and_fisher, graphdefs["grouped"], backward=backward)
@@ -95,21 +92,25 @@ def step_fn(backward: str, mesh, graphdefs: dict):
       out_shardings=replicated,
     )
 
-  def per_device(params, rest, images, labels):
-    loss, new_rest, g, d = grads_and_fisher(
-      graphdefs["one group"], params, rest, images, labels, "batched"
-    )
-    # g and d arrive summed over the devices (the cotangents of replicated parameters).
-    return (
-      jax.lax.pmean(loss, "data"),
-      jax.lax.pmean(new_rest, "data"),
-      jax.tree.map(lambda x: x / n, g),
-      jax.tree.map(lambda x: x / math.sqrt(n), d),
-    )
+  def forward(params, images, rest):
+    model = nnx.merge(graphdefs["one group"], params, rest, copy=True)
+    logits = model(images)
+    return logits, nnx.split(model, nnx.Param, ...)[2]
 
-  local = jax.shard_map(
-    per_device, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=P()
-  )
+  def local(params, rest, images, labels):
+    (loss, new_rest), g, d = value_grad_and_fisher_per_device(
+      forward,
+      params,
+      images,
+      labels,
+      jax.random.key(0),
+      mesh=mesh,
+      has_aux=True,
+      fisher="empirical",
+      constants=(rest,),
+    )
+    return loss, new_rest, g, d
+
   return jax.jit(local, in_shardings=(replicated, replicated, batch, batch))
 
 

@@ -45,6 +45,12 @@ SUITES = {
         "fisher_forward=shared",
         "fisher_backward=sequential",
       ],
+      "ginger tau=8 (d-pass: shared forward, per-device backward)": [
+        "optimizer=ginger",
+        "tau=8",
+        "fisher_forward=shared",
+        "fisher_backward=local",
+      ],
     },
   },
   # t5-small shapes (random weights: timing only), batch 4, 512/128 tokens.

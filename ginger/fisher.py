@@ -13,7 +13,8 @@ pull-backs are one backward pass over a stacked pair of cotangents (``jax.vmap``
 pull-back: every layer's backward sees both at once, e.g. a convolution's twice the batch),
 which is one program of the backward's size, not two, and runs the same arithmetic.
 :func:`fisher_vector` is the d-pass alone, for a forward of its own (e.g. BatchNorm in
-inference mode).
+inference mode). :func:`value_grad_and_fisher_per_device` is the batched pull-back with the
+batch split over devices, each device's own shard in one backward pass (``jax.shard_map``).
 """
 
 from __future__ import annotations
@@ -30,26 +31,40 @@ def _upcast(x: jax.Array) -> jax.Array:
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _weights(labels: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """Per-prediction weights (1 where counted) and their total ``N`` (at least 1)."""
+def _weights(
+  labels: jax.Array, mask: jax.Array | None, count: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+  """Per-prediction weights (1 where counted) and their total ``N`` (at least 1); ``count``:
+  ``N`` given (a shard of a batch is normalised by the whole batch's count)."""
   dtype = jnp.promote_types(jnp.result_type(float), jnp.float32)
   weights = jnp.ones(labels.shape, dtype) if mask is None else mask.astype(dtype)
-  return weights, jnp.maximum(jnp.sum(weights), 1.0)
+  return weights, jnp.maximum(jnp.sum(weights), 1.0) if count is None else count
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-  """Mean softmax cross-entropy over the counted predictions (padding masked out)."""
-  weights, count = _weights(labels, mask)
+def cross_entropy(
+  logits: jax.Array,
+  labels: jax.Array,
+  mask: jax.Array | None = None,
+  *,
+  count: jax.Array | None = None,
+) -> jax.Array:
+  """Mean softmax cross-entropy over the counted predictions (padding masked out); with
+  ``count``, the sum divided by it instead."""
+  weights, count = _weights(labels, mask, count)
   logp = jax.nn.log_softmax(_upcast(logits))
   nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
   return jnp.sum(nll * weights) / count
 
 
 def loss_cotangent(
-  logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
+  logits: jax.Array,
+  labels: jax.Array,
+  mask: jax.Array | None = None,
+  *,
+  count: jax.Array | None = None,
 ) -> jax.Array:
   """``d loss / d logits`` of :func:`cross_entropy`: ``(softmax - onehot(y)) w / N``."""
-  weights, count = _weights(labels, mask)
+  weights, count = _weights(labels, mask, count)
   probs = jax.nn.softmax(_upcast(logits))
   onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=probs.dtype)
   return ((probs - onehot) * (weights / count)[..., None]).astype(logits.dtype)
@@ -61,16 +76,22 @@ def fisher_cotangent(
   mask: jax.Array | None = None,
   *,
   labels: jax.Array | None = None,
+  noise: jax.Array | None = None,
+  count: jax.Array | None = None,
 ) -> jax.Array:
   """``d/d logits`` of ``sum_i log p(y_hat_i) / sqrt(N)`` with ``y_hat_i ~ softmax(logits_i)``.
 
   Pulling this cotangent back through the model gives the sampled-Fisher vector ``d_t``.
   Passing ``labels`` (the true labels) instead gives the *empirical* Fisher, a different
-  method, offered only when asked for by name.
+  method, offered only when asked for by name. ``noise``: Gumbel noise like ``logits`` to
+  sample with (``argmax(logits + noise)``, the draw ``jax.random.categorical`` makes from
+  ``rng``), e.g. a shard of the noise drawn for a whole batch; ``count``: ``N`` given.
   """
-  weights, count = _weights(logits[..., 0], mask)
+  weights, count = _weights(logits[..., 0], mask, count)
   logits_up = _upcast(logits)
-  if labels is None:
+  if labels is None and noise is not None:
+    labels = jnp.argmax(logits_up + noise, axis=-1)
+  elif labels is None:
     labels = jax.random.categorical(rng, logits_up, axis=-1)
   probs = jax.nn.softmax(logits_up)
   onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=probs.dtype)
@@ -169,4 +190,108 @@ def value_grad_and_fisher(
   else:
     (both,) = jax.vmap(vjp_fn)(jnp.stack(cts))
     grads, fisher_grads = jax.tree.map(lambda x: x[0], both), jax.tree.map(lambda x: x[1], both)
+  return (loss, aux), grads, fisher_grads
+
+
+def value_grad_and_fisher_per_device(
+  logits_fn: Callable[..., Any],
+  params: Any,
+  batch: Any,
+  labels: jax.Array,
+  rng: jax.Array,
+  *,
+  mesh: jax.sharding.Mesh,
+  axis: str = "data",
+  mask: jax.Array | None = None,
+  has_aux: bool = False,
+  fisher: str = "sampled",
+  constants: tuple = (),
+) -> tuple[tuple[jax.Array, Any], Any, Any]:
+  """:func:`value_grad_and_fisher` with the batch split over ``mesh``'s ``axis``: every device
+  pulls both cotangents back through its own examples in one backward pass (``jax.shard_map``),
+  then the gradients, Fisher vectors and losses are summed over the devices and ``aux`` is
+  averaged (e.g. BatchNorm's running statistics, one update per device).
+
+  Why: under GSPMD the batched pull-back's convolutions fold the pair of cotangents into the
+  batch axis outside the device split, and XLA all-gathers the activations' gradients
+  (``backward="batched"``); two pull-backs gather nothing but run the backward twice. Here the
+  pair is folded into each device's own shard.
+
+  The values are :func:`value_grad_and_fisher`'s up to float summation order, provided
+  ``logits_fn`` computes each example's logits from the examples of its own shard alone (a
+  model whose BatchNorm statistics are per device, or reduced over ``axis`` inside it) and
+  draws no randomness of its own (dropout would draw the same on every device). The Fisher
+  labels are drawn for the whole batch before the split (Gumbel noise of the whole logits'
+  shape, as ``jax.random.categorical`` draws them from ``rng``) and the loss and ``d`` are
+  normalised by the whole batch's count ``N``.
+
+  Args:
+    logits_fn: ``(params, batch, *constants) -> logits`` (``(logits, aux)`` with
+      ``has_aux``) for one device's shard of ``batch``.
+    batch: arrays with the batch as axis 0 (split over ``axis``), as ``labels`` and ``mask``.
+    constants: inputs of ``logits_fn`` that are not differentiated (frozen parameters,
+      BatchNorm statistics), the same on every device.
+    The others: as :func:`value_grad_and_fisher`.
+
+  Returns:
+    ``((loss, aux), grads, fisher_grads)``, replicated.
+  """
+  from jax.sharding import PartitionSpec as P
+
+  given = _fisher_labels(labels, fisher)
+  _, count = _weights(labels, mask)
+  sharded = {"batch": batch, "labels": labels}
+  if mask is not None:
+    sharded["mask"] = mask
+  whole = P()
+  if given is None:
+    # The whole batch's logits shape, traced per device (the model may reduce over ``axis``).
+    shard_logits = lambda p, b, c: logits_fn(p, b, *c)[0] if has_aux else logits_fn(p, b, *c)
+    logits = jax.eval_shape(
+      jax.shard_map(
+        shard_logits,
+        mesh=mesh,
+        in_specs=(whole, P(axis), whole),
+        out_specs=P(axis),
+        check_vma=False,
+      ),
+      params,
+      batch,
+      tuple(constants),
+    )
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    sharded["noise"] = jax.random.gumbel(rng, logits.shape, dtype)
+
+  def per_device(params, constants, count, sharded):
+    fn = lambda p: logits_fn(p, sharded["batch"], *constants)
+    if has_aux:
+      logits, vjp_fn, aux = jax.vjp(fn, params, has_aux=True)
+    else:
+      (logits, vjp_fn), aux = jax.vjp(fn, params), None
+    labels, mask = sharded["labels"], sharded.get("mask")
+    _check_logits(logits, labels)
+    loss = cross_entropy(logits, labels, mask, count=count)
+    cts = (
+      loss_cotangent(logits, labels, mask, count=count),
+      fisher_cotangent(
+        logits,
+        None,
+        mask,
+        labels=labels if given is not None else None,
+        noise=sharded.get("noise"),
+        count=count,
+      ),
+    )
+    (both,) = jax.vmap(vjp_fn)(jnp.stack(cts))
+    loss, both = jax.lax.psum((loss, both), axis)
+    return loss, jax.lax.pmean(aux, axis), both
+
+  loss, aux, both = jax.shard_map(
+    per_device,
+    mesh=mesh,
+    in_specs=(whole, whole, whole, P(axis)),
+    out_specs=whole,
+    check_vma=False,
+  )(params, tuple(constants), count, sharded)
+  grads, fisher_grads = jax.tree.map(lambda x: x[0], both), jax.tree.map(lambda x: x[1], both)
   return (loss, aux), grads, fisher_grads

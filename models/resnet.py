@@ -205,6 +205,24 @@ def batchnorm(
   return GroupedBatchNorm(features, groups=groups, **kwargs)
 
 
+def per_shard_batchnorm(model: nnx.Module, axis_name: str) -> nnx.Module:
+  """A copy of ``model`` for one device's shard of the batch inside ``jax.shard_map`` over
+  ``axis_name``, with the BatchNorm statistics ``model`` has on the whole split batch: a
+  :class:`GroupedBatchNorm` (statistics per device) becomes one group, the shard; an
+  ``nnx.BatchNorm`` (statistics over the whole batch) reduces its statistics over
+  ``axis_name`` (``lax.pmean``). The variables are the same, so the copy's graph runs on the
+  model's state (``ginger.fisher.value_grad_and_fisher_per_device``, which averages the
+  devices' running statistics: a group's, as :class:`GroupedBatchNorm` averages them, or the
+  same on every device)."""
+  copy = nnx.clone(model)
+  for _, module in nnx.iter_modules(copy):
+    if isinstance(module, GroupedBatchNorm):
+      module.groups = 1
+    elif isinstance(module, nnx.BatchNorm):
+      module.axis_name = axis_name
+  return copy
+
+
 class Projection(nnx.Module):
   """Projection shortcut (1x1 conv + BN) used where a block changes shape."""
 

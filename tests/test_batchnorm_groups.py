@@ -344,3 +344,35 @@ def test_per_device_statistics_need_no_collective_on_four_devices():
   assert sync["all_reduces"] >= 12
   assert per_device["all_reduces"] <= 3 < sync["all_reduces"]
   assert np.isfinite(sync["loss"]) and np.isfinite(per_device["loss"])
+
+
+def test_per_shard_batchnorm_copies_the_statistics_for_one_shard():
+  """models.resnet.per_shard_batchnorm (fisher_backward=local): per-device statistics become
+  one group (the shard), global ones are reduced over the mesh axis; the model is untouched."""
+  from models.resnet import GroupedBatchNorm, build_resnet, per_shard_batchnorm
+
+  for groups in (4, 1):
+    model = build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0), batchnorm_groups=groups)
+    copy = per_shard_batchnorm(model, "data")
+    norms = lambda m: [x for _, x in nnx.iter_modules(m) if isinstance(x, nnx.BatchNorm)]
+    assert len(norms(copy)) == len(norms(model)) > 0
+    for before, after in zip(norms(model), norms(copy), strict=True):
+      if groups > 1:
+        assert isinstance(after, GroupedBatchNorm) and after.groups == 1 and before.groups == 4
+      else:
+        assert after.axis_name == "data" and before.axis_name is None
+    same = jax.tree.map(lambda a, b: bool((a == b).all()), nnx.state(model), nnx.state(copy))
+    assert all(jax.tree.leaves(same))
+
+
+def test_per_device_pull_back_refuses_a_model_that_draws_randomness():
+  from training.config_check import ConfigError
+  from training.loop import _per_shard_graphdef
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.dense = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(1))
+
+  with pytest.raises(ConfigError, match=r"fisher_backward=local: .*\(Rng"):
+    _per_shard_graphdef(Net())

@@ -52,7 +52,7 @@ def test_shipped_configs_pass_without_warnings(experiment, optimizer, caplog):
     ("fisher_forward=train", "fisher_forward='train': must be one of ['eval', 'shared']"),
     (
       "fisher_backward=both",
-      "fisher_backward='both': must be one of ['auto', 'batched', 'sequential']",
+      "fisher_backward='both': must be one of ['auto', 'batched', 'sequential', 'local']",
     ),
     ("precision=float16", "precision='float16': must be one of ['float32', 'bfloat16']"),
     ("schedule=cos", "schedule='cos': must be one of ['constant', 'warmup_constant', 'cosine']"),

@@ -183,7 +183,7 @@ def test_batched_backward_is_one_backward_pass():
   # The config check's list (training.config_check imports no JAX) is this one.
   from training import config_check
 
-  assert config_check.FISHER_BACKWARDS == ("auto", *fisher.BACKWARDS)
+  assert config_check.FISHER_BACKWARDS == ("auto", *fisher.BACKWARDS, "local")
 
 
 _SPLIT_BATCH = """
@@ -246,3 +246,81 @@ def test_auto_backward_is_batched_on_one_device_only():
   ]:
     cfg = OmegaConf.create({"fisher_backward": value})
     assert fisher_backward(cfg, SimpleNamespace(data_size=devices)) == expected, (value, devices)
+
+
+_PER_DEVICE = """
+import json
+import jax, jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from bench.collectives import collectives
+from ginger import fisher
+
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+k = jax.random.split(jax.random.key(0), 6)
+params = {
+  "w1": 0.3 * jax.random.normal(k[0], (3, 3, 3, 8)),
+  "w2": 0.2 * jax.random.normal(k[1], (3, 3, 8, 8)),
+  "out": 0.5 * jax.random.normal(k[2], (8, 10)),
+}
+scale = jnp.float32(1.5)  # a constant: not differentiated
+
+def logits_fn(p, x, c):
+  for w in (p["w1"], p["w2"]):
+    dims = ("NHWC", "HWIO", "NHWC")
+    x = jnp.tanh(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dims))
+  h = x.mean((1, 2))
+  return c * h @ p["out"], jnp.mean(h, 0)  # aux: a batch mean (per device: averaged)
+
+batch = NamedSharding(mesh, P("data"))
+x = jax.device_put(jax.random.normal(k[3], (32, 8, 8, 3)), batch)
+labels = jax.device_put(jax.random.randint(k[4], (32,), 0, 10), batch)
+mask = jax.device_put((jnp.arange(32) % 3 != 0).astype(jnp.float32), batch)  # uneven per device
+key = jax.random.key(7)
+out = {}
+for fisher_kind in ("sampled", "empirical"):
+  def gspmd(p, x, labels, mask):
+    return fisher.value_grad_and_fisher(
+      lambda q: logits_fn(q, x, scale), p, labels, key, mask=mask, has_aux=True,
+      fisher=fisher_kind, backward="sequential")
+
+  def per_device(p, x, labels, mask):
+    return fisher.value_grad_and_fisher_per_device(
+      logits_fn, p, x, labels, key, mesh=mesh, mask=mask, has_aux=True, fisher=fisher_kind,
+      constants=(scale,))
+
+  ref = jax.jit(gspmd)(params, x, labels, mask)
+  step = jax.jit(per_device).lower(params, x, labels, mask).compile()
+  got = step(params, x, labels, mask)
+  rel = max(
+    float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))
+  )
+  kinds = sorted({kind for kind, _ in collectives(step.as_text())})
+  out[fisher_kind] = {"rel": rel, "collectives": kinds}
+print(json.dumps(out))
+"""
+
+
+def test_per_device_pull_back_matches_and_does_not_gather():
+  """The shard_map form of the shared d-pass (each device pulls the pair of cotangents back
+  through its own shard) gives the GSPMD values on 4 devices, with the same sampled labels
+  (the whole batch's Gumbel noise), the whole batch's count normalising a masked loss
+  unevenly split over the devices, the aux averaged, and no all-gather."""
+  from cpu_devices import run_on_cpu_devices
+
+  out = run_on_cpu_devices(_PER_DEVICE)
+  for kind, row in out.items():
+    # float32 sums over the batch in another order (per device, then over devices): a few
+    # ulps of the largest entry; a wrong count, noise or scale is off by >= 1e-2.
+    assert row["rel"] < 1e-5, (kind, row)
+    assert "all-gather" not in row["collectives"], (kind, row)
+
+
+def test_fisher_cotangent_noise_is_the_categorical_draw():
+  logits = jax.random.normal(jax.random.key(1), (64, 10))
+  key = jax.random.key(3)
+  noise = jax.random.gumbel(key, logits.shape, logits.dtype)
+  np.testing.assert_array_equal(
+    fisher.fisher_cotangent(logits, key), fisher.fisher_cotangent(logits, None, noise=noise)
+  )

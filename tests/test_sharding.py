@@ -370,6 +370,11 @@ CORRECT = {
   # split 4 ways (the default's 1M would leave the demo's small state replicated)
   "four_split": ["mesh.data=4", "mesh.min_shard_size=16384"],
 }
+# The shared d-pass's per-device pull-back (fisher_backward=local, shard_map) against the
+# one-device shared d-pass; BatchNorm over the global batch (the demo's): inside the shard_map
+# its statistics are reduced over the devices.
+LOCAL = {"four_split_local": [*CORRECT["four_split"], "fisher_backward=local"]}
+LOCAL_COMMON = ("fisher_forward=shared",)
 # Injected sharding bugs: the comparison must catch every one of them.
 BUGS = {
   # every device gets the first device's quarter of the batch (a mis-split index vector)
@@ -499,18 +504,19 @@ def _row_sums_without_all_reduce(mesh, row_sums):
   return local
 
 
-def _compare_meshes(configs: str, variants: dict) -> dict:
+def _compare_meshes(configs: str, variants: dict, common: tuple = ()) -> dict:
   """Runs in a process with 4 CPU devices: ``STEPS`` demo steps with Ginger on 1 device
   (and each step's rounding twin), then every step again on each variant's mesh from the
   1-device state. Returns the differences per variant and step, the twin's, and each run's
-  mesh shape and optimizer-state bytes per device."""
+  mesh shape and optimizer-state bytes per device. ``common``: overrides of every run, the
+  1-device one included."""
   from hydra import compose, initialize_config_dir
 
   import train
 
   def build(extra):
     with initialize_config_dir(config_dir=configs, version_base=None):
-      cfg = compose(config_name="config", overrides=RUN_DEFAULT + list(extra))
+      cfg = compose(config_name="config", overrides=[*RUN_DEFAULT, *common, *extra])
     setup = train.build(cfg)
     arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
     val = sharding.put(setup.task.val_arrays, setup.plan.replicated)
@@ -622,6 +628,7 @@ def four_devices(request):
     if item.originalname == "test_the_comparison_catches_an_injected_sharding_bug"
   }
   compare = bool(bugs) or "test_four_devices_give_the_one_device_results" in selected
+  local = "test_the_per_device_pull_back_on_four_devices" in selected
   return run_on_cpu_devices(
     f"""
       import json, sys
@@ -632,11 +639,14 @@ def four_devices(request):
       print(json.dumps({{
         "state": t._sharded_state(sys.argv[1]) if state else None,
         "comparison": t._compare_meshes(sys.argv[1], variants) if variants else None,
+        "local": t._compare_meshes(sys.argv[1], t.LOCAL, t.LOCAL_COMMON)
+        if json.loads(sys.argv[4]) else None,
       }}))
       """,
     str(ROOT / "configs"),
     json.dumps("test_sharded_optimizer_state_on_four_devices" in selected),
     json.dumps([*CORRECT, *sorted(bugs)] if compare else []),
+    json.dumps(local),
     timeout=600,
   )
 
@@ -665,6 +675,18 @@ def test_four_devices_give_the_one_device_results(four_device_comparison):
     assert len(result[name]["steps"]) == STEPS
     assert not _violations(result, name), (name, _violations(result, name))
     # accuracy over 360 examples: a near-tie argmax may go the other way (1/360 each)
+    assert result[name]["steps"][-1]["val_correct"] <= 100 / 360 + 1e-9, name
+
+
+def test_the_per_device_pull_back_on_four_devices(four_devices):
+  """fisher_backward=local (the shared d-pass's batched pull-back inside shard_map, each
+  device on its own quarter of the batch) gives the 1-device shared d-pass's steps, to within
+  the rounding each step amplifies, as the GSPMD step does above."""
+  result = four_devices["local"]
+  for name in LOCAL:
+    assert result[name]["mesh"] == {"data": 4, "model": 1}
+    assert len(result[name]["steps"]) == STEPS
+    assert not _violations(result, name), (name, _violations(result, name))
     assert result[name]["steps"][-1]["val_correct"] <= 100 / 360 + 1e-9, name
 
 

@@ -89,14 +89,25 @@ def fisher_backward(cfg, plan: sharding.Plan) -> str:
   pull-back vmaps the backward over the pair of cotangents, and a convolution's batching rule
   folds that pair into the batch dimension, outside the device split: GSPMD then all-gathers
   the activations' gradients (ResNet-18 on 4 H200s: 21 all-gathers a step, 19.9 ms against
-  13.3 ms a step; bench.collectives shows them on CPU devices too)."""
+  13.3 ms a step; bench.collectives shows them on CPU devices too). ``local`` (asked for by
+  name): the batched pull-back inside ``jax.shard_map``, each device on its own shard
+  (:func:`ginger.fisher.value_grad_and_fisher_per_device`): one backward and no gathers."""
   value = cfg.get("fisher_backward") or "auto"
   if value == "auto":
     return "batched" if plan.data_size == 1 else "sequential"
   return value
 
 
-def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan, state_shardings):
+def make_steps(
+  task,
+  graphdef_train,
+  graphdef_eval,
+  tx,
+  cfg,
+  plan: sharding.Plan,
+  state_shardings,
+  graphdef_per_shard=None,
+):
   """The jitted training and evaluation steps, written once for any number of devices: the
   batch indices are split along the mesh's ``data`` axis, the state is placed as
   ``state_shardings`` says, and XLA (GSPMD) adds the collectives.
@@ -109,11 +120,22 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
   curvature update, precondition with the current G". The two are separate programs, so that
   nothing of the d-pass is computed and discarded behind a ``cond``; both take and return the
   same state, so a run moves between them (and resumes at any step). None when K = 1.
+
+  ``graphdef_per_shard``: the training model for one device's shard (models.resnet's
+  ``per_shard_batchnorm``), for ``fisher_backward=local``.
   """
-  from ginger.fisher import cross_entropy, fisher_vector, value_grad_and_fisher
+  from ginger.fisher import (
+    cross_entropy,
+    fisher_vector,
+    value_grad_and_fisher,
+    value_grad_and_fisher_per_device,
+  )
 
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
   separate_d_pass = cfg.fisher_forward == "eval"
+  backward = fisher_backward(cfg, plan)
+  if backward == "local" and not separate_d_pass and graphdef_per_shard is None:
+    raise ValueError("fisher_backward=local needs graphdef_per_shard (see build).")
 
   # A function of its own under jit: a run's programs (the training step with and without the
   # curvature update, their gradients) trace the model once, then reuse JAX's cached jaxpr and
@@ -131,7 +153,21 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
     inputs, labels, mask = task.train_batch(arrays, idx, batch_key)
     forward = lambda p: apply(graphdef_train, p, frozen, state.rest, inputs)
     extra = {}
-    if needs_fisher and not separate_d_pass:
+    if needs_fisher and not separate_d_pass and backward == "local":
+      # One forward pass per device's shard, both cotangents in one backward pass there.
+      (loss, rest), grads, extra["fisher_grads"] = value_grad_and_fisher_per_device(
+        lambda p, x, fr, r: apply(graphdef_per_shard, p, fr, r, x),
+        state.trainable,
+        inputs,
+        labels,
+        fisher_key,
+        mesh=plan.mesh,
+        mask=mask,
+        has_aux=True,
+        fisher=cfg.fisher,
+        constants=(frozen, state.rest),
+      )
+    elif needs_fisher and not separate_d_pass:
       # One forward pass, two cotangents: loss gradient and sampled-Fisher vector d_t.
       (loss, rest), grads, extra["fisher_grads"] = value_grad_and_fisher(
         forward,
@@ -141,7 +177,7 @@ def make_steps(task, graphdef_train, graphdef_eval, tx, cfg, plan: sharding.Plan
         mask=mask,
         has_aux=True,
         fisher=cfg.fisher,
-        backward=fisher_backward(cfg, plan),
+        backward=backward,
       )
     else:
 
@@ -403,6 +439,25 @@ def use_compilation_cache(folder: str | None) -> None:
   jax.config.update("jax_hlo_source_file_canonicalization_regex", "^" + re.escape(f"{REPO}/"))
 
 
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _per_shard_graphdef(model):
+  """The training model's graph for one device's shard (``fisher_backward=local``)."""
+  from models.resnet import per_shard_batchnorm
+
+  other = nnx.split(model, nnx.Param, nnx.BatchStat, ...)[3]
+  if jax.tree.leaves(other):
+    kinds = sorted({type(v).__name__ for v in jax.tree.leaves(other, is_leaf=_is_variable)})
+    raise ConfigError(
+      f"fisher_backward=local: the model keeps state other than parameters and BatchNorm "
+      f"statistics ({', '.join(kinds)}), which every device would draw or update alike on its "
+      "shard; use fisher_backward=auto."
+    )
+  return nnx.split(per_shard_batchnorm(model, "data"), nnx.Param, ...)[0]
+
+
 def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool = True) -> Setup:
   """Checks ``cfg``, loads the task's data, builds model, optimizer and the jitted steps.
 
@@ -421,6 +476,9 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
   model.eval()
   graphdef_eval = nnx.split(model, nnx.Param, ...)[0]
   model.train()
+  graphdef_per_shard = None
+  if cfg.optimizer.name in CURVATURE and fisher_backward(cfg, plan) == "local":
+    graphdef_per_shard = _per_shard_graphdef(model)
   trainable = task.trainable_params(params)
   sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(trainable)]
   n_model = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
@@ -465,7 +523,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     )
   frozen = sharding.put(task.frozen_params(params), plan.replicated)
   train_step, eval_step, precondition_step = make_steps(
-    task, graphdef_train, graphdef_eval, tx, cfg, plan, state_shardings
+    task, graphdef_train, graphdef_eval, tx, cfg, plan, state_shardings, graphdef_per_shard
   )
   return Setup(
     task,
