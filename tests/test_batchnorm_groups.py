@@ -375,4 +375,6 @@ def test_per_device_pull_back_refuses_a_model_that_draws_randomness():
       self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(1))
 
   with pytest.raises(ConfigError, match=r"fisher_backward=local: .*\(Rng"):
-    _per_shard_graphdef(Net())
+    _per_shard_graphdef(Net(), 8, 4)
+  with pytest.raises(ConfigError, match="batch_size=10 must split evenly over the 4 devices"):
+    _per_shard_graphdef(Net(), 10, 4)

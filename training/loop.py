@@ -443,10 +443,15 @@ def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def _per_shard_graphdef(model):
+def _per_shard_graphdef(model, batch_size: int, devices: int):
   """The training model's graph for one device's shard (``fisher_backward=local``)."""
   from models.resnet import per_shard_batchnorm
 
+  if batch_size % devices:
+    raise ConfigError(
+      f"fisher_backward=local: batch_size={batch_size} must split evenly over the {devices} "
+      "devices of mesh.data (each device pulls back its own shard of the batch)."
+    )
   other = nnx.split(model, nnx.Param, nnx.BatchStat, ...)[3]
   if jax.tree.leaves(other):
     kinds = sorted({type(v).__name__ for v in jax.tree.leaves(other, is_leaf=_is_variable)})
@@ -478,7 +483,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
   model.train()
   graphdef_per_shard = None
   if cfg.optimizer.name in CURVATURE and fisher_backward(cfg, plan) == "local":
-    graphdef_per_shard = _per_shard_graphdef(model)
+    graphdef_per_shard = _per_shard_graphdef(model, int(cfg.batch_size), plan.data_size)
   trainable = task.trainable_params(params)
   sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(trainable)]
   n_model = int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
