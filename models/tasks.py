@@ -85,6 +85,16 @@ def resolve_batchnorm_groups(cfg) -> int:
   return jax.device_count() // int(mesh.get("model", 1)) if data == -1 else data
 
 
+def per_shard_model(model: nnx.Module, axis_name: str) -> nnx.Module:
+  """A copy of a task's model for one device's shard of the batch inside ``jax.shard_map`` over
+  ``axis_name`` (train.py's ``fisher_backward=local``), with the BatchNorm statistics the
+  model has on the whole split batch (:func:`models.resnet.per_shard_batchnorm`); a model
+  without BatchNorm is copied unchanged."""
+  from models.resnet import per_shard_batchnorm
+
+  return per_shard_batchnorm(model, axis_name)
+
+
 @dataclasses.dataclass
 class Task:
   """Shared plumbing. Subclasses set the fields and implement the marked methods.

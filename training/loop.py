@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import ginger
 from models import flops
-from models.tasks import Task, build_task
+from models.tasks import Task, build_task, per_shard_model
 from training import logs, profiling, program_cache, run_record, sharding
 from training.checkpoints import Checkpointer, CheckpointError
 from training.config_check import ConfigError, check_config
@@ -121,8 +121,8 @@ def make_steps(
   nothing of the d-pass is computed and discarded behind a ``cond``; both take and return the
   same state, so a run moves between them (and resumes at any step). None when K = 1.
 
-  ``graphdef_per_shard``: the training model for one device's shard (models.resnet's
-  ``per_shard_batchnorm``), for ``fisher_backward=local``.
+  ``graphdef_per_shard``: the training model for one device's shard
+  (``models.tasks.per_shard_model``), for ``fisher_backward=local``.
   """
   from ginger.fisher import (
     cross_entropy,
@@ -445,8 +445,6 @@ def _is_variable(x) -> bool:
 
 def _per_shard_graphdef(model, batch_size: int, devices: int):
   """The training model's graph for one device's shard (``fisher_backward=local``)."""
-  from models.resnet import per_shard_batchnorm
-
   if batch_size % devices:
     raise ConfigError(
       f"fisher_backward=local: batch_size={batch_size} must split evenly over the {devices} "
@@ -460,7 +458,7 @@ def _per_shard_graphdef(model, batch_size: int, devices: int):
       f"statistics ({', '.join(kinds)}), which every device would draw or update alike on its "
       "shard; use fisher_backward=auto."
     )
-  return nnx.split(per_shard_batchnorm(model, "data"), nnx.Param, ...)[0]
+  return nnx.split(per_shard_model(model, "data"), nnx.Param, ...)[0]
 
 
 def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool = True) -> Setup:
