@@ -61,16 +61,17 @@ def split_model(name: str, groups: int, num_classes: int = 10):
   return nnx.split(model, nnx.Param, ...)
 
 
+def forward(graphdef, params, images, rest):
+  """``(logits, updated rest)`` of the model ``graphdef`` in training mode."""
+  model = nnx.merge(graphdef, params, rest, copy=True)
+  logits = model(images)
+  return logits, nnx.split(model, nnx.Param, ...)[2]
+
+
 def grads_and_fisher(graphdef, params, rest, images, labels, backward: str):
   """``(loss, rest, g, d)`` of one forward pass (``backward``: ginger.fisher's)."""
-
-  def forward(p):
-    model = nnx.merge(graphdef, p, rest, copy=True)
-    logits = model(images)
-    return logits, nnx.split(model, nnx.Param, ...)[2]
-
   (loss, new_rest), g, d = value_grad_and_fisher(
-    forward,
+    lambda p: forward(graphdef, p, images, rest),
     params,
     labels,
     jax.random.key(0),
@@ -87,19 +88,14 @@ def step_fn(backward: str, mesh, graphdefs: dict):
   if backward != "local":
     fn = functools.partial(grads_and_fisher, graphdefs["grouped"], backward=backward)
     return jax.jit(
-      lambda *a: fn(*a),
+      fn,
       in_shardings=(replicated, replicated, batch, batch),
       out_shardings=replicated,
     )
 
-  def forward(params, images, rest):
-    model = nnx.merge(graphdefs["one group"], params, rest, copy=True)
-    logits = model(images)
-    return logits, nnx.split(model, nnx.Param, ...)[2]
-
   def local(params, rest, images, labels):
     (loss, new_rest), g, d = value_grad_and_fisher_per_device(
-      forward,
+      functools.partial(forward, graphdefs["one group"]),
       params,
       images,
       labels,

@@ -178,13 +178,35 @@ def value_grad_and_fisher(
   given = _fisher_labels(labels, fisher)
   if backward not in BACKWARDS:
     raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}.")
+  return _pull_back_pair(logits_fn, params, labels, mask, has_aux, backward, rng=rng, given=given)
+
+
+def _pull_back_pair(
+  logits_fn,
+  params,
+  labels,
+  mask,
+  has_aux,
+  backward,
+  *,
+  rng=None,
+  given=None,
+  noise=None,
+  count=None,
+):
+  """One forward of ``logits_fn``, then the loss and both cotangents (loss, Fisher) pulled
+  back: ``((loss, aux), grads, fisher_grads)``. The Fisher labels: ``given``, else drawn with
+  ``noise``, else from ``rng`` (:func:`fisher_cotangent`); ``count``: ``N`` given."""
   if has_aux:
     logits, vjp_fn, aux = jax.vjp(logits_fn, params, has_aux=True)
   else:
     (logits, vjp_fn), aux = jax.vjp(logits_fn, params), None
   _check_logits(logits, labels)
-  loss = cross_entropy(logits, labels, mask)
-  cts = (loss_cotangent(logits, labels, mask), fisher_cotangent(logits, rng, mask, labels=given))
+  loss = cross_entropy(logits, labels, mask, count=count)
+  cts = (
+    loss_cotangent(logits, labels, mask, count=count),
+    fisher_cotangent(logits, rng, mask, labels=given, noise=noise, count=count),
+  )
   if backward == "sequential":
     (grads,), (fisher_grads,) = vjp_fn(cts[0]), vjp_fn(cts[1])
   else:
@@ -263,35 +285,25 @@ def value_grad_and_fisher_per_device(
     sharded["noise"] = jax.random.gumbel(rng, logits.shape, dtype)
 
   def per_device(params, constants, count, sharded):
-    fn = lambda p: logits_fn(p, sharded["batch"], *constants)
-    if has_aux:
-      logits, vjp_fn, aux = jax.vjp(fn, params, has_aux=True)
-    else:
-      (logits, vjp_fn), aux = jax.vjp(fn, params), None
-    labels, mask = sharded["labels"], sharded.get("mask")
-    _check_logits(logits, labels)
-    loss = cross_entropy(logits, labels, mask, count=count)
-    cts = (
-      loss_cotangent(logits, labels, mask, count=count),
-      fisher_cotangent(
-        logits,
-        None,
-        mask,
-        labels=labels if given is not None else None,
-        noise=sharded.get("noise"),
-        count=count,
-      ),
+    labels = sharded["labels"]
+    (loss, aux), grads, fisher_grads = _pull_back_pair(
+      lambda p: logits_fn(p, sharded["batch"], *constants),
+      params,
+      labels,
+      sharded.get("mask"),
+      has_aux,
+      "batched",
+      given=labels if given is not None else None,
+      noise=sharded.get("noise"),
+      count=count,
     )
-    (both,) = jax.vmap(vjp_fn)(jnp.stack(cts))
-    loss, both = jax.lax.psum((loss, both), axis)
-    return loss, jax.lax.pmean(aux, axis), both
+    loss, grads, fisher_grads = jax.lax.psum((loss, grads, fisher_grads), axis)
+    return (loss, jax.lax.pmean(aux, axis)), grads, fisher_grads
 
-  loss, aux, both = jax.shard_map(
+  return jax.shard_map(
     per_device,
     mesh=mesh,
     in_specs=(whole, whole, whole, P(axis)),
     out_specs=whole,
     check_vma=False,
   )(params, tuple(constants), count, sharded)
-  grads, fisher_grads = jax.tree.map(lambda x: x[0], both), jax.tree.map(lambda x: x[1], both)
-  return (loss, aux), grads, fisher_grads

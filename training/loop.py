@@ -98,6 +98,16 @@ def fisher_backward(cfg, plan: sharding.Plan) -> str:
   return value
 
 
+def per_shard_pull_back(cfg, plan: sharding.Plan) -> bool:
+  """Whether the training step's d-pass pulls back per device (``fisher_backward=local``,
+  which applies to a curvature optimizer's shared forward only)."""
+  return (
+    cfg.optimizer.name in CURVATURE
+    and cfg.fisher_forward != "eval"
+    and fisher_backward(cfg, plan) == "local"
+  )
+
+
 def make_steps(
   task,
   graphdef_train,
@@ -133,8 +143,8 @@ def make_steps(
 
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
   separate_d_pass = cfg.fisher_forward == "eval"
-  backward = fisher_backward(cfg, plan)
-  if backward == "local" and not separate_d_pass and graphdef_per_shard is None:
+  backward, per_shard = fisher_backward(cfg, plan), per_shard_pull_back(cfg, plan)
+  if per_shard and graphdef_per_shard is None:
     raise ValueError("fisher_backward=local needs graphdef_per_shard (see build).")
 
   # A function of its own under jit: a run's programs (the training step with and without the
@@ -153,7 +163,7 @@ def make_steps(
     inputs, labels, mask = task.train_batch(arrays, idx, batch_key)
     forward = lambda p: apply(graphdef_train, p, frozen, state.rest, inputs)
     extra = {}
-    if needs_fisher and not separate_d_pass and backward == "local":
+    if needs_fisher and per_shard:
       # One forward pass per device's shard, both cotangents in one backward pass there.
       (loss, rest), grads, extra["fisher_grads"] = value_grad_and_fisher_per_device(
         lambda p, x, fr, r: apply(graphdef_per_shard, p, fr, r, x),
@@ -480,7 +490,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
   graphdef_eval = nnx.split(model, nnx.Param, ...)[0]
   model.train()
   graphdef_per_shard = None
-  if cfg.optimizer.name in CURVATURE and fisher_backward(cfg, plan) == "local":
+  if per_shard_pull_back(cfg, plan):
     graphdef_per_shard = _per_shard_graphdef(model, int(cfg.batch_size), plan.data_size)
   trainable = task.trainable_params(params)
   sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(trainable)]
