@@ -76,11 +76,18 @@ TILE_ROWS = {16: 512, 32: 64}
 TILE_ELEMENTS = 2048
 MAX_TILE_ROWS = 512
 STEPS = 1
-# Ranks are padded to a power of two of at least this many lanes (a power of two >= 4). At 16
-# the rotation is one Triton dot (``tl.dot`` needs >= 16); at 8 a rank-8 tile is loaded without
-# masked-off lanes and the rotation's k multiply-adds are a broadcast and a reduction (not yet
-# measured on a GPU: bench.kernel_tiling --min-padded-ranks 8 16).
+# Ranks are padded to a power of two of at least this many lanes (a power of two >= 4) in passes
+# 1 and 2 (rank 8 in 8 lanes lost there: bench/RESULTS.md, session 12).
 MIN_PADDED_RANK = 16
+# Pass 3's padding (a power of two >= 4). Where the padded rank is below 16 the rotation U rot is
+# formed column by column: column j of the tile (a row sum of the tile masked to lane j: exact)
+# times row j of rot, k multiply-adds per entry in the reference's order. At 16 lanes and more
+# it is one Triton dot (``tl.dot`` needs >= 16). The dot costs pass 3 half its speed at rank 8
+# (its operands change layout through shared memory; 4x the multiply-adds in padding): the
+# largest ResNet-18 bucket (3 x 2359296 x 8) rotates in 320 us as a dot in 16 lanes, 167 us
+# column by column in 8 lanes (XLA's elementwise pass over the same bytes: 127 us), while
+# column by column at rank 32 takes 2.3-3.1 ms against the dot's 0.72-0.81 (H200, session 18).
+ROTATE_MIN_PADDED_RANK = 8
 # Triton's warps per program and software-pipelining stages of its loops (None: Triton's own).
 NUM_WARPS = 4
 NUM_STAGES: int | None = None
@@ -360,12 +367,17 @@ def _pow2(x: int) -> int:
   return 1 << max(0, int(x) - 1).bit_length()
 
 
-def tiling(rows: int, rank: int, tile: int | None = None, steps: int | None = None):
+def tiling(
+  rows: int, rank: int, tile: int | None = None, steps: int | None = None, *, rotate: bool = False
+):
   """``(tile, chunk, padded rank)``: rows per tile, rows per program, rank padded to a power
-  of two >= :data:`MIN_PADDED_RANK` (Triton's block sizes are powers of two)."""
-  if MIN_PADDED_RANK < 4 or MIN_PADDED_RANK & (MIN_PADDED_RANK - 1):
-    raise ValueError(f"MIN_PADDED_RANK must be a power of two >= 4, got {MIN_PADDED_RANK}.")
-  kp = max(MIN_PADDED_RANK, _pow2(rank))
+  of two >= :data:`MIN_PADDED_RANK` (pass 3, ``rotate``: :data:`ROTATE_MIN_PADDED_RANK`;
+  Triton's block sizes are powers of two)."""
+  for name in ("MIN_PADDED_RANK", "ROTATE_MIN_PADDED_RANK"):
+    lanes = globals()[name]
+    if lanes < 4 or lanes & (lanes - 1):
+      raise ValueError(f"{name} must be a power of two >= 4, got {lanes}.")
+  kp = max(ROTATE_MIN_PADDED_RANK if rotate else MIN_PADDED_RANK, _pow2(rank))
   tile = tile or TILE_ROWS.get(kp) or min(MAX_TILE_ROWS, max(16, TILE_ELEMENTS // kp))
   if tile < 16 or tile & (tile - 1):
     raise ValueError(f"tile must be a power of two >= 16, got {tile}.")
@@ -427,6 +439,15 @@ class _Tiles:
 
   def scalar(self, ref):
     return ref[...].astype(self.dtype)
+
+  def column(self, x, j: int):
+    """Column ``j`` of a ``(rows, kp)`` tile as ``(rows,)``: the row sums of the tile masked to
+    lane ``j`` (one nonzero term a row: exact), since Triton cannot index a lane."""
+    return jnp.sum(jnp.where(jnp.arange(self.kp)[None, :] == j, x, 0.0), axis=1)
+
+  def row(self, x, j: int):
+    """Row ``j`` of a ``(kp, kp)`` square as ``(kp,)``, likewise."""
+    return jnp.sum(jnp.where(jnp.arange(self.kp)[:, None] == j, x, 0.0), axis=0)
 
   def loop(self, body, init):
     return jax.lax.fori_loop(0, self.steps, body, init)
@@ -603,6 +624,7 @@ def _rotate_kernel(t: _Tiles, from_p1: bool):
     a2, b, z = t.small(a2_ref), t.small(b_ref), t.small(z_ref)
     inv_r, gamma = t.scalar(inv_r_ref), t.scalar(gamma_ref)
     rot = t.square(rot_ref)
+    rot_rows = None if t.kp >= 16 else [t.row(rot, j) for j in range(t.rank)]
     left = t.rows_left()
 
     @pl.loop(0, t.steps)
@@ -615,12 +637,14 @@ def _rotate_kernel(t: _Tiles, from_p1: bool):
       else:
         p1 = _first_residual_tile(t, u, t.vector(v_ref, step, mask), a1, inv_l1)
       p = (p1 - jnp.sum(u * a2[None, :], axis=1)) * inv_r
-      if t.kp >= 16:
+      if rot_rows is None:
         # An fp32 dot at HIGHEST is Triton's "ieee" input precision (no TF32, which would
         # break U^T U = I).
         u_new = jnp.dot(u, rot, precision=HIGHEST, preferred_element_type=t.dtype)
-      else:  # narrower than tl.dot takes: the k multiply-adds as a broadcast and a sum
-        u_new = jnp.sum(u[:, :, None] * rot[None, :, :], axis=1)
+      else:  # column j of the tile times row j of rot (ROTATE_MIN_PADDED_RANK)
+        u_new = jnp.zeros((t.tile, t.kp), t.dtype)
+        for j, row in enumerate(rot_rows):
+          u_new = u_new + t.column(u, j)[:, None] * row[None, :]
       u_new = u_new + p[:, None] * b[None, :]
       out = (g - jnp.sum(u_new * z[None, :], axis=1)) / gamma
       rows = pl.ds(step * t.tile, t.tile)
@@ -633,7 +657,7 @@ def _rotate_kernel(t: _Tiles, from_p1: bool):
 
 def _rotate_pallas(u, *arrays, from_p1: bool, interpret, tile=None, steps=None, first=0):
   m, n, k = u.shape
-  tile, chunk, kp = tiling(n, k, tile, steps)
+  tile, chunk, kp = tiling(n, k, tile, steps, rotate=True)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
   s = _specs(kp, chunk, first)
   residual = [s["vector"]] if from_p1 else [s["vector"], s["small"], s["scalar"]]
@@ -836,6 +860,7 @@ __all__ = [
   "JNP_ROW_BLOCKS",
   "MAX_ROW_BLOCKS",
   "MIN_PADDED_RANK",
+  "ROTATE_MIN_PADDED_RANK",
   "ROW_BLOCK_ELEMENTS",
   "precondition",
   "project_pair",

@@ -72,8 +72,8 @@ def test_passes_match_reference(m, n, k, steps, seed):
 
 @pytest.mark.parametrize("k", [3, 8])
 def test_eight_lane_padding_matches_reference(monkeypatch, k):
-  """MIN_PADDED_RANK=8: ranks up to 8 in 8 lanes (3: masked lanes; 8: all of them), the
-  rotation as a broadcast and a sum instead of a dot; rank 9 still pads to 16 (the dot)."""
+  """MIN_PADDED_RANK=8: passes 1 and 2 at ranks up to 8 in 8 lanes (3: masked lanes; 8: all of
+  them), as pass 3 by default; rank 9 still pads to 16 (the dot)."""
   monkeypatch.setattr(kernels, "MIN_PADDED_RANK", 8)
   assert kernels.tiling(rows=100, rank=k, tile=16)[2] == 8
   assert kernels.tiling(rows=100, rank=9, tile=16)[2] == 16
@@ -81,9 +81,40 @@ def test_eight_lane_padding_matches_reference(monkeypatch, k):
   ref, got = both(x, tile=16, steps=2)
   for name in PASSES:
     assert_close(name, x, got[name], ref[name])
-  monkeypatch.setattr(kernels, "MIN_PADDED_RANK", 12)
-  with pytest.raises(ValueError, match="MIN_PADDED_RANK must be a power of two >= 4"):
-    kernels.tiling(rows=100, rank=k)
+  for name in ("MIN_PADDED_RANK", "ROTATE_MIN_PADDED_RANK"):
+    monkeypatch.setattr(kernels, name, 12)
+    with pytest.raises(ValueError, match=f"{name} must be a power of two >= 4, got 12"):
+      kernels.tiling(rows=100, rank=k)
+    monkeypatch.setattr(kernels, name, 8)
+
+
+def _pass_three_jaxpr(k: int) -> str:
+  x = random_inputs(0, 1, 40, k)
+  args = [x[n] for n in ("u", "p1", "g", "a2", "inv_r", "rot", "b", "z", "gamma")]
+  fn = lambda *a: kernels.rotate_from_residual(*a, impl="pallas", interpret=True, tile=16)  # noqa: E731
+  return str(jax.make_jaxpr(fn)(*args))
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_pass_three_rotates_column_by_column_at_low_rank(k):
+  """Ranks up to 8: pass 3 in 8 lanes (ROTATE_MIN_PADDED_RANK), ``U rot`` as k column-times-row
+  multiply-adds, no dot (a Triton dot made the rotation of the largest ResNet-18 bucket twice as
+  slow on an H200); rank 9 pads to 16 lanes and keeps the dot. Their values: the property test
+  above (ranks 1..33)."""
+  assert kernels.tiling(rows=5000, rank=k, rotate=True) == (256, 256, 8)
+  assert kernels.tiling(rows=5000, rank=9, rotate=True) == (512, 512, 16)
+  assert "dot_general" not in _pass_three_jaxpr(k)
+  assert "dot_general" in _pass_three_jaxpr(9)
+
+
+def test_pass_three_in_sixteen_lanes_matches_reference(monkeypatch):
+  """ROTATE_MIN_PADDED_RANK=16 (the layout before): rank 8 in 16 lanes, the rotation one dot."""
+  monkeypatch.setattr(kernels, "ROTATE_MIN_PADDED_RANK", 16)
+  assert "dot_general" in _pass_three_jaxpr(8)
+  x = random_inputs(5, 2, 45, 8)
+  ref, got = both(x, tile=16, steps=2)
+  for name in PASSES:
+    assert_close(name, x, got[name], ref[name])
 
 
 def test_bfloat16_state():
