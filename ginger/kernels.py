@@ -12,8 +12,8 @@ memory-bound (about ``2k`` flops per element of ``U`` read), so it should cost o
 * ``impl="pallas"``: one ``pl.pallas_call`` per pass (Triton lowering on GPUs, interpreted
   elsewhere), each program owning a chunk of rows of one block: it streams ``tile x k`` tiles
   of ``U`` (rows past the block masked, ``k`` padded to a power of two, at least
-  :data:`MIN_PADDED_RANK` lanes, as Triton requires) and keeps the small ``(k,)`` /
-  ``(k, k)`` operands of its block in registers.
+  :data:`MIN_PADDED_RANK` lanes, :data:`ROTATE_MIN_PADDED_RANK` in pass 3, as Triton requires)
+  and keeps the small ``(k,)`` / ``(k, k)`` operands of its block in registers.
   Row reductions (``U^T x``) leave one partial sum per program, added up by a small jnp sum
   over the chunks (no atomics: the result does not depend on the launch order).
 
@@ -73,11 +73,17 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # 4 tiles: 1.66), 64 rows at rank 32 (tau 32: 3.01 ms; 128 x 4: 3.97). Larger tiles at rank 32
 # spill registers (256 rows x 2 tiles: 42 ms).
 TILE_ROWS = {16: 512, 32: 64}
+# Pass 3's rows per tile where they differ from TILE_ROWS. At rank 32 its dot runs faster on
+# 128-row tiles: the largest ResNet-18 bucket's rotation alone took 724-730 us against 800-812
+# at 64 rows (H200, session 18), where passes 1 and 2 lose at 128 rows (the whole tau 32 update
+# with 128-row tiles in every pass: 3.03 against 2.81 ms).
+ROTATE_TILE_ROWS = {32: 128}
 TILE_ELEMENTS = 2048
 MAX_TILE_ROWS = 512
 STEPS = 1
 # Ranks are padded to a power of two of at least this many lanes (a power of two >= 4) in passes
-# 1 and 2 (rank 8 in 8 lanes lost there: bench/RESULTS.md, session 12).
+# 1 and 2. Rank 8 in 8 lanes lost in session 12 (1.80 against 1.59 ms an update), when pass 3
+# formed its rotation in 8 lanes as a broadcast and a sum (728 us for the largest bucket).
 MIN_PADDED_RANK = 16
 # Pass 3's padding (a power of two >= 4). Where the padded rank is below 16 the rotation U rot is
 # formed column by column: column j of the tile (a row sum of the tile masked to lane j: exact)
@@ -371,14 +377,19 @@ def tiling(
   rows: int, rank: int, tile: int | None = None, steps: int | None = None, *, rotate: bool = False
 ):
   """``(tile, chunk, padded rank)``: rows per tile, rows per program, rank padded to a power
-  of two >= :data:`MIN_PADDED_RANK` (pass 3, ``rotate``: :data:`ROTATE_MIN_PADDED_RANK`;
-  Triton's block sizes are powers of two)."""
+  of two >= :data:`MIN_PADDED_RANK` (Triton's block sizes are powers of two). ``rotate``: pass
+  3's (:data:`ROTATE_MIN_PADDED_RANK`, :data:`ROTATE_TILE_ROWS`)."""
   for name in ("MIN_PADDED_RANK", "ROTATE_MIN_PADDED_RANK"):
     lanes = globals()[name]
     if lanes < 4 or lanes & (lanes - 1):
       raise ValueError(f"{name} must be a power of two >= 4, got {lanes}.")
   kp = max(ROTATE_MIN_PADDED_RANK if rotate else MIN_PADDED_RANK, _pow2(rank))
-  tile = tile or TILE_ROWS.get(kp) or min(MAX_TILE_ROWS, max(16, TILE_ELEMENTS // kp))
+  tile = (
+    tile
+    or (ROTATE_TILE_ROWS.get(kp) if rotate else None)
+    or TILE_ROWS.get(kp)
+    or min(MAX_TILE_ROWS, max(16, TILE_ELEMENTS // kp))
+  )
   if tile < 16 or tile & (tile - 1):
     raise ValueError(f"tile must be a power of two >= 16, got {tile}.")
   steps = steps or STEPS
@@ -861,6 +872,7 @@ __all__ = [
   "MAX_ROW_BLOCKS",
   "MIN_PADDED_RANK",
   "ROTATE_MIN_PADDED_RANK",
+  "ROTATE_TILE_ROWS",
   "ROW_BLOCK_ELEMENTS",
   "precondition",
   "project_pair",
