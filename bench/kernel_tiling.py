@@ -3,15 +3,18 @@
     python -m bench.kernel_tiling                          # GPU: ResNet-18 shapes, tau 8 and 32
     python -m bench.kernel_tiling --taus 8 --scan 20 --repeats 5
     python -m bench.kernel_tiling --taus 8 --min-padded-ranks 8 16  # rank 8 in 8 or 16 lanes
+    python -m bench.kernel_tiling --taus 32 --tile-rows 64 --steps 1 --rotate-tile-rows 0 128
 
 The kernels of :mod:`ginger.kernels` stream each program's rows as ``STEPS`` tiles of
 ``tile x kp`` elements of ``U`` (``tile = min(MAX_TILE_ROWS, TILE_ELEMENTS / kp)``, ``kp``
-the rank padded to a power of two >= ``MIN_PADDED_RANK``; ``TILE_ROWS[kp]`` where given)
-with ``NUM_WARPS`` warps and ``NUM_STAGES`` Triton pipelining stages. This times the whole
-update (``bench.optimizer_step.time_update``: ``tx.update`` + ``optax.apply_updates`` in a
-jitted ``lax.scan``, median of repeats) for ``block=per_tensor`` in two rounds: (1) lanes
-(``MIN_PADDED_RANK``, ``--min-padded-ranks``) x tile rows x steps at the default warps and
-stages; (2) the best of round 1 x warps x stages. The module constants are set before each
+the rank padded to a power of two >= ``MIN_PADDED_RANK``; ``TILE_ROWS[kp]`` where given;
+pass 3 pads to ``ROTATE_MIN_PADDED_RANK`` and takes ``ROTATE_TILE_ROWS[kp]`` where given) with
+``NUM_WARPS`` warps and ``NUM_STAGES`` Triton pipelining stages. This times the whole update
+(``bench.optimizer_step.time_update``: ``tx.update`` + ``optax.apply_updates`` in a jitted
+``lax.scan``, median of repeats) for ``block=per_tensor`` in two rounds: (1) lanes
+(``MIN_PADDED_RANK``, ``--min-padded-ranks``) x tile rows (``--tile-rows``) x pass 3's tile
+rows (``--rotate-tile-rows``, 0: the other passes') x steps (``--steps``) at the default warps
+and stages; (2) the best of round 1 x warps x stages (``--no-round-two`` skips it). The module constants are set before each
 configuration is traced; every row is its own compiled program. A row that fails to compile
 (e.g. Triton out of registers or shared memory) says so and the sweep goes on.
 """
@@ -36,11 +39,21 @@ WARPS = (2, 4, 8)
 STAGES = (None, 1, 2, 3)
 
 
-def _setting(lanes: int, tile_rows: int, steps: int, warps: int, stages: int | None, tau: int):
-  kp = max(lanes, kernels._pow2(tau))  # the padded rank, as kernels.tiling pads it
+def _setting(
+  lanes: int,
+  tile_rows: int,
+  rotate_rows: int,
+  steps: int,
+  warps: int,
+  stages: int | None,
+  tau: int,
+):
+  kp = max(lanes, kernels._pow2(tau))  # the padded ranks, as kernels.tiling pads them
+  rotate_kp = max(kernels.ROTATE_MIN_PADDED_RANK, kernels._pow2(tau))
   return {
     "MIN_PADDED_RANK": lanes,
     "TILE_ROWS": {},
+    "ROTATE_TILE_ROWS": {rotate_kp: rotate_rows} if rotate_rows else {},
     "TILE_ELEMENTS": tile_rows * kp,
     "MAX_TILE_ROWS": tile_rows,
     "STEPS": steps,
@@ -64,28 +77,30 @@ def _time(tau: int, setting: dict, shapes, scan: int, repeats: int) -> float | N
       setattr(kernels, key, value)
 
 
-def _sweep(tau: int, lanes: list[int], shapes, adam: float, scan: int, repeats: int) -> None:
+def _sweep(tau: int, args, shapes, adam: float) -> None:
   """Rounds 1 and 2 for one rank, a table row per configuration as it is timed."""
   results: dict[tuple, float | None] = {}
 
   def run(round_: int, *key):
     if key not in results:
-      ms = results[key] = _time(tau, _setting(*key, tau), shapes, scan, repeats)
+      ms = results[key] = _time(tau, _setting(*key, tau), shapes, args.scan, args.repeats)
       cells = "failed | " if ms is None else f"{ms * 1e3:.3f} | {ms / adam:.2f}"
       print(f"| {tau} | {round_} | {' | '.join(map(str, key))} | {cells} |", flush=True)
 
-  for lane, tile_rows, steps in itertools.product(lanes, TILE_ROWS, STEPS):
-    run(1, lane, tile_rows, steps, kernels.NUM_WARPS, kernels.NUM_STAGES)
+  grid = (args.min_padded_ranks, args.tile_rows, args.rotate_tile_rows, args.steps)
+  for lane, tile_rows, rotate_rows, steps in itertools.product(*grid):
+    run(1, lane, tile_rows, rotate_rows, steps, kernels.NUM_WARPS, kernels.NUM_STAGES)
   timed = {k: v for k, v in results.items() if v is not None}
-  if not timed:
+  if not timed or args.no_round_two:
     return
-  lane, tile_rows, steps, _, _ = min(timed, key=timed.get)
+  best_round_one = min(timed, key=timed.get)[:4]
   for warps, stages in itertools.product(WARPS, STAGES):
-    run(2, lane, tile_rows, steps, warps, stages)
+    run(2, *best_round_one, warps, stages)
   timed = {k: v for k, v in results.items() if v is not None}
   best = min(timed, key=timed.get)
   print(
-    f"best tau={tau}: lanes, tile rows, steps, warps, stages = {best}: {timed[best] * 1e3:.3f} ms"
+    f"best tau={tau}: lanes, tile rows, pass 3 tile rows, steps, warps, stages = {best}: "
+    f"{timed[best] * 1e3:.3f} ms"
   )
 
 
@@ -95,6 +110,16 @@ def main(argv=None) -> None:
   parser.add_argument(
     "--min-padded-ranks", nargs="+", type=int, default=[16], help="MIN_PADDED_RANK values"
   )
+  parser.add_argument("--tile-rows", nargs="+", type=int, default=list(TILE_ROWS))
+  parser.add_argument(
+    "--rotate-tile-rows",
+    nargs="+",
+    type=int,
+    default=[0],
+    help="pass 3's rows per tile (ROTATE_TILE_ROWS; 0: the other passes')",
+  )
+  parser.add_argument("--steps", nargs="+", type=int, default=list(STEPS))
+  parser.add_argument("--no-round-two", action="store_true", help="skip warps x stages")
   parser.add_argument("--scan", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args(argv)
@@ -107,12 +132,17 @@ def main(argv=None) -> None:
     f"adam {adam * 1e3:.3f} ms/update; defaults TILE_ROWS={kernels.TILE_ROWS} "
     f"TILE_ELEMENTS={kernels.TILE_ELEMENTS} "
     f"MAX_TILE_ROWS={kernels.MAX_TILE_ROWS} STEPS={kernels.STEPS} NUM_WARPS={kernels.NUM_WARPS} "
-    f"NUM_STAGES={kernels.NUM_STAGES} MIN_PADDED_RANK={kernels.MIN_PADDED_RANK}"
+    f"NUM_STAGES={kernels.NUM_STAGES} MIN_PADDED_RANK={kernels.MIN_PADDED_RANK} "
+    f"ROTATE_MIN_PADDED_RANK={kernels.ROTATE_MIN_PADDED_RANK} "
+    f"ROTATE_TILE_ROWS={kernels.ROTATE_TILE_ROWS}"
   )
-  print("| tau | round | lanes | tile rows | steps | warps | stages | ms/update | x Adam |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print(
+    "| tau | round | lanes | tile rows | pass 3 tile rows | steps | warps | stages | ms/update "
+    "| x Adam |"
+  )
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for tau in args.taus:
-    _sweep(tau, args.min_padded_ranks, shapes, adam, args.scan, args.repeats)
+    _sweep(tau, args, shapes, adam)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from bench import checkpoint_stall, scaling, train_step
+from bench import checkpoint_stall, kernel_tiling, scaling, train_step
+from ginger import kernels
 
 SUMMARY = {
   "step_time_s": 0.01,
@@ -46,6 +47,26 @@ def test_scaling_rows_match_the_header(monkeypatch, capsys):
   scaling.main(["--data", "x", "--devices", "1", "2"])
   # Two optimizers x (1 device + 2 devices sharded and replicated).
   _check(capsys.readouterr().out, expect_rows=6)
+
+
+def test_kernel_tiling_sweeps_pass_three_tiles_and_restores_the_defaults(monkeypatch, capsys):
+  """--rotate-tile-rows: each row sets pass 3's tile (0: the other passes'), one compiled
+  update a row; the module's constants are as before afterwards."""
+  seen = []
+
+  def fake_time(tx, shapes, scan, repeats):
+    seen.append((dict(kernels.ROTATE_TILE_ROWS), kernels.MAX_TILE_ROWS))
+    return (1e-3 * len(seen), 0.0, "")
+
+  monkeypatch.setattr(kernel_tiling, "time_update", fake_time)
+  monkeypatch.setattr(kernel_tiling, "resnet18_shapes", lambda: [(8, 4)])
+  before = (dict(kernels.ROTATE_TILE_ROWS), dict(kernels.TILE_ROWS), kernels.MAX_TILE_ROWS)
+  argv = ["--taus", "32", "--tile-rows", "64", "--rotate-tile-rows", "0", "128", "--steps", "1"]
+  kernel_tiling.main([*argv, "--no-round-two"])
+  # Adam first, then the two rows: pass 3 on the other passes' 64 rows, then on 128.
+  assert seen[1:] == [({}, 64), ({32: 128}, 64)]
+  assert before == (dict(kernels.ROTATE_TILE_ROWS), dict(kernels.TILE_ROWS), kernels.MAX_TILE_ROWS)
+  _check(capsys.readouterr().out, expect_rows=2)
 
 
 def test_scaling_profile_traces_a_window_of_every_run(monkeypatch, capsys, tmp_path):
