@@ -14,9 +14,10 @@ pass 3 pads to ``ROTATE_MIN_PADDED_RANK`` and takes ``ROTATE_TILE_ROWS[kp]`` whe
 ``lax.scan``, median of repeats) for ``block=per_tensor`` in two rounds: (1) lanes
 (``MIN_PADDED_RANK``, ``--min-padded-ranks``) x tile rows (``--tile-rows``) x pass 3's tile
 rows (``--rotate-tile-rows``, 0: the other passes') x steps (``--steps``) at the default warps
-and stages; (2) the best of round 1 x warps x stages (``--no-round-two`` skips it). The module constants are set before each
-configuration is traced; every row is its own compiled program. A row that fails to compile
-(e.g. Triton out of registers or shared memory) says so and the sweep goes on.
+and stages; (2) the best of round 1 x warps x stages (``--no-round-two`` skips it). The module
+constants are set before each configuration is traced; every row is its own compiled program.
+A row that fails to compile (e.g. Triton out of registers or shared memory) says so and the
+sweep goes on.
 """
 
 from __future__ import annotations
