@@ -230,8 +230,11 @@ def test_jnp_rotation_in_row_blocks(m, n, k, rows):
 @pytest.mark.parametrize("impl", ["jnp", "pallas"])
 def test_rotation_reads_joined_small_operands_at_first(impl):
   """Pass 3 of a bucket whose small operands are the rows ``first ..`` of arrays joined with
-  other buckets' (one batched solve) equals it on the bucket's own rows, bit for bit: the kernel
-  offsets its block index maps, the jnp path slices; other rows are never read (NaN there)."""
+  other buckets' (one batched solve) equals it on the bucket's own rows: the kernel offsets its
+  block index maps, the jnp path slices; other rows are never read (NaN there). The jnp path
+  bit for bit; the kernel within the kernels' bound: its two interpreted programs may contract
+  the rotation's multiply-adds (rank 8: column by column) into fused multiply-adds differently
+  (XLA:CPU with `make test`'s flags does)."""
   m, before, after = 2, 3, 1
   x = random_inputs(5, m, 40, 8)
   smalls = ("a2", "inv_r", "rot", "b", "z", "gamma")
@@ -252,8 +255,12 @@ def test_rotation_reads_joined_small_operands_at_first(impl):
     return own, at_first
 
   own, at_first = run(x)
-  for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(at_first), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not any(np.isnan(np.asarray(a)).any() for a in jax.tree.leaves(at_first))
+  if impl == "jnp":
+    for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(at_first), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  else:
+    assert_close("rotate_from_residual", x, at_first, own)
 
 
 def test_row_block_sizes():
