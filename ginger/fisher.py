@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 def _upcast(x: jax.Array) -> jax.Array:
@@ -258,8 +259,6 @@ def value_grad_and_fisher_per_device(
   Returns:
     ``((loss, aux), grads, fisher_grads)``, replicated.
   """
-  from jax.sharding import PartitionSpec as P
-
   given = _fisher_labels(labels, fisher)
   _, count = _weights(labels, mask)
   sharded = {"batch": batch, "labels": labels}
