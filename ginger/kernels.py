@@ -73,11 +73,11 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # 4 tiles: 1.66), 64 rows at rank 32 (tau 32: 3.01 ms; 128 x 4: 3.97). Larger tiles at rank 32
 # spill registers (256 rows x 2 tiles: 42 ms).
 TILE_ROWS = {16: 512, 32: 64}
-# Pass 3's rows per tile where they differ from TILE_ROWS. At rank 32 its dot runs faster on
-# 128-row tiles: the largest ResNet-18 bucket's rotation alone took 724-730 us against 800-812
-# at 64 rows (H200, session 18), where passes 1 and 2 lose at 128 rows (the whole tau 32 update
-# with 128-row tiles in every pass: 3.03 against 2.81 ms).
-ROTATE_TILE_ROWS = {32: 128}
+# Pass 3's rows per tile where they differ from TILE_ROWS (a tuning knob of bench.kernel_tiling,
+# empty). At rank 32 its dot alone ran faster on 128-row tiles in one session (largest ResNet-18
+# bucket: 724-730 against 800-812 us at 64 rows), slower in the next (1050 against 802 us), and
+# the whole tau 32 update lost with them: 3.04 against 2.72 ms (H200, session 19).
+ROTATE_TILE_ROWS: dict[int, int] = {}
 TILE_ELEMENTS = 2048
 MAX_TILE_ROWS = 512
 STEPS = 1

@@ -103,7 +103,7 @@ def test_pass_three_rotates_column_by_column_at_low_rank(k):
   above (ranks 1..33)."""
   assert kernels.tiling(rows=5000, rank=k, rotate=True) == (256, 256, 8)
   assert kernels.tiling(rows=5000, rank=9, rotate=True) == (512, 512, 16)
-  assert kernels.tiling(rows=5000, rank=32, rotate=True) == (128, 128, 32)  # ROTATE_TILE_ROWS
+  assert kernels.tiling(rows=5000, rank=32, rotate=True) == (64, 64, 32)
   assert "dot_general" not in _pass_three_jaxpr(k)
   assert "dot_general" in _pass_three_jaxpr(9)
 
