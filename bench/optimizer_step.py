@@ -12,9 +12,10 @@ per call on a GPU is amortised), after a warm-up, as the median of ``--repeats``
 gradients and Fisher vectors are arguments of the jitted function, not constants baked into it.
 
 On GPU the table also gives Ginger's memory floor, ``U`` read and written once per step
-(``2 d tau 4`` bytes), as a time at the card's measured copy bandwidth (``floor ms``) and the
-measured time over that floor (``x floor``); the header line gives the measured copy bandwidth
-and the data-sheet peak. The floor ignores the O(d) vectors (gradient, momentum, output), so it
+(``2 d tau`` elements of ``state_dtype``: ``2 d tau 4`` bytes in float32), as a time at the
+card's measured copy bandwidth (``floor ms``) and the measured time over that floor
+(``x floor``); the header line gives the measured copy bandwidth and the data-sheet peak. The
+floor ignores the O(d) vectors (gradient, momentum, output), so it
 is a lower bound of a lower bound.
 """
 
@@ -66,9 +67,11 @@ SIZES = {
 }
 
 
-def make_optimizer(name: str, tau: int | None, block: str | None, passes: str = "jnp"):
+def make_optimizer(
+  name: str, tau: int | None, block: str | None, passes: str = "jnp", state_dtype="float32"
+):
   """``name`` is an optimizer, or ``ginger/<eigensolver>`` for a non-default Ginger solver;
-  ``passes`` is Ginger's (jnp | pallas | auto)."""
+  ``passes`` and ``state_dtype`` (of ``U``, sigma and the momentum) are Ginger's."""
   if name == "adam":
     return optax.adam(1e-3)
   if name == "momentum":
@@ -76,7 +79,14 @@ def make_optimizer(name: str, tau: int | None, block: str | None, passes: str = 
   if name == "qng":
     return ginger.qng(1e-2, tau=tau, block=block)
   name, _, solver = name.partition("/")
-  return ginger.ginger(1e-3, tau=tau, block=block, eigensolver=solver or "secular", passes=passes)
+  return ginger.ginger(
+    1e-3,
+    tau=tau,
+    block=block,
+    eigensolver=solver or "secular",
+    passes=passes,
+    state_dtype=state_dtype,
+  )
 
 
 def time_update(
@@ -173,6 +183,13 @@ def main(argv=None) -> None:
     help="how Ginger's passes over U run (column 'passes'): jnp (XLA's fusions), pallas "
     "(fused Pallas kernels; interpreted, so slow, off GPUs), auto",
   )
+  parser.add_argument(
+    "--state-dtypes",
+    nargs="+",
+    default=["float32"],
+    choices=["float32", "bfloat16"],
+    help="Ginger's state_dtype (column 'state'; the floor counts U in it)",
+  )
   parser.add_argument("--scan", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument(
@@ -195,46 +212,48 @@ def main(argv=None) -> None:
     + (f" datasheet_peak={peak / 1e12:.2f}TB/s" if peak else "")
   )
   print(
-    "| size | d | optimizer | tau | block | passes | ms/update | x Adam | floor ms | x floor "
-    "| compile s |"
+    "| size | d | optimizer | tau | block | passes | state | ms/update | x Adam | floor ms "
+    "| x floor | compile s |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   reports: list[str] = []
   for size in args.sizes:
     shapes = SIZES[size]()
     d = sum(math.prod(s) for s in shapes)
     # Adam always runs first: it is the reference of the "x Adam" column.
-    configs = [("adam", None, None, None)]
+    configs = [("adam", None, None, None, None)]
     if "momentum" in args.optimizers:
-      configs.append(("momentum", None, None, None))
+      configs.append(("momentum", None, None, None, None))
     if "qng" in args.optimizers:
-      configs += [("qng", t, b, None) for t in args.qng_taus for b in args.blocks]
+      configs += [("qng", t, b, None, None) for t in args.qng_taus for b in args.blocks]
     if "ginger" in args.optimizers:
       configs += [
-        ("ginger" if e == "secular" else f"ginger/{e}", t, b, p)
+        ("ginger" if e == "secular" else f"ginger/{e}", t, b, p, dt)
         for t in args.taus
         for b in args.blocks
         for e in args.eigensolvers
         for p in args.passes
+        for dt in args.state_dtypes
       ]
     adam_s = None
-    for name, tau, block, passes in configs:
+    for name, tau, block, passes, state in configs:
       seconds, compile_s, report = time_update(
-        make_optimizer(name, tau, block, passes or "jnp"),
+        make_optimizer(name, tau, block, passes or "jnp", state or "float32"),
         shapes,
         args.scan,
         args.repeats,
         args.kernels if name.startswith("ginger") else 0,
       )
       if report:
-        reports.append(f"{size} {name} tau={tau} {block} passes={passes}:\n{report}")
+        reports.append(f"{size} {name} tau={tau} {block} passes={passes} {state}:\n{report}")
       adam_s = adam_s or seconds
       floor = ratio = ""
       if name.startswith("ginger") and bandwidth:
-        floor_s = 2 * d * tau * 4 / bandwidth
+        floor_s = 2 * d * tau * jnp.dtype(state).itemsize / bandwidth
         floor, ratio = f"{1e3 * floor_s:.3f}", f"{seconds / floor_s:.1f}"
       print(
         f"| {size} | {d / 1e6:.1f}M | {name} | {tau or ''} | {block or ''} | {passes or ''} | "
+        f"{state or ''} | "
         f"{1e3 * seconds:.3f} | {seconds / adam_s:.1f} | {floor} | {ratio} | "
         f"{compile_s:.1f} |",
         flush=True,

@@ -171,7 +171,10 @@ def scale_by_ginger(
       with ``size <= tau`` are modelled exactly with rank ``size``); ``"global"`` treats all
       leaves as one vector (the paper's text).
     state_dtype: dtype name of ``U`` and ``sigma`` (float32 by default, also for bf16
-      params; a string so that ``optax.inject_hyperparams`` leaves it static).
+      params; a string so that ``optax.inject_hyperparams`` leaves it static). A narrow
+      state (``"bfloat16"``, ``"float16"``) is only stored narrow: the small algebra
+      (Brand's core and its eigenpairs, the re-orthonormalising factors) runs in
+      :func:`ginger.kernels.compute_dtype` (at least float32), see :func:`brand_step`.
       Updates are returned in the dtype of the incoming updates.
     reorthonormalise_every: every this many steps ``U`` is re-orthonormalised (Cholesky-QR,
       ``S`` unchanged) before the update, to remove float32 drift of ``U^T U`` over long runs.
@@ -342,18 +345,30 @@ def brand_step(
   with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`), and
   so does the secular eigensolver's bisection (:mod:`ginger.secular`);
   ``row_shards[b]``: the devices bucket ``b``'s rows are split over (None: 1 each).
+  The passes return their sums in ``U``'s dtype; everything between them (``factors``
+  included) runs in the compute dtype (:func:`ginger.kernels.compute_dtype`: float32 for a
+  bf16 or float16 state, whose eigenproblems neither LAPACK nor the secular solver's bit
+  arithmetic take), and pass 3's operands and the new sigma are rounded back to ``U``'s dtype.
   Returns ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
   """
   kw = dict(impl=impl, interpret=interpret)
+  if not us:
+    return [], [], []
+  state_dtype = us[0].dtype
+  compute = kernels.compute_dtype(state_dtype)
+  up = lambda *xs: [x.astype(compute) for x in xs]  # noqa: E731
   qs = [q for q, _ in factors]
   first = [kernels.project_pair(u, v, g, **kw) for u, v, g in zip(us, vs, gs, strict=True)]
-  small = [_before_residual(cu, yu, l1, q) for (cu, yu, l1), q in zip(first, qs, strict=True)]
+  small = [_before_residual(*up(*sums), q) for sums, q in zip(first, qs, strict=True)]
   second = [
-    kernels.residual_sums(u, v, g, s["a1"], s["inv_l1"], with_p1=True, **kw)
+    kernels.residual_sums(
+      u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype), with_p1=True, **kw
+    )
     for u, v, g, s in zip(us, vs, gs, small, strict=True)
   ]
   p1s = [p1 for *_, p1 in second]
-  for s, (c2u, pp, pg, vv, _), (q, sigma) in zip(small, second, factors, strict=True):
+  for s, (*sums, _), (q, sigma) in zip(small, second, factors, strict=True):
+    c2u, pp, pg, vv = up(*sums)
     s.update(c2=lowrank.small_matvec(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
   # Brand's cores of all blocks of one rank share one batched solve. Pass 3 reads each
   # bucket's coefficients from the joined arrays at the bucket's first block (``first``):
@@ -367,7 +382,8 @@ def brand_step(
     sizes = [us[b].shape[0] for b in members]
     joined = {key: jnp.concatenate([small[b][key] for b in members]) for key in small[members[0]]}
     joined["q"] = jnp.concatenate([qs[b] for b in members])
-    co = _after_residual(joined, alpha, gamma, eigensolver, **kw)
+    co = _after_residual(joined, alpha, gamma, eigensolver, jnp.finfo(state_dtype).eps, **kw)
+    co = {key: x.astype(state_dtype) for key, x in co.items()}  # pass 3's operands, the state
     starts = np.cumsum([0] + sizes[:-1]).tolist()
     for b, first, sigma in zip(members, starts, jnp.split(co["sigma"], starts[1:]), strict=True):
       coefs[b], new_sigmas[b] = (co, first), sigma
@@ -396,20 +412,21 @@ def _before_residual(cu, yu, l1, q):
   }
 
 
-def _after_residual(s, alpha, gamma, eigensolver, *, impl="jnp", interpret=False):
-  """From the pass-1/2 sums to pass 3's coefficients (batched over blocks). ``impl``: how
-  the secular solver's bisection runs (:func:`ginger.secular.eigh_diag_plus_rank_one`), as
-  the passes do: one Pallas kernel with ``"pallas"``.
+def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=False):
+  """From the pass-1/2 sums to pass 3's coefficients (batched over blocks), in the sums' dtype
+  (the compute dtype, at least float32). ``eps``: the machine epsilon of the state dtype, to
+  which the sums are accurate. ``impl``: how the secular solver's bisection runs
+  (:func:`ginger.secular.eigh_diag_plus_rank_one`), as the passes do: one Pallas kernel with
+  ``"pallas"``.
 
   With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``:
   ``||p||^2 = ||p1||^2 - ||c2||^2``, ``r = l1 ||p||``, ``U^T v = c + l1 c2`` and
   ``p^T g = p1^T g - c2^T y``. ``v`` counts as in ``span U`` when ``r <= 32 eps ||v||``.
   """
-  dtype = s["c"].dtype
   rank = s["c"].shape[-1]
   p_norm = jnp.sqrt(jnp.maximum(s["pp"] - jnp.sum(s["c2"] * s["c2"], -1), 0.0))
   v_norm_l1 = jnp.sqrt(s["vv"])  # ||v|| / l1
-  in_span = p_norm <= 32 * jnp.finfo(dtype).eps * v_norm_l1
+  in_span = p_norm <= 32 * eps * v_norm_l1
   p_norm = jnp.where(in_span, 0.0, p_norm)
   inv_p = jnp.where(in_span, 0.0, 1.0 / jnp.where(in_span, 1.0, p_norm))
   c = s["c"] + s["l1"][..., None] * s["c2"]
@@ -440,17 +457,24 @@ def _after_residual(s, alpha, gamma, eigensolver, *, impl="jnp", interpret=False
 
 
 def _identity_factors(us, sigmas):
-  eyes = [
-    jnp.broadcast_to(jnp.eye(u.shape[-1], dtype=u.dtype), (u.shape[0],) + u.shape[-1:] * 2)
-    for u in us
-  ]
-  return list(zip(eyes, sigmas, strict=True))
+  """``(Q = I, sigma)`` per bucket, in the compute dtype (the small algebra's, see
+  :func:`brand_step`)."""
+  factors = []
+  for u, sigma in zip(us, sigmas, strict=True):
+    dtype = kernels.compute_dtype(u.dtype)
+    eye = jnp.broadcast_to(jnp.eye(u.shape[-1], dtype=dtype), (u.shape[0],) + u.shape[-1:] * 2)
+    factors.append((eye, sigma.astype(dtype)))
+  return factors
 
 
 def _reorthonormalising_factors(us, sigmas):
-  return [
-    lowrank.reorthonormalising_factor(lowrank.gram(u), s) for u, s in zip(us, sigmas, strict=True)
-  ]
+  """``(Q, sigma')`` per bucket from ``U^T U`` (:func:`lowrank.reorthonormalising_factor`), in
+  the compute dtype."""
+  factors = []
+  for u, sigma in zip(us, sigmas, strict=True):
+    dtype = kernels.compute_dtype(u.dtype)
+    factors.append(lowrank.reorthonormalising_factor(lowrank.gram(u, dtype), sigma.astype(dtype)))
+  return factors
 
 
 def _sigma_stacks(layout: _common.Layout, sigma, block) -> list[jax.Array]:

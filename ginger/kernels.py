@@ -399,7 +399,9 @@ def tiling(
   return tile, chunk, kp
 
 
-def _compute_dtype(dtype):
+def compute_dtype(dtype):
+  """The dtype arithmetic on a ``dtype`` state runs in: at least float32 (bf16 and float16
+  states are stored narrow, computed wide)."""
   return jnp.promote_types(dtype, jnp.float32)
 
 
@@ -410,7 +412,7 @@ class _Tiles:
     self.rows, self.rank, self.tile, self.chunk, self.kp = rows, rank, tile, chunk, kp
     self.steps = chunk // tile
     self.state_dtype = dtype
-    self.dtype = _compute_dtype(dtype)
+    self.dtype = compute_dtype(dtype)
 
   def rows_left(self):
     """Rows of the block from this program's first row on (read at the kernel's top level:
@@ -708,7 +710,7 @@ def _correct_kernel(t: _Tiles):
 def _precondition_pallas(u, sigma, g, gamma, interpret, tile=None, steps=None):
   m, n, k = u.shape
   (y,), _ = _row_sums_pallas(u, [g], False, interpret, tile, steps)
-  dtype = _compute_dtype(u.dtype)
+  dtype = compute_dtype(u.dtype)
   z = (sigma.astype(dtype) / (gamma.astype(dtype)[:, None] + sigma.astype(dtype)) * y).astype(
     u.dtype
   )

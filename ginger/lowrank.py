@@ -244,9 +244,10 @@ def init_basis(members: int, rows: int, rank: int, dtype) -> jax.Array:
   return jnp.broadcast_to(jnp.eye(rows, rank, dtype=dtype), (members, rows, rank))
 
 
-def gram(u: jax.Array) -> jax.Array:
-  """``U^T U`` per block (one read of ``U``)."""
-  return jnp.einsum("...nk,...nl->...kl", u, u, precision=HIGHEST)
+def gram(u: jax.Array, dtype=None) -> jax.Array:
+  """``U^T U`` per block (one read of ``U``), accumulated and returned in ``dtype`` (default
+  ``U``'s)."""
+  return jnp.einsum("...nk,...nl->...kl", u, u, precision=HIGHEST, preferred_element_type=dtype)
 
 
 def reorthonormalising_factor(gram_u: jax.Array, sigma: jax.Array):

@@ -213,3 +213,23 @@ def test_startup_rows_match_the_header():
   out = startup.table(results)
   _check(out, expect_rows=3)
   assert "| traced |" in out and "| read |" in out
+
+
+def test_optimizer_step_rows_match_the_header_with_state_dtypes(monkeypatch, capsys):
+  """--state-dtypes: one Ginger row per state dtype, the optimizer built with it."""
+  from bench import optimizer_step
+
+  built = []
+
+  def fake_make(name, tau, block, passes="jnp", state_dtype="float32"):
+    built.append((name, state_dtype))
+    return name
+
+  monkeypatch.setattr(optimizer_step, "make_optimizer", fake_make)
+  monkeypatch.setattr(optimizer_step, "time_update", lambda *a: (1e-3, 0.1, ""))
+  optimizer_step.main(
+    ["--sizes", "1M", "--optimizers", "adam", "ginger", "--taus", "8", "--blocks", "global"]
+    + ["--state-dtypes", "float32", "bfloat16"]
+  )
+  assert built == [("adam", "float32"), ("ginger", "float32"), ("ginger", "bfloat16")]
+  _check(capsys.readouterr().out, expect_rows=3)
