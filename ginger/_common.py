@@ -96,6 +96,13 @@ def check_dtype(name) -> jnp.dtype:
     raise ValueError(
       f"state_dtype must name a floating dtype such as 'float32' or 'float64', got {name!r}."
     )
+  if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+    # JAX would make every array of the state float32 (warning only): a silent float32 state.
+    raise ValueError(
+      f"state_dtype={str(dtype)!r} needs JAX's 64-bit mode: set JAX_ENABLE_X64=1 (or "
+      "jax.config.update('jax_enable_x64', True)) before making the optimizer, or use "
+      "'float32'."
+    )
   return dtype
 
 

@@ -178,3 +178,13 @@ def test_allowed_values_agree_with_the_code_that_uses_them():
   assert set(config_check.IMAGE_DATASETS) == set(images.DATASETS)
   assert set(config_check.IMAGE_SOURCES) == set(images.SOURCES)
   assert set(config_check.XSUM_SOURCES) == set(xsum.SOURCES)
+
+
+def test_float64_state_is_refused_with_the_reason():
+  """optimizer.state_dtype=float64 used to train with a float32 state (JAX truncates float64
+  arrays to float32 outside its 64-bit mode, with a warning only; in that mode the training loop
+  does not run): named before anything runs, with why."""
+  for optimizer in ("ginger", "qng"):
+    message = problems(f"optimizer={optimizer}", "optimizer.state_dtype=float64")
+    assert "optimizer.state_dtype='float64': must be one of ['float32', 'bfloat16'" in message
+    assert "64-bit mode" in message

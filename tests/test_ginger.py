@@ -481,3 +481,20 @@ def test_half_precision_state_matches_float32(dtype, block, eigensolver, passes)
     for k in shapes:
       err = float(jnp.linalg.norm(out[k] - want[k]) / jnp.linalg.norm(want[k]))
       assert err <= 8 * unit, (k, err / unit)
+
+
+def test_float64_state_needs_x64():
+  """A float64 state without JAX's 64-bit mode would silently be float32 (JAX truncates, with a
+  warning only): refused when the optimizer is made, naming the setting that enables it."""
+  makers = (
+    lambda: ginger.scale_by_ginger(2, state_dtype="float64"),
+    lambda: ginger.ginger(0.1, state_dtype="float64"),
+    lambda: ginger.qng(0.1, state_dtype="float64"),
+  )
+  with jax.enable_x64(False):
+    for make in makers:
+      with pytest.raises(ValueError, match="state_dtype='float64' needs JAX's 64-bit mode"):
+        make()
+  with jax.enable_x64(True):
+    for make in makers:
+      make()

@@ -30,7 +30,9 @@ FISHERS = ("sampled", "empirical")
 FISHER_FORWARDS = ("eval", "shared")
 FISHER_BACKWARDS = ("auto", "batched", "sequential", "local")  # + ginger.fisher.BACKWARDS
 PRECISIONS = ("float32", "bfloat16")
-STATE_DTYPES = ("float32", "float64", "bfloat16", "float16")
+# A float64 state needs JAX's 64-bit mode, which a training run does not use (the library takes
+# it: ginger.scale_by_ginger(..., state_dtype="float64") under jax_enable_x64).
+STATE_DTYPES = ("float32", "bfloat16", "float16")
 PASSES = ("jnp", "pallas", "auto")  # Ginger's passes over U (ginger.scale_by_ginger)
 DISTRIBUTED = ("auto", True, False)
 LOGGERS = ("wandb", "none")
@@ -235,7 +237,16 @@ def _check_optimizer(c: _Checker) -> str | None:
     c.number("optimizer.b2", 0, 1, closed=(True, False))
     c.number("optimizer.eps", 0, closed=(False, True))
   if name in CURVATURE:
-    c.choice("optimizer.state_dtype", STATE_DTYPES)
+    if c.get("optimizer.state_dtype") == "float64":
+      c.bad(
+        "optimizer.state_dtype",
+        "float64",
+        f"one of {list(STATE_DTYPES)} (a float64 state needs JAX's 64-bit mode, which training "
+        "runs do not use: without it JAX would store the state in float32; the library takes "
+        "state_dtype='float64' under jax_enable_x64)",
+      )
+    else:
+      c.choice("optimizer.state_dtype", STATE_DTYPES)
     c.integer("tau", 1)
     c.number("alpha", 0, 1, closed=(False, False))
     c.choice("block", BLOCKS)
