@@ -175,6 +175,8 @@ def scale_by_ginger(
       state (``"bfloat16"``, ``"float16"``) is only stored narrow: the small algebra
       (Brand's core and its eigenpairs, the re-orthonormalising factors) runs in
       :func:`ginger.kernels.compute_dtype` (at least float32), see :func:`brand_step`.
+      The gradient and the update ``~ g / gamma`` are in ``state_dtype`` too: float16 only
+      where they fit its range (with ``gamma = 1e-5`` they overflow; bfloat16 has float32's).
       Updates are returned in the dtype of the incoming updates.
     reorthonormalise_every: every this many steps ``U`` is re-orthonormalised (Cholesky-QR,
       ``S`` unchanged) before the update, to remove float32 drift of ``U^T U`` over long runs.

@@ -188,3 +188,13 @@ def test_float64_state_is_refused_with_the_reason():
     message = problems(f"optimizer={optimizer}", "optimizer.state_dtype=float64")
     assert "optimizer.state_dtype='float64': must be one of ['float32', 'bfloat16'" in message
     assert "64-bit mode" in message
+
+
+def test_float16_state_is_refused_for_ginger_with_the_reason():
+  """optimizer=ginger optimizer.state_dtype=float16 trained into NaN at once (the update is about
+  g / gamma, beyond float16's range): refused with why; QNG (no gamma) keeps it."""
+  message = problems("optimizer=ginger", "optimizer.state_dtype=float16")
+  assert "optimizer.state_dtype='float16': must be float32 or bfloat16 for optimizer=ginger" in (
+    message
+  )
+  check_config(config("optimizer=qng", "optimizer.state_dtype=float16"), overrides=())

@@ -245,8 +245,14 @@ def _check_optimizer(c: _Checker) -> str | None:
         "runs do not use: without it JAX would store the state in float32; the library takes "
         "state_dtype='float64' under jax_enable_x64)",
       )
-    else:
-      c.choice("optimizer.state_dtype", STATE_DTYPES)
+    elif c.choice("optimizer.state_dtype", STATE_DTYPES) == "float16" and name == "ginger":
+      c.bad(
+        "optimizer.state_dtype",
+        "float16",
+        "float32 or bfloat16 for optimizer=ginger (its update G^{-1} g is about g / gamma: "
+        "with gamma = 1e-5 it overflows float16's largest value 65504, and gamma itself lies "
+        "below float16's smallest normal 6e-5; bfloat16 has float32's range)",
+      )
     c.integer("tau", 1)
     c.number("alpha", 0, 1, closed=(False, False))
     c.choice("block", BLOCKS)
