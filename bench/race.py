@@ -44,12 +44,18 @@ class Race(NamedTuple):
 
 
 def run_label(summary: dict) -> str:
-  """``adam``, ``ginger tau=8 K=8`` (``, shared forward`` where not the default eval one)."""
-  run = summary["run"]
-  if run["optimizer"] != "ginger":
-    return run["optimizer"]
-  label = f"ginger tau={run['tau']} K={run.get('curvature_every') or 1}"
-  return label + (", shared forward" if run.get("fisher_forward") == "shared" else "")
+  """``adam``, ``ginger tau=8 K=8`` (``, shared forward`` where not the default eval one), then
+  the numerics where not float32: ``, bfloat16 state``, ``, bfloat16 compute``. Summaries from
+  before these were recorded say them in their config."""
+  run, config = summary["run"], summary.get("config") or {}
+  label = run["optimizer"]
+  if run["optimizer"] == "ginger":
+    label = f"ginger tau={run['tau']} K={run.get('curvature_every') or 1}"
+    label += ", shared forward" if run.get("fisher_forward") == "shared" else ""
+  state = run.get("state_dtype", (config.get("optimizer") or {}).get("state_dtype"))
+  precision = run.get("precision", config.get("precision"))
+  label += f", {state} state" if state not in (None, "float32") else ""
+  return label + (f", {precision} compute" if precision not in (None, "float32") else "")
 
 
 def race(run_dir: Path, target: float, group: str) -> Race:

@@ -67,6 +67,8 @@ CONFIG_KEYS = (
   "curvature_every",
   "batchnorm",
   "batchnorm_groups",
+  "precision",
+  "state_dtype",
 )
 # The paper's protocols: only runs matching one fill the paper's tables.
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
@@ -133,6 +135,12 @@ def load_summary(run_dir: str | Path) -> Run | None:
     data["run"].setdefault("curvature_every", 1)
   if str(data["run"].get("model", "")).startswith("resnet"):  # recorded since batchnorm exists
     data["run"].setdefault("batchnorm", "sync")
+  # Recorded since state_dtype and precision are: older runs say it in their config.
+  config = data.get("config") or {}
+  data["run"].setdefault("precision", config.get("precision") or "float32")
+  if data["run"].get("optimizer") in run_record.CURVATURE:
+    state_dtype = (config.get("optimizer") or {}).get("state_dtype")
+    data["run"].setdefault("state_dtype", state_dtype or "float32")
   return data
 
 
@@ -230,7 +238,7 @@ def select_runs(
   default = [r for r in pool if is_default_variant(r)]
   fallback = None
   if pool and not default:  # every run left is a non-default variant of one optimizer
-    want = DEFAULT_VARIANT[rfield(pool[0], "optimizer")]
+    want = default_variant(rfield(pool[0], "optimizer"))
     fallback = (
       "no run of the default variant (" + ", ".join(f"{k}={v}" for k, v in want.items()) + ")"
     )
@@ -244,7 +252,7 @@ def select_runs(
   best = max(chosen.values(), key=lambda rs: (len(rs), max(r.get("mtime", 0) for r in rs)))
   if len(chosen) == 1:
     if fallback:
-      used = _describe(best[0], list(DEFAULT_VARIANT[rfield(best[0], "optimizer")]))
+      used = _describe(best[0], list(default_variant(rfield(best[0], "optimizer"))))
       return Selection(best, f"{fallback}; used {used} (n={len(best)})")
     return Selection(best)
   varying = [k for i, k in enumerate(CONFIG_KEYS) if len({repr(g[i]) for g in chosen}) > 1]
@@ -256,9 +264,18 @@ def select_runs(
   )
 
 
+def default_variant(optimizer: str) -> dict[str, Any]:
+  """The run fields of `optimizer`'s default variant: DEFAULT_VARIANT's, and float32 numerics
+  (compute, and the curvature state where there is one)."""
+  numerics = {"precision": "float32"}
+  if optimizer in run_record.CURVATURE:
+    numerics["state_dtype"] = "float32"
+  return {**DEFAULT_VARIANT.get(optimizer, {}), **numerics}
+
+
 def is_default_variant(run: Run) -> bool:
-  """Whether `run` is its optimizer's default variant (DEFAULT_VARIANT; others have one)."""
-  want = DEFAULT_VARIANT.get(rfield(run, "optimizer"), {})
+  """Whether `run` is its optimizer's default variant (:func:`default_variant`)."""
+  want = default_variant(rfield(run, "optimizer"))
   return all(rfield(run, k) == v for k, v in want.items())
 
 

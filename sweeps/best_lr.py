@@ -94,6 +94,15 @@ def tuning_runs(runs: Iterable[Run], notes: list[str]) -> list[Run]:
         f"split (data.holdout=0); use `+sweep=lr_tune`, which holds out images"
       )
       continue
+    numerics = {k: rfield(run, k) for k in ("precision", "state_dtype")}
+    narrow = {k: v for k, v in numerics.items() if v not in (None, "float32")}
+    if narrow:
+      notes.append(
+        f"skipped {run['path']}: an lr_tune run with "
+        + ", ".join(f"{k}={v}" for k, v in narrow.items())
+        + " (the tuned lr is the float32 runs')"
+      )
+      continue
     out.append(run)
   return out
 

@@ -527,3 +527,30 @@ def test_ginger_cells_prefer_the_default_variant(tmp_path: Path) -> None:
   fallback = tables.select_runs(others, crit)
   assert [r["best_val_accuracy"] for r in fallback.runs] == [86.0, 86.5]
   assert "default variant" in fallback.note and "rho=None" in fallback.note
+
+
+def test_state_dtype_and_precision_are_part_of_a_cells_identity(tmp_path: Path) -> None:
+  """A Ginger run with a bf16 state (or bf16 compute) is another configuration: it never averages
+  with, nor (as the newer run of a seed) replaces, the float32 runs a Table 1-4 cell stands for;
+  it fills a cell only where no float32 run exists, and the note says so. Older summaries record
+  neither field: their config says what they ran with (float32 when it says nothing)."""
+  ginger = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  make_run(tmp_path, "old", ginger, best_val_accuracy=72.0)  # neither field recorded
+  make_run(tmp_path, "f32", {**ginger, "seed": 1, "state_dtype": "float32"}, best_val_accuracy=74.0)
+  make_run(tmp_path, "bf16", {**ginger, "state_dtype": "bfloat16"}, best_val_accuracy=10.0)
+  make_run(tmp_path, "bf16c", {**ginger, "seed": 1, "precision": "bfloat16"}, best_val_accuracy=9.0)
+  runs = tables.collect_runs([tmp_path])
+  sel = tables.select_runs(runs, {"optimizer": "ginger", "tau": 4})
+  assert sorted(r["best_val_accuracy"] for r in sel.runs) == [72.0, 74.0]
+  only_bf16 = [r for r in runs if Path(r["path"]).name == "bf16"]
+  sel = tables.select_runs(only_bf16, {"optimizer": "ginger", "tau": 4})
+  assert [r["best_val_accuracy"] for r in sel.runs] == [10.0]
+  assert "no run of the default variant" in sel.note and "state_dtype=bfloat16" in sel.note
+  # An older summary whose config says bfloat16 compute.
+  old = make_run(tmp_path / "more", "old_bf16", {**ginger, "seed": 3}, best_val_accuracy=8.0)
+  summary = json.loads((old / "summary.json").read_text())
+  summary["config"]["precision"] = "bfloat16"
+  (old / "summary.json").write_text(json.dumps(summary))
+  (loaded,) = tables.collect_runs([tmp_path / "more"])
+  assert tables.rfield(loaded, "precision") == "bfloat16"
+  assert tables.rfield(loaded, "state_dtype") == "float32"

@@ -502,3 +502,23 @@ def test_smoke_sweep_end_to_end_gives_table_rows(tmp_path, capsys):
   assert row.cells[0] == "1" and row.cells[1]  # n = 1 and an accuracy
   assert all(r.cells[0] == "" for r in table.rows if r.label != "Ginger (τ=2)")
   assert "Ginger (τ=2) | 1 |" in tables.to_markdown(table)
+
+
+def test_best_lr_skips_tuning_runs_in_narrow_numerics(tmp_path, cfg_dir, capsys):
+  """An lr_tune run with a bf16 state or bf16 compute is another setting: it never picks the
+  lr the float32 tables run at (it is skipped, and the output says so)."""
+  runs = tmp_path / "runs"
+  c18 = dict(experiment="cifar100_resnet18", rho=1.0)
+  _summary(runs, "f32", optimizer="ginger", lr=0.0005, best_val_accuracy=70.0, **c18)
+  _summary(runs, "bf16", optimizer="ginger", lr=0.005, best_val_accuracy=75.0, **c18)
+  summary = json.loads((runs / "bf16" / "summary.json").read_text())
+  summary["run"]["state_dtype"] = "bfloat16"
+  (runs / "bf16" / "summary.json").write_text(json.dumps(summary))
+  out = cfg_dir / "best_lr"
+  try:
+    assert best_lr.main([str(runs), "--out", str(out), "--config-dir", str(cfg_dir)]) == 0
+    assert OmegaConf.load(out / "cifar100_resnet18.yaml").ginger.lr == 0.0005
+    assert "state_dtype=bfloat16 (the tuned lr is the float32 runs')" in capsys.readouterr().out
+  finally:
+    for f in out.glob("*.yaml"):
+      f.unlink()

@@ -84,6 +84,7 @@ OPTIMIZER_KEYS = {
   "momentum": (),
 }
 IDENTITY_HYPERPARAMETERS = ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward")
+CURVATURE = ("ginger", "qng")  # the optimizers with a state_dtype
 
 
 class RunDirError(TrainingError):
@@ -151,6 +152,10 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
     **{k: c.get(k) if k in used else None for k in IDENTITY_HYPERPARAMETERS[5:]},
     "curvature_every": curvature_every(c),
     **batchnorm(c),
+    # Numerics: the compute dtype, and the dtype the curvature state is stored in (None for
+    # optimizers without one).
+    "precision": c.get("precision") or "float32",
+    "state_dtype": c["optimizer"].get("state_dtype") or "float32" if name in CURVATURE else None,
   }
 
 
