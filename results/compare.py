@@ -15,6 +15,8 @@ COLUMNS = [
   ("tau", "tau"),
   ("alpha", "alpha"),
   ("lr", "lr"),
+  ("precision", "compute"),
+  ("state_dtype", "state"),
   ("best_val_accuracy", "best val acc %"),
   ("val_loss_at_best", "val loss @best"),
   ("rougeL", "ROUGE-L"),
@@ -24,12 +26,21 @@ COLUMNS = [
 ]
 
 
+# Columns shown only when some run is not at float32 (most runs are: no column for them).
+NUMERICS = ("precision", "state_dtype")
+
+
 def _fmt(value) -> str:
   if value is None:
     return ""
   if isinstance(value, float):
     return f"{value:.4g}"
   return str(value)
+
+
+def _shown(key: str, value) -> bool:
+  """Whether ``value`` earns its column: any value, but the numerics only where not float32."""
+  return value not in (None, "float32") if key in NUMERICS else value is not None
 
 
 def rows(root: Path) -> list[dict]:
@@ -48,7 +59,7 @@ def main(argv=None) -> None:
   found = rows(args.root)
   if not found:
     raise SystemExit(f"no summary.json under {args.root}")
-  columns = [(k, title) for k, title in COLUMNS if any(r.get(k) is not None for r in found)]
+  columns = [(k, title) for k, title in COLUMNS if any(_shown(k, r.get(k)) for r in found)]
   print("| " + " | ".join(title for _, title in columns) + " |")
   print("|" + "---|" * len(columns))
   for r in found:

@@ -29,3 +29,20 @@ def test_compare_shows_alpha_and_skips_a_torn_summary(
     "| adam |  |  | 0.001 | 97.5 | 88 |",
     "| ginger | 4 | 0.9 | 0.0002 | 97.5 | 88 |",
   ]
+
+
+def test_compare_names_non_float32_numerics(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+  """Two Ginger runs that differ only in their state's dtype are told apart: the state and
+  compute dtypes get columns once a run is not float32 (float32 runs alone show none)."""
+  base = {"optimizer": "ginger", "tau": 4, "alpha": 0.9, "lr": 2e-4, "precision": "float32"}
+  for name, dtype in {"f32": "float32", "bf16": "bfloat16"}.items():
+    (tmp_path / name).mkdir()
+    summary = {"run": {**base, "state_dtype": dtype}, "best_val_accuracy": 97.5}
+    (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+  compare.main([str(tmp_path)])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == "| optimizer | tau | alpha | lr | state | best val acc % |"
+  assert lines[2:] == [
+    "| ginger | 4 | 0.9 | 0.0002 | bfloat16 | 97.5 |",
+    "| ginger | 4 | 0.9 | 0.0002 | float32 | 97.5 |",
+  ]
