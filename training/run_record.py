@@ -155,7 +155,7 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
     # Numerics: the compute dtype, and the dtype the curvature state is stored in (None for
     # optimizers without one).
     "precision": c.get("precision") or "float32",
-    "state_dtype": c["optimizer"].get("state_dtype") or "float32" if name in CURVATURE else None,
+    "state_dtype": (c["optimizer"].get("state_dtype") or "float32") if name in CURVATURE else None,
   }
 
 
