@@ -69,6 +69,15 @@ CONFIG_KEYS = (
   "batchnorm_groups",
   "precision",
   "state_dtype",
+  "settings",
+)
+# Config keys (dotted) that differ between the runs of one configuration: the seed, the sweep
+# that ran it and the sweep's bookkeeping (default_hparams: the optimizer's defaults kept for
+# the lr fallback), the length (the "length" field says it), the experiment's name (the
+# "experiment" field) and where the data lies. Every other key run_record fingerprints is a
+# setting: runs that differ in one are two configurations (settings_of).
+NOT_SETTINGS = frozenset(
+  {"seed", "sweep", "sweep_epochs", "default_hparams", "epochs", "max_steps", "name", "data.path"}
 )
 # The paper's protocols: only runs matching one fill the paper's tables.
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
@@ -135,6 +144,8 @@ def load_summary(run_dir: str | Path) -> Run | None:
     data["run"].setdefault("curvature_every", 1)
   if str(data["run"].get("model", "")).startswith("resnet"):  # recorded since batchnorm exists
     data["run"].setdefault("batchnorm", "sync")
+  data["settings"] = settings_of(data.get("config"))
+  data["run"]["settings"] = json.dumps(run_record._canonical(data["settings"]), sort_keys=True)
   # Recorded since state_dtype and precision are: older runs say it in their config.
   config = data.get("config") or {}
   data["run"].setdefault("precision", config.get("precision") or "float32")
@@ -142,6 +153,24 @@ def load_summary(run_dir: str | Path) -> Run | None:
     state_dtype = (config.get("optimizer") or {}).get("state_dtype")
     data["run"].setdefault("state_dtype", state_dtype or "float32")
   return data
+
+
+def settings_of(config: Any) -> dict[str, Any]:
+  """A run's settings: its fingerprinted config (``run_record.fingerprinted``: what changes its
+  result) as dotted keys, without :data:`NOT_SETTINGS`; {} without a config."""
+  if not isinstance(config, dict):
+    return {}
+
+  def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+      name = prefix + str(key)
+      if name in NOT_SETTINGS:
+        continue
+      out.update(flat(value, name + ".") if isinstance(value, dict) else {name: value})
+    return out
+
+  return flat(run_record.fingerprinted(config))
 
 
 def collect_runs(roots: Iterable[str | Path]) -> list[Run]:
@@ -243,25 +272,34 @@ def select_runs(
       "no run of the default variant (" + ", ".join(f"{k}={v}" for k, v in want.items()) + ")"
     )
   pool = default or pool
+  if fallback and pool:
+    used = _describe(pool[0], list(default_variant(rfield(pool[0], "optimizer"))))
+    fallback = f"{fallback}; used {used}"
+  return one_configuration(pool, fallback)
+
+
+def one_configuration(runs: Sequence[Run], note: str | None = None) -> Selection:
+  """The runs of one configuration (:func:`config_key`; one run per seed, the newest): the one
+  with the most seeds (then the newest) when there are several, and a note naming what
+  differs. ``note``: said first where the selection has a note."""
   groups: dict[tuple, list[Run]] = {}
-  for run in pool:
+  for run in runs:
     groups.setdefault(config_key(run), []).append(run)
   if not groups:
     return Selection([])
   chosen = {k: dedupe_seeds(v) for k, v in groups.items()}
   best = max(chosen.values(), key=lambda rs: (len(rs), max(r.get("mtime", 0) for r in rs)))
   if len(chosen) == 1:
-    if fallback:
-      used = _describe(best[0], list(default_variant(rfield(best[0], "optimizer"))))
-      return Selection(best, f"{fallback}; used {used} (n={len(best)})")
-    return Selection(best)
+    return Selection(best, f"{note} (n={len(best)})" if note else None)
   varying = [k for i, k in enumerate(CONFIG_KEYS) if len({repr(g[i]) for g in chosen}) > 1]
+  used = _describe(best[0], [k for k in varying if k != "settings"])
+  if "settings" in varying:  # name the settings that differ, not their digest
+    firsts = [group[0]["settings"] for group in chosen.values()]
+    keys = sorted({k for f in firsts for k in f if len({repr(x.get(k)) for x in firsts}) > 1})
+    own = ", ".join(f"{k}={best[0]['settings'].get(k)}" for k in keys)
+    used = f"{used}, {own}" if used else own
   matched = f"{len(chosen)} configurations matched"
-  return Selection(
-    best,
-    f"{fallback + '; ' if fallback else ''}{matched}; used {_describe(best[0], varying)} "
-    f"(n={len(best)})",
-  )
+  return Selection(best, f"{note + '; ' if note else ''}{matched}; used {used} (n={len(best)})")
 
 
 def default_variant(optimizer: str) -> dict[str, Any]:
@@ -858,6 +896,7 @@ def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) 
   )
   table = Table("table_ablation", title, caption, "Setting", columns)
   used: list[Run] = []
+  notes: list[str] = []
   for base_values, variants in sorted(
     _ablation_groups(runs).items(), key=lambda kv: tuple_key(kv[0])
   ):
@@ -868,14 +907,16 @@ def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) 
     label += f" τ={base['tau']} α={base['alpha']}"
     metrics, paper = ablation_metrics(base["dataset"]), _ablation_paper(base)
     for i, (variant, vruns) in enumerate(sorted(variants.items(), key=lambda kv: tuple_key(kv[0]))):
-      sel = Selection(dedupe_seeds(vruns))
       rho, block, lr, gamma = ("none" if v is None else str(v) for v in variant)
+      sel = one_configuration(vruns)  # one configuration of the variant (settings, numerics)
+      if sel.note:
+        notes.append(f"{label}, rho={rho} block={block} lr={lr} gamma={gamma}: {sel.note}")
       cells = [rho, block, lr, gamma] + group_cells(sel, metrics, paper)
       table.rows.append(Row(label, cells, rule_before=i == 0 and bool(table.rows)))
       used += sel.runs
   if not table.rows:
     table.notes.append("No setting has two or more Ginger variants (rho/block/lr/gamma) yet.")
-  return _finish(table, used, [])
+  return _finish(table, used, notes)
 
 
 # ----------------------------------------------------------------------------- curvature every K

@@ -122,6 +122,7 @@ def newest_per_setting(runs: Iterable[Run]) -> list[Run]:
     "model",
     "dataset",
     "setting",
+    "settings",  # every other setting the run's fingerprint covers (results.tables.settings_of)
   )
   best: dict[tuple, Run] = {}
   for run in runs:

@@ -554,3 +554,45 @@ def test_state_dtype_and_precision_are_part_of_a_cells_identity(tmp_path: Path) 
   (loaded,) = tables.collect_runs([tmp_path / "more"])
   assert tables.rfield(loaded, "precision") == "bfloat16"
   assert tables.rfield(loaded, "state_dtype") == "float32"
+
+
+def test_runs_differing_in_any_setting_never_share_a_cell(tmp_path: Path) -> None:
+  """Two runs of one identity that differ in a setting outside the "run" block (here the batch
+  size) are two configurations: never averaged, and a rerun of a seed at another batch size does
+  not replace the first; the note names the key. The seed, the sweep, its bookkeeping and where
+  the data lies are not settings."""
+  ginger = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+
+  def config(batch_size: int, **more: Any) -> dict:
+    return {"config": {"epochs": 200, "max_steps": None, "batch_size": batch_size, **more}}
+
+  make_run(tmp_path, "b128s0", ginger, best_val_accuracy=72.0, **config(128, seed=0))
+  make_run(tmp_path, "b128s1", {**ginger, "seed": 1}, best_val_accuracy=74.0, **config(128, seed=1))
+  elsewhere = config(128, seed=2, sweep="table3", data={"path": "/elsewhere/cifar"})
+  make_run(tmp_path, "b128s2", {**ginger, "seed": 2}, best_val_accuracy=73.0, **elsewhere)
+  make_run(tmp_path, "b256s0", ginger, best_val_accuracy=10.0, **config(256, seed=0))
+  sel = tables.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "ginger", "tau": 4})
+  assert sorted(r["best_val_accuracy"] for r in sel.runs) == [72.0, 73.0, 74.0]
+  assert "2 configurations matched" in sel.note and "batch_size=128" in sel.note
+
+
+def test_ablation_rows_keep_one_configuration_per_variant(tmp_path: Path) -> None:
+  """The ablation table's variants (rho, block, lr, gamma) hold one configuration each: a run of
+  the same variant at another batch size does not replace or average with it; a note says so."""
+  ginger = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "sweep": "ablation"}
+  clip = {**ginger, "rho": 1.0, "block": "per_tensor"}
+
+  def config(batch_size: int) -> dict:
+    return {"config": {"epochs": 200, "max_steps": None, "batch_size": batch_size}}
+
+  make_run(tmp_path, "clip128", clip, best_val_accuracy=72.0, **config(128))
+  make_run(tmp_path, "clip128s1", {**clip, "seed": 1}, best_val_accuracy=74.0, **config(128))
+  make_run(tmp_path, "clip256", clip, best_val_accuracy=10.0, **config(256))
+  make_run(
+    tmp_path, "noclip", {**ginger, "rho": None, "block": "per_tensor"}, best_val_accuracy=60.0
+  )
+  table = tables.build_ablation(tables.collect_runs([tmp_path]))
+  assert any("2 configurations matched" in n and "batch_size=128" in n for n in table.notes)
+  clip_row = next(row.cells for row in table.rows if row.cells[0] == "1.0")
+  assert "73.00 ± 1.41" in clip_row  # the batch-128 pair, the batch-256 run neither mixed in
+  # nor replacing seed 0
