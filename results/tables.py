@@ -72,12 +72,24 @@ CONFIG_KEYS = (
   "settings",
 )
 # Config keys (dotted) that differ between the runs of one configuration: the seed, the sweep
-# that ran it and the sweep's bookkeeping (default_hparams: the optimizer's defaults kept for
-# the lr fallback), the length (the "length" field says it), the experiment's name (the
-# "experiment" field) and where the data lies. Every other key run_record fingerprints is a
-# setting: runs that differ in one are two configurations (settings_of).
+# that ran it and the sweep's labels and bookkeeping (arm, scale, sweep_epochs; default_hparams:
+# the optimizer's defaults kept for the lr fallback), the length (the "length" field says it),
+# the experiment's name (the "experiment" field) and where the data lies. Every other key
+# run_record fingerprints is a setting: runs that differ in one are two configurations
+# (settings_of).
 NOT_SETTINGS = frozenset(
-  {"seed", "sweep", "sweep_epochs", "default_hparams", "epochs", "max_steps", "name", "data.path"}
+  {
+    "seed",
+    "sweep",
+    "arm",
+    "scale",
+    "sweep_epochs",
+    "default_hparams",
+    "epochs",
+    "max_steps",
+    "name",
+    "data.path",
+  }
 )
 # The paper's protocols: only runs matching one fill the paper's tables.
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}

@@ -559,8 +559,8 @@ def test_state_dtype_and_precision_are_part_of_a_cells_identity(tmp_path: Path) 
 def test_runs_differing_in_any_setting_never_share_a_cell(tmp_path: Path) -> None:
   """Two runs of one identity that differ in a setting outside the "run" block (here the batch
   size) are two configurations: never averaged, and a rerun of a seed at another batch size does
-  not replace the first; the note names the key. The seed, the sweep, its bookkeeping and where
-  the data lies are not settings."""
+  not replace the first; the note names the key. The seed, the sweep, its labels (arm, scale) and
+  where the data lies are not settings."""
   ginger = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
 
   def config(batch_size: int, **more: Any) -> dict:
@@ -568,7 +568,8 @@ def test_runs_differing_in_any_setting_never_share_a_cell(tmp_path: Path) -> Non
 
   make_run(tmp_path, "b128s0", ginger, best_val_accuracy=72.0, **config(128, seed=0))
   make_run(tmp_path, "b128s1", {**ginger, "seed": 1}, best_val_accuracy=74.0, **config(128, seed=1))
-  elsewhere = config(128, seed=2, sweep="table3", data={"path": "/elsewhere/cifar"})
+  elsewhere = config(128, seed=2, sweep="table3", arm="ginger_tau4", scale="full")
+  elsewhere["config"]["data"] = {"path": "/elsewhere/cifar"}
   make_run(tmp_path, "b128s2", {**ginger, "seed": 2}, best_val_accuracy=73.0, **elsewhere)
   make_run(tmp_path, "b256s0", ginger, best_val_accuracy=10.0, **config(256, seed=0))
   sel = tables.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "ginger", "tau": 4})
