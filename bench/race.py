@@ -22,6 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
+from training import run_record
+
 HEADER = (
   "| group | run | seed | compile s | programs | epochs to {t} % | s to {t} % | best acc % "
   "| s to best | ms/step |"
@@ -47,15 +49,15 @@ def run_label(summary: dict) -> str:
   """``adam``, ``ginger tau=8 K=8`` (``, shared forward`` where not the default eval one), then
   the numerics where not float32: ``, bfloat16 state``, ``, bfloat16 compute``. Summaries from
   before these were recorded say them in their config."""
-  run, config = summary["run"], summary.get("config") or {}
+  run = summary["run"]
   label = run["optimizer"]
   if run["optimizer"] == "ginger":
     label = f"ginger tau={run['tau']} K={run.get('curvature_every') or 1}"
     label += ", shared forward" if run.get("fisher_forward") == "shared" else ""
-  state = run.get("state_dtype", (config.get("optimizer") or {}).get("state_dtype"))
-  precision = run.get("precision", config.get("precision"))
-  label += f", {state} state" if state not in (None, "float32") else ""
-  return label + (f", {precision} compute" if precision not in (None, "float32") else "")
+  run = {**run_record.numerics(summary.get("config") or {}, run["optimizer"]), **run}
+  names = {"precision": "compute", "state_dtype": "state"}
+  narrow = run_record.narrow_numerics(run)
+  return label + "".join(f", {value} {names[key]}" for key, value in narrow.items())
 
 
 def race(run_dir: Path, target: float, group: str) -> Race:

@@ -26,10 +26,6 @@ COLUMNS = [
 ]
 
 
-# Columns shown only when some run is not at float32 (most runs are: no column for them).
-NUMERICS = ("precision", "state_dtype")
-
-
 def _fmt(value) -> str:
   if value is None:
     return ""
@@ -38,9 +34,12 @@ def _fmt(value) -> str:
   return str(value)
 
 
-def _shown(key: str, value) -> bool:
-  """Whether ``value`` earns its column: any value, but the numerics only where not float32."""
-  return value not in (None, "float32") if key in NUMERICS else value is not None
+def _shown(key: str, run: dict) -> bool:
+  """Whether ``run`` earns column ``key`` a place: any value, but the numerics only where not
+  float32 (most runs are: no column for them)."""
+  if key in run_record.NUMERICS:
+    return key in run_record.narrow_numerics(run)
+  return run.get(key) is not None
 
 
 def rows(root: Path) -> list[dict]:
@@ -59,7 +58,7 @@ def main(argv=None) -> None:
   found = rows(args.root)
   if not found:
     raise SystemExit(f"no summary.json under {args.root}")
-  columns = [(k, title) for k, title in COLUMNS if any(_shown(k, r.get(k)) for r in found)]
+  columns = [(k, title) for k, title in COLUMNS if any(_shown(k, r) for r in found)]
   print("| " + " | ".join(title for _, title in columns) + " |")
   print("|" + "---|" * len(columns))
   for r in found:

@@ -158,12 +158,10 @@ def load_summary(run_dir: str | Path) -> Run | None:
     data["run"].setdefault("batchnorm", "sync")
   data["settings"] = settings_of(data.get("config"))
   data["run"]["settings"] = json.dumps(run_record._canonical(data["settings"]), sort_keys=True)
-  # Recorded since state_dtype and precision are: older runs say it in their config.
-  config = data.get("config") or {}
-  data["run"].setdefault("precision", config.get("precision") or "float32")
-  if data["run"].get("optimizer") in run_record.CURVATURE:
-    state_dtype = (config.get("optimizer") or {}).get("state_dtype")
-    data["run"].setdefault("state_dtype", state_dtype or "float32")
+  # Recorded since state_dtype and precision are: older runs say them in their config.
+  numerics = run_record.numerics(data.get("config") or {}, data["run"].get("optimizer"))
+  for key, value in numerics.items():
+    data["run"].setdefault(key, value)
   return data
 
 

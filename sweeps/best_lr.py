@@ -35,7 +35,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from results.tables import DEFAULT_ROOTS, Run, collect_runs, is_done, is_number, rfield
-from training.run_record import lr_key
+from training.run_record import lr_key, narrow_numerics
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -94,8 +94,7 @@ def tuning_runs(runs: Iterable[Run], notes: list[str]) -> list[Run]:
         f"split (data.holdout=0); use `+sweep=lr_tune`, which holds out images"
       )
       continue
-    numerics = {k: rfield(run, k) for k in ("precision", "state_dtype")}
-    narrow = {k: v for k, v in numerics.items() if v not in (None, "float32")}
+    narrow = narrow_numerics(run["run"])
     if narrow:
       notes.append(
         f"skipped {run['path']}: an lr_tune run with "

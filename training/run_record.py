@@ -85,6 +85,8 @@ OPTIMIZER_KEYS = {
 }
 IDENTITY_HYPERPARAMETERS = ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward")
 CURVATURE = ("ginger", "qng")  # the optimizers with a state_dtype
+# The identity's numerics fields: the compute dtype and the curvature state's dtype.
+NUMERICS = ("precision", "state_dtype")
 
 
 class RunDirError(TrainingError):
@@ -152,11 +154,24 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
     **{k: c.get(k) if k in used else None for k in IDENTITY_HYPERPARAMETERS[5:]},
     "curvature_every": curvature_every(c),
     **batchnorm(c),
-    # Numerics: the compute dtype, and the dtype the curvature state is stored in (None for
-    # optimizers without one).
-    "precision": c.get("precision") or "float32",
-    "state_dtype": (c["optimizer"].get("state_dtype") or "float32") if name in CURVATURE else None,
+    **numerics(c, name),
   }
+
+
+def numerics(config: Mapping, optimizer: str | None) -> dict[str, Any]:
+  """The :data:`NUMERICS` of a run of ``optimizer`` with this (plain) config: ``precision``,
+  the compute dtype, and ``state_dtype``, the dtype its curvature state is stored in (None for
+  optimizers without one). Also what a summary from before these were recorded ran with."""
+  state_dtype = (config.get("optimizer") or {}).get("state_dtype")
+  return {
+    "precision": config.get("precision") or "float32",
+    "state_dtype": (state_dtype or "float32") if optimizer in CURVATURE else None,
+  }
+
+
+def narrow_numerics(run: Mapping) -> dict[str, Any]:
+  """The :data:`NUMERICS` of a ``"run"`` block that are not float32 ({} for a float32 run)."""
+  return {k: run[k] for k in NUMERICS if run.get(k) not in (None, "float32")}
 
 
 def batchnorm(config: Mapping) -> dict[str, Any]:
