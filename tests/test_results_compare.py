@@ -10,6 +10,11 @@ import pytest
 from results import compare
 
 
+def _summary(root: Path, name: str, text: str) -> None:
+  (root / name).mkdir()
+  (root / name / "summary.json").write_text(text)
+
+
 def test_compare_shows_alpha_and_skips_a_torn_summary(
   tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -17,11 +22,8 @@ def test_compare_shows_alpha_and_skips_a_torn_summary(
     "adam": {"optimizer": "adam", "tau": None, "alpha": None, "lr": 1e-3},
     "ginger": {"optimizer": "ginger", "tau": 4, "alpha": 0.9, "lr": 2e-4},
   }.items():
-    (tmp_path / name).mkdir()
-    summary = {"run": run, "best_val_accuracy": 97.5, "steps": 88}
-    (tmp_path / name / "summary.json").write_text(json.dumps(summary))
-  (tmp_path / "torn").mkdir()
-  (tmp_path / "torn" / "summary.json").write_text('{"run": {"optim')
+    _summary(tmp_path, name, json.dumps({"run": run, "best_val_accuracy": 97.5, "steps": 88}))
+  _summary(tmp_path, "torn", '{"run": {"optim')
   compare.main([str(tmp_path)])
   lines = capsys.readouterr().out.splitlines()
   assert lines[0] == "| optimizer | tau | alpha | lr | best val acc % | steps |"
@@ -36,9 +38,8 @@ def test_compare_names_non_float32_numerics(tmp_path: Path, capsys: pytest.Captu
   compute dtypes get columns once a run is not float32 (float32 runs alone show none)."""
   base = {"optimizer": "ginger", "tau": 4, "alpha": 0.9, "lr": 2e-4, "precision": "float32"}
   for name, dtype in {"f32": "float32", "bf16": "bfloat16"}.items():
-    (tmp_path / name).mkdir()
     summary = {"run": {**base, "state_dtype": dtype}, "best_val_accuracy": 97.5}
-    (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    _summary(tmp_path, name, json.dumps(summary))
   compare.main([str(tmp_path)])
   lines = capsys.readouterr().out.splitlines()
   assert lines[0] == "| optimizer | tau | alpha | lr | state | best val acc % |"
