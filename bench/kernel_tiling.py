@@ -49,8 +49,8 @@ def _setting(
   stages: int | None,
   tau: int,
 ):
-  kp = max(lanes, kernels._pow2(tau))  # the padded ranks, as kernels.tiling pads them
-  rotate_kp = max(kernels.ROTATE_MIN_PADDED_RANK, kernels._pow2(tau))
+  kp = max(lanes, kernels._pow2(tau))  # the padded rank at MIN_PADDED_RANK = lanes
+  rotate_kp = kernels.tiling(1, tau, rotate=True)[2]  # pass 3's (its lanes are not swept)
   return {
     "MIN_PADDED_RANK": lanes,
     "TILE_ROWS": {},
