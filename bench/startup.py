@@ -10,11 +10,13 @@ For each configuration (ResNet-18, batch 128, CIFAR-10 shapes) a child process b
 as ``training.loop`` does (``build``: data, model, optimizer state; then the arrays placed on
 the device) and lowers and compiles every program the loop compiles before its first step
 (``loop.programs``: the training step, with ``curvature_every`` > 1 the step without the
-curvature update, the evaluation step), in one of two modes:
+curvature update, the evaluation step; not ``loop.LATER``'s, which the loop compiles while it
+trains), in one of two modes:
 
 * ``one-by-one``: each program lowered and compiled in turn (the loop before it compiled
   concurrently, plus the evaluation step it then compiled at the first evaluation);
-* ``concurrent``: ``loop.compile_all``, what the loop does now.
+* ``concurrent``: ``loop.compile_all``, what the loop does now (the training step first, then
+  the others at once).
 
 The table gives, per program, the lowering and compilation seconds (wall clock and this
 process's CPU seconds: on a busy machine the wall clock includes waiting for a core) and the
@@ -99,6 +101,7 @@ def child(spec: dict) -> dict:
   jax.block_until_ready((train_arrays, val_arrays))
   placed = time.perf_counter()
   lower = loop.programs(setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, cfg)
+  lower = {key: fn for key, fn in lower.items() if key not in loop.LATER}  # compiled while training
   device = jax.devices()[0]
   out = {
     "device": f"{device.platform} {device.device_kind} x{jax.device_count()}",

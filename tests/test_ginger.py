@@ -385,6 +385,10 @@ def test_curvature_every_makes_a_missing_fisher_mean_no_update(x64):
     (dict(tau=2, eigensolver="jacobi"), "eigensolver must be one of"),
     (dict(tau=2, curvature_every=0), "curvature_every must be a Python int >= 1 or None"),
     (dict(tau=2, curvature_every=2.0), "curvature_every must be a Python int >= 1 or None"),
+    (dict(tau=2, reorthonormalise_every=-1), "reorthonormalise_every must be >= 0"),
+    (dict(tau=2, reorthonormalise_every=2.5), "reorthonormalise_every must be an int"),
+    (dict(tau=2, reorthonormalise_every="10"), "reorthonormalise_every must be an int"),
+    (dict(tau=2, reorthonormalise_every=True), "reorthonormalise_every must be an int"),
   ],
 )
 def test_bad_arguments(kwargs, match):
@@ -501,15 +505,20 @@ def test_float64_state_needs_x64():
       make()
 
 
-@pytest.mark.parametrize("every, keeps", [(None, True), (1000, False)])
-def test_bfloat16_state_reorthonormalises_often_enough(every, keeps):
+@pytest.mark.parametrize(
+  "every, explicit, keeps",
+  [(None, False, True), (1000, False, False), (0, False, False), (0, True, True)],
+)
+def test_bfloat16_state_reorthonormalises_often_enough(every, explicit, keeps):
   """A bf16 ``U`` is rounded to bf16 every step, so ``U^T U - I`` random-walks by about its
   unit roundoff ``u`` a step (0.03 after 50 steps, 0.12 after 400, against float32's 1e-5):
   float32's period of 1000 steps would let it grow that far. By default a narrow state is
   re-orthonormalised every REORTHONORMALISE_EVERY_NARROW steps, which holds it within a few
   ``u`` over 120 steps of data with a strong low-rank component (measured: at most 5.6 u, the
   peak before each re-orthonormalisation; 1-2.5 u even when it runs every step, since the new
-  ``U`` is rounded to bf16 again; every 1000 steps: 19 u after 120 steps)."""
+  ``U`` is rounded to bf16 again; every 1000 steps: 19 u after 120 steps). With
+  ``reorthonormalise_every=0`` the update never does it; the caller's ``reorthonormalise``
+  every ``default_reorthonormalise_every`` updates holds it as well (``explicit``)."""
   shapes = [(500,), (300,)]
   params = [jnp.zeros(s, jnp.float32) for s in shapes]
   tx = ginger.scale_by_ginger(
@@ -520,16 +529,99 @@ def test_bfloat16_state_reorthonormalises_often_enough(every, keeps):
     **({} if every is None else {"reorthonormalise_every": every}),
   )
   state, update = tx.init(params), jax.jit(tx.update)
+  period = ginger.default_reorthonormalise_every("bfloat16")
+  reorthonormalise = jax.jit(ginger.reorthonormalise)
   rng = np.random.default_rng(0)
   bases = [rng.normal(size=(s[0], 12)) for s in shapes]
   worst = 0.0
-  for _ in range(120):
+  for step in range(120):
     d = [
       jnp.asarray(b @ rng.normal(size=12) + 0.3 * rng.normal(size=len(b)), jnp.float32)
       for b in bases
     ]
     _, state = update(d, state, fisher_grads=d)
+    if explicit and (step + 1) % period == 0:
+      worst = max(worst, *(float(lowrank.orthonormality_error([u])) for u in state.u.stacks))
+      state = reorthonormalise(state)
     u32 = [u.astype(jnp.float32) for u in state.u.stacks]
     worst = max(worst, *(float(lowrank.orthonormality_error([u])) for u in u32))
   unit = float(jnp.finfo(jnp.bfloat16).eps) / 2
   assert (worst <= 8 * unit) == keeps, worst / unit
+
+
+def _dense_curvatures(state, block, n_leaves):
+  """``U diag(sigma) U^T`` of every block of a Ginger state, as dense arrays."""
+  if block == "global":
+    u = jnp.concatenate([state.u.leaf(i) for i in range(n_leaves)])
+    return [(u * state.sigma) @ u.T]
+  sigmas = jax.tree.leaves(state.sigma.tree())
+  return [(state.u.leaf(i) * sigma) @ state.u.leaf(i).T for i, sigma in enumerate(sigmas)]
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+def test_reorthonormalise_restores_orthonormality_and_keeps_the_curvature(x64, block):
+  """``reorthonormalise`` takes a ``U`` 1e-3 from orthonormal back to ``U^T U = I`` and
+  leaves ``S = U diag(sigma) U^T`` as it was, for a Ginger state at any depth. Float64: both
+  to a few hundred unit roundoffs (Cholesky-QR of a Gram within 1e-2 of ``I`` loses no more
+  than its condition number, ~1, times ``k n u``); the count and momentum are untouched."""
+  shapes = [(50,), (30, 4), (3,)]
+  params = [jnp.zeros(s, jnp.float64) for s in shapes]
+  tx = ginger.ginger(
+    0.1, 4, 0.9, 1e-2, block=block, state_dtype="float64", reorthonormalise_every=0
+  )
+  state, update = tx.init(params), jax.jit(tx.update)
+  rng = np.random.default_rng(0)
+  for _ in range(6):
+    d = _random_like(rng, params)
+    _, state = update(d, state, params, fisher_grads=d)
+  inner = state[0]
+  u = inner.u
+  # Perturb every stored row of U (the stacks' zero padding rows stay zero).
+  bent = [x + 1e-3 * jnp.asarray(rng.normal(size=x.shape)) * (x != 0) for x in u.stacks]
+  state = (inner._replace(u=type(u)(bent, u.layout)), *state[1:])
+  assert min(float(lowrank.orthonormality_error([x])) for x in bent) > 1e-3
+  before = _dense_curvatures(state[0], block, len(shapes))
+  new = jax.jit(ginger.reorthonormalise)(state)
+  unit = float(jnp.finfo(jnp.float64).eps)
+  for x in new[0].u.stacks:
+    assert float(lowrank.orthonormality_error([x])) < 100 * unit
+  for got, want in zip(_dense_curvatures(new[0], block, len(shapes)), before, strict=True):
+    np.testing.assert_allclose(got, want, atol=500 * unit * float(jnp.max(jnp.abs(want))))
+  assert int(new[0].count) == int(state[0].count)
+  for got, want in zip(jax.tree.leaves(new[0].mu), jax.tree.leaves(state[0].mu), strict=True):
+    np.testing.assert_array_equal(got, want)
+  adam = optax.adam(0.1).init(params)  # no Ginger state: unchanged
+  assert jax.tree.structure(ginger.reorthonormalise(adam)) == jax.tree.structure(adam)
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+def test_reorthonormalise_then_update_equals_the_update_that_reorthonormalises(x64, block):
+  """``reorthonormalise`` before an update with ``reorthonormalise_every=0`` is the same step
+  as the in-update re-orthonormalisation (``reorthonormalise_every=N`` on its N-th update):
+  the same updates and the same curvature ``S``, in float64 to 1e-10 relative (the two fold
+  ``Q`` in at different points: rounding of order ``k u`` per operation, amplified by at most
+  ``1 / gamma``-sized entries of the update)."""
+  shapes = [(40,), (12, 3)]
+  params = [jnp.zeros(s, jnp.float64) for s in shapes]
+  every = 4
+  inside = ginger.scale_by_ginger(
+    3, 0.9, 1e-2, block, state_dtype="float64", reorthonormalise_every=every
+  )
+  outside = ginger.scale_by_ginger(
+    3, 0.9, 1e-2, block, state_dtype="float64", reorthonormalise_every=0
+  )
+  rng = np.random.default_rng(1)
+  state = outside.init(params)
+  for _ in range(every - 1):
+    d = _random_like(rng, params)
+    _, state = jax.jit(outside.update)(d, state, fisher_grads=d)
+  u = state.u  # a little off orthonormal, so that the re-orthonormalisation does something
+  state = state._replace(u=type(u)([x * (1 + 1e-4 * (x != 0)) for x in u.stacks], u.layout))
+  d = _random_like(rng, params)
+  want, want_state = jax.jit(inside.update)(d, state, fisher_grads=d)
+  got, got_state = jax.jit(outside.update)(d, ginger.reorthonormalise(state), fisher_grads=d)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10 * float(jnp.max(jnp.abs(w))))
+  got_s = _dense_curvatures(got_state, block, len(shapes))
+  for g, w in zip(got_s, _dense_curvatures(want_state, block, len(shapes)), strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-10 * float(jnp.max(jnp.abs(w))))

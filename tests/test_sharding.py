@@ -232,7 +232,46 @@ def _split_and_updated(name, tx, params, batches, mesh) -> dict:
       for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(shardings))
     ),
     "max_rel_error": err,
+    "reorthonormalised": None if name == "qng" else _reorthonormalised(sharded, shardings),
   }
+
+
+def _reorthonormalised(sharded, shardings) -> dict:
+  """``ginger.reorthonormalise`` jitted on the split state against the same state gathered
+  on one device: whether the bases stay split, ``max |U^T U - I|``, and the largest relative
+  difference of ``S x = U diag(sigma) U^T x`` (not of ``U``: columns of equal ``sigma``, the
+  zeros, may come out rotated)."""
+  whole = jax.device_get(sharded)
+  split = jax.jit(ginger.reorthonormalise, in_shardings=(shardings,), out_shardings=shardings)
+  got, want = split(sharded), jax.jit(ginger.reorthonormalise)(whole)
+
+  def inner(state):
+    kind = ginger.ScaleByGingerState
+    return [
+      s
+      for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind))
+      if isinstance(s, kind)
+    ][0]
+
+  err, drift = 0.0, 0.0
+  sigmas = lambda st: st.sigma.stacks if hasattr(st.sigma, "stacks") else [st.sigma[None]]
+  for u, sigma, u0, sigma0 in zip(
+    inner(got).u.stacks, sigmas(inner(got)), inner(want).u.stacks, sigmas(inner(want)), strict=True
+  ):
+    u, sigma, u0, sigma0 = (np.asarray(x, np.float64) for x in (u, sigma, u0, sigma0))
+    x = np.random.default_rng(0).normal(size=u.shape[:-1])
+    sx = lambda u, s, x=x: np.einsum("mnk,mk->mn", u, s * np.einsum("mnk,mn->mk", u, x))
+    want_sx = sx(u0, sigma0)
+    err = max(
+      err, float(np.max(np.abs(sx(u, sigma) - want_sx)) / (np.max(np.abs(want_sx)) + 1e-30))
+    )
+    gram = np.einsum("mnk,mnl->mkl", u, u)
+    drift = max(drift, float(np.max(np.abs(gram - np.eye(u.shape[-1])))))
+  kept = all(
+    a.sharding.is_equivalent_to(b, a.ndim)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(shardings))
+  )
+  return {"kept": kept, "orthonormality": drift, "max_rel_error": err}
 
 
 def _sharded_state(configs: str) -> dict:
@@ -316,6 +355,12 @@ def test_sharded_optimizer_state_on_four_devices(four_devices):
     # 1e-4 (measured: 2e-7). A sharding bug (a shard of U dropped, a sum not all-reduced)
     # changes the update by O(1).
     assert r["max_rel_error"] < 1e-4, (name, r["max_rel_error"])
+    if name != "qng":
+      # ginger.reorthonormalise on the split state: stays split, U^T U = I and S as on one
+      # device to float32 rounding (Grams summed per device then all-reduced: another order).
+      reorth = r["reorthonormalised"]
+      assert reorth["kept"], name
+      assert reorth["orthonormality"] < 1e-5 and reorth["max_rel_error"] < 1e-4, (name, reorth)
   for name in ("ginger", "qng"):
     assert result[name]["basis_ratio"] > 3.5, result[name]  # U: ~4x less per device
     assert result[name]["state_ratio"] > 3.0, result[name]  # the whole optimizer state

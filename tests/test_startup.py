@@ -1,11 +1,13 @@
-"""Start-up: the training loop compiles every program a run needs before its first step, all at
-once in threads, and the executables compute what compiling them one after the other gives.
+"""Start-up: the training loop compiles every program a run needs before its first step, in
+threads (the training step first, the others at once after it), and the executables compute
+what compiling them one after the other gives.
 
 Checked on the demo experiment (curvature_every = 3: the step with the curvature update, the
-step without it, and the evaluation step): no training or evaluation program is compiled after
-the first step (before, the evaluation step compiled at the first evaluation, in the middle of
-training), :func:`training.loop.compile_all` really compiles at once, and a run whose programs
-were compiled concurrently logs exactly the numbers of one compiled one after the other.
+step without it, the evaluation step and Ginger's re-orthonormalisation): no training or
+evaluation program is compiled after the first step (before, the evaluation step compiled at
+the first evaluation, in the middle of training), :func:`training.loop.compile_all` really
+compiles in that order, and a run whose programs were compiled concurrently logs exactly the
+numbers of one compiled one after the other.
 """
 
 import contextlib
@@ -113,6 +115,11 @@ def test_every_program_is_compiled_before_the_first_step(runs, which):
   after = [name for kind, name in log[first_stop:] if kind == "compiled" and name in PROGRAMS]
   assert sorted(before) == ["jit(eval_step)"] * 2 + ["jit(step)"] * 2
   assert after == []
+  # Ginger's re-orthonormalisation (needed after its 1000th curvature update) compiles in the
+  # background, once, before the run ends (training.loop.LATER).
+  assert [name for kind, name in log if name == "jit(reorthonormalise)"] == [
+    "jit(reorthonormalise)"
+  ]
   assert [step for kind, step in log if kind == "stop asked"] == [0, 1, 2, 3]  # 4 steps ran
 
 
@@ -155,27 +162,54 @@ def test_eval_batch_sizes_are_those_evaluate_runs(num_val, batch_size, sizes):
 class _Lowered:
   """Stands in for a lowered program: compiling waits until ``barrier``'s other parties are
   compiling too (with compilations one after the other it never returns; the timeout only
-  turns that hang into an error)."""
+  turns that hang into an error), and records which compilations were in flight."""
 
-  def __init__(self, name, barrier, lowered_in):
-    self.name, self.barrier = name, barrier
-    lowered_in.append((name, threading.current_thread() is threading.main_thread()))
+  def __init__(self, name, barrier, log):
+    self.name, self.barrier, self.log = name, barrier, log
+    log.append(("lowered", name, threading.current_thread() is threading.main_thread()))
 
   def compile(self):
+    self.log.append(("compiling", self.name))
     self.barrier.wait()
+    self.log.append(("compiled", self.name))
     return f"executable of {self.name}"
 
 
-def test_compile_all_compiles_at_once():
-  """All compilations are in flight at the same time (each waits for the others at a barrier);
-  lowering runs in the calling thread, in the order given."""
+def test_compile_all_compiles_the_first_alone_then_the_others_at_once():
+  """The first program (the training step) compiles alone while the others are lowered, in
+  the calling thread and in the order given; then the others compile at once (each waits for
+  the others at a barrier), after the first is done: on a GPU they read its autotuned kernels
+  instead of autotuning the same convolutions beside it."""
   names = ["train", "precondition", "eval"]
-  barrier = threading.Barrier(len(names), timeout=120)
-  lowered_in: list = []
-  lower = {n: (lambda n=n: _Lowered(n, barrier, lowered_in)) for n in names}
+  log: list = []
+  lowered_all = threading.Event()
+  first_saw: list = []
+
+  class First(_Lowered):
+    def compile(self):
+      # Lowering the others does not wait for this compilation to end.
+      first_saw.append(lowered_all.wait(timeout=120))
+      return super().compile()
+
+  others = threading.Barrier(len(names) - 1, timeout=120)
+
+  def lower(n):
+    if n == "train":
+      return First(n, threading.Barrier(1), log)
+    program = _Lowered(n, others, log)
+    if n == names[-1]:
+      lowered_all.set()
+    return program
+
   times: dict = {}
-  assert train.compile_all(lower, times=times) == {n: f"executable of {n}" for n in names}
-  assert lowered_in == [(n, True) for n in names]
+  got = train.compile_all({n: (lambda n=n: lower(n)) for n in names}, times=times)
+  assert got == {n: f"executable of {n}" for n in names}
+  assert first_saw == [True]
+  assert [e for e in log if e[0] == "lowered"] == [("lowered", n, True) for n in names]
+  compiles = [e for e in log if e[0] != "lowered"]
+  assert compiles[:2] == [("compiling", "train"), ("compiled", "train")]
+  assert {e[1] for e in compiles[2:4]} == set(names[1:]) and compiles[2][0] == compiles[3][0]
+  assert compiles[2][0] == "compiling"
   # Each program's lowering and compilation timed (the compilations overlap).
   assert set(times) == set(names)
   assert all(set(t) == {"lower", "compile"} and min(t.values()) >= 0 for t in times.values())
@@ -311,7 +345,7 @@ def test_another_seed_is_the_same_program():
     idx = setup.plan.indices(np.arange(64))  # the demo's batch_size
     lower = train.programs(setup, setup.state, setup.frozen, arrays, val, idx, config(*BASE))
     texts.append({key: fn().as_text() for key, fn in lower.items()})
-  assert texts[0].keys() == texts[1].keys() and len(texts[0]) == 4
+  assert texts[0].keys() == texts[1].keys() and len(texts[0]) == 5
   for key in texts[0]:
     assert texts[0][key] == texts[1][key], key
 

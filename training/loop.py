@@ -26,7 +26,8 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +51,8 @@ from training.optimizers import (
   curvature_every,
   divergence_advice,
   learning_rate,
+  passes,
+  reorthonormalise_every,
 )
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout (train.py's folder)
@@ -122,7 +125,8 @@ def make_steps(
   batch indices are split along the mesh's ``data`` axis, the state is placed as
   ``state_shardings`` says, and XLA (GSPMD) adds the collectives.
 
-  Returns ``(train_step, eval_step, precondition_step)``. ``train_step`` is the step of the
+  Returns ``(train_step, eval_step, precondition_step, reorthonormalise_step)``.
+  ``train_step`` is the step of the
   paper (with a curvature optimizer: the d-pass and a curvature update). With
   ``curvature_every`` K > 1, ``precondition_step`` is the step for the K - 1 steps between
   curvature updates: the same code without the d-pass (no sampled-Fisher backward, no
@@ -130,6 +134,14 @@ def make_steps(
   curvature update, precondition with the current G". The two are separate programs, so that
   nothing of the d-pass is computed and discarded behind a ``cond``; both take and return the
   same state, so a run moves between them (and resumes at any step). None when K = 1.
+
+  ``reorthonormalise_step`` (Ginger only, else None): the state with ``U`` re-orthonormalised
+  (``ginger.reorthonormalise``), which the loop runs after every
+  ``optimizers.reorthonormalise_every(cfg)``-th curvature update
+  (:meth:`Setup.reorthonormalises_after`). Ginger's update is built without its own
+  (``reorthonormalise_every=0``): that one is a ``lax.cond`` in every step, and on a GPU an
+  XLA conditional stops the host until the device has caught up (ResNet-18 tau 8 on two
+  H200s: 10.7 ms a step with it, 9.2 without).
 
   ``graphdef_per_shard``: the training model for one device's shard
   (``models.tasks.per_shard_model``), for ``fisher_backward=local``.
@@ -237,7 +249,23 @@ def make_steps(
   curvature = cfg.optimizer.name in CURVATURE
   precondition_step = jitted(False) if curvature and curvature_every(cfg) > 1 else None
   train_step = jitted(curvature)
-  return train_step, EvalStep(jax.jit(eval_step, out_shardings=replicated), plan), precondition_step
+  reorthonormalise_step = None
+  if reorthonormalise_every(cfg):
+
+    def reorthonormalise(state: TrainState) -> TrainState:
+      opt_state = ginger.reorthonormalise(
+        state.opt_state, passes=passes(cfg), sharding=plan.optimizer_sharding
+      )
+      return state._replace(opt_state=opt_state)
+
+    reorthonormalise_step = jax.jit(
+      reorthonormalise,
+      donate_argnums=0,
+      in_shardings=(state_shardings,),
+      out_shardings=state_shardings,
+    )
+  eval_jitted = EvalStep(jax.jit(eval_step, out_shardings=replicated), plan)
+  return train_step, eval_jitted, precondition_step, reorthonormalise_step
 
 
 class EvalStep(NamedTuple):
@@ -280,7 +308,8 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
   """The lowerings of every program a run needs, to pass to :func:`compile_all`: ``True``,
   the training step (with the curvature update, if any); ``False``, the step without it
   (``curvature_every`` > 1 only); ``("eval", n)``, the evaluation step on batches of ``n``
-  (:func:`eval_batch_sizes`). ``indices``: a training batch's, placed (``plan.indices``)."""
+  (:func:`eval_batch_sizes`); ``"reorthonormalise"``, Ginger's ``reorthonormalise_step``.
+  ``indices``: a training batch's, placed (``plan.indices``)."""
   steps = {True: setup.train_step}
   if setup.curvature_every > 1:
     steps[False] = setup.precondition_step
@@ -290,6 +319,8 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
       state.trainable, frozen, state.rest, val_arrays, np.arange(size)
     )
     jobs["eval", size] = (setup.eval_step.jitted, args, ())
+  if setup.reorthonormalise_step is not None:
+    jobs["reorthonormalise"] = (setup.reorthonormalise_step, (state,), (0,))
   if not cfg.get("compilation_cache_dir"):
     return {key: functools.partial(fn.lower, *args) for key, (fn, args, _) in jobs.items()}
   # With a compilation cache, the lowered programs are kept beside it (program_cache).
@@ -325,20 +356,41 @@ class Lowering(NamedTuple):
 
 # Threads that compile a run's programs (None: one per program; 1: one after the other).
 COMPILE_THREADS: int | None = None
+# Programs a run first needs hundreds of steps in (Ginger's re-orthonormalisation: after its
+# 1000th curvature update, its 10th with a 16-bit state): compiled in a thread of their own
+# while the run trains (compile_later), not beside the others before the first step (on one
+# H200 it took 5-9 s there and slowed the others' compilations: start-up 20-23 s, not 17).
+LATER = ("reorthonormalise",)
+
+
+def compile_later(lowering: Callable[[], Any]) -> Future:
+  """``lowering().compile()`` in a thread of its own, started now: the executable's future
+  (:meth:`~concurrent.futures.Future.result` waits for it where it is first needed)."""
+  pool = ThreadPoolExecutor(1, thread_name_prefix="compile-later")
+  try:
+    return pool.submit(lambda: lowering().compile())
+  finally:
+    pool.shutdown(wait=False)  # the thread ends when its compilation does
 
 
 def compile_all(
   lower: dict[Any, Callable[[], Any]], threads: int | None = None, times: dict | None = None
 ) -> dict:
-  """``{key: lower[key]().compile()}``, the compilations running at once in threads.
+  """``{key: lower[key]().compile()}``: the first program's compilation alone, then the
+  others' at once, in threads.
 
   Lowering (tracing Python) holds the GIL and runs here, one program after the other; XLA's
-  compilation releases it, so each program's compilation starts as soon as it is lowered and
-  runs beside the lowering and compilation of the next ones. The executables are those that
-  compiling one after the other gives (the same programs, the same compiler options).
-  ``threads``: at most this many compilations at once (default: all of them). ``times``: if
-  given, filled with ``{key: {"lower": s, "compile": s}}`` (wall-clock seconds of each
-  program's lowering and of its compilation, which overlap the others').
+  compilation releases it, so the others are lowered while the first (the training step, the
+  largest) compiles. Their compilations start once it is done: on a GPU, XLA's autotuner
+  keeps the kernels it timed for the rest of the process, and the other programs share most of
+  the first's convolutions, so they read its choices instead of autotuning them again, each
+  beside the others on the same GPU (ResNet-18 with Ginger and K=8 on an H200: 12 s for the
+  training step, then 4 s, against 15-77 s with all three at once). The executables are
+  those that compiling one after the other gives (the same programs, the same compiler
+  options). ``threads``: at most this many compilations at once (default: all of them; 1: one
+  after the other). ``times``: if given, filled with ``{key: {"lower": s, "compile": s}}``
+  (wall-clock seconds of each program's lowering and of its compilation, which overlap the
+  others').
   """
   times = {} if times is None else times
 
@@ -359,15 +411,21 @@ def compile_all(
   threads = len(lower) if threads is None else int(threads)
   if threads < 2 or len(lower) < 2:
     return {key: compiled(key, lowered(key)) for key in lower}
+  first, *others = lower
   with ThreadPoolExecutor(min(threads, len(lower)), thread_name_prefix="compile") as pool:
-    futures = {key: pool.submit(compiled, key, lowered(key)) for key in lower}
-    return {key: future.result() for key, future in futures.items()}
+    future = pool.submit(compiled, first, lowered(first))
+    programs = {key: lowered(key) for key in others}  # while the first compiles
+    out = {first: future.result()}
+    futures = {key: pool.submit(compiled, key, program) for key, program in programs.items()}
+    return out | {key: future.result() for key, future in futures.items()}
 
 
 def program_name(key) -> str:
   """A :func:`programs` key as the run record names it."""
   if isinstance(key, bool):
     return "train_step" if key else "precondition_step"
+  if key == "reorthonormalise":
+    return "reorthonormalise_step"
   return f"eval_step[{key[1]}]"
 
 
@@ -397,12 +455,25 @@ class Setup(NamedTuple):
   # The initial state on the devices (a fresh one each call); build(materialize=False)
   # leaves it to the caller, to compile before the optimizer state takes device memory.
   init_state: Callable[[], TrainState] | None = None
+  # Ginger: the program that re-orthonormalises U, run after every reorthonormalise_every-th
+  # curvature update (see make_steps); None (and 0) otherwise.
+  reorthonormalise_step: Any = None
+  reorthonormalise_every: int = 0
 
   def updates_curvature(self, step: int) -> bool:
     """Whether step ``step`` (0-based) runs ``train_step`` (else ``precondition_step``).
     Decided on the host from the step index alone, so a resumed run picks as the
     uninterrupted one did."""
     return step % self.curvature_every == 0
+
+  def reorthonormalises_after(self, step: int) -> bool:
+    """Whether ``reorthonormalise_step`` runs after step ``step`` (0-based): after the
+    ``reorthonormalise_every``-th, ``2 x``-th... curvature update, as the update's own
+    ``reorthonormalise_every`` counts them. From the step index alone, like
+    :meth:`updates_curvature`."""
+    if not self.reorthonormalise_every or not self.updates_curvature(step):
+      return False
+    return (step // self.curvature_every + 1) % self.reorthonormalise_every == 0
 
 
 def check(cfg: DictConfig) -> sharding.Plan:
@@ -535,7 +606,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
       )
     )
   frozen = sharding.put(task.frozen_params(params), plan.replicated)
-  train_step, eval_step, precondition_step = make_steps(
+  train_step, eval_step, precondition_step, reorthonormalise_step = make_steps(
     task, graphdef_train, graphdef_eval, tx, cfg, plan, state_shardings, graphdef_per_shard
   )
   return Setup(
@@ -553,6 +624,8 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     precondition_step,
     curvature_every(cfg) if precondition_step is not None else 1,
     init_state,
+    reorthonormalise_step,
+    reorthonormalise_every(cfg),
   )
 
 
@@ -567,10 +640,10 @@ def analytic_flops(task: Task, cfg, sizes: list[int]) -> float:
   forward = task.forward_flops_per_example() * int(cfg.batch_size)
 
   def step(update: bool) -> float:
-    passes = flops.train_step_flops(
+    pass_flops = flops.train_step_flops(
       forward, fisher_forward=cfg.fisher_forward if curvature and update else None
     )
-    return passes + flops.optimizer_update_flops(
+    return pass_flops + flops.optimizer_update_flops(
       name, sizes, tau=cfg.tau, block=cfg.block, curvature_update=update
     )
 
@@ -758,20 +831,22 @@ def _run(
   # runs every step (calling the jitted function would compile a second time). With
   # curvature_every = K > 1 two executables, with and without the curvature update. The
   # evaluation step too, so that the first evaluation does not stop training to compile.
-  # All of them at once, in threads (compile_all): start-up waits for the slowest
-  # compilation, not for their sum.
+  # In threads (compile_all): the training step first, the others lowered meanwhile and
+  # compiled at once after it, reading its autotuned kernels; the LATER ones while it trains.
   every = setup.curvature_every
   began = time.perf_counter()
   lower = programs(setup, setup.state, frozen, train_arrays, val_arrays, batch_indices(start), cfg)
+  later = {key: lower.pop(key) for key in LATER if key in lower}
   program_s: dict = {}
   executables = compile_all(lower, COMPILE_THREADS, program_s)
   compile_s = time.perf_counter() - began
+  compiling = {key: compile_later(lowering) for key, lowering in later.items()}
   # Only now the optimizer state (build(materialize=False)): compile-time scratch and the
   # state (Ginger's U) are never on the device at once.
   state = initial_state()
   compiled = {key: c for key, c in executables.items() if isinstance(key, bool)}
   eval_step = setup.eval_step.with_compiled(
-    {key[1]: c for key, c in executables.items() if not isinstance(key, bool)}
+    {key[1]: c for key, c in executables.items() if isinstance(key, tuple)}
   )
   xla = [_xla_flops(c) for c in compiled.values()]  # with the curvature update, without
   memory = {update: _xla_memory(c) for update, c in compiled.items()}
@@ -854,6 +929,8 @@ def _run(
       run_step = compiled[setup.updates_curvature(step)]
       trace.before(step, state)
       state = run_step(state, frozen, train_arrays, batch_indices(step))
+      if setup.reorthonormalises_after(step):
+        state = compiling["reorthonormalise"].result()(state)
       interval_steps += 1
       done = step + 1
       trace.after(done, state)
@@ -912,6 +989,11 @@ def _run(
     trace.close()
     progress.close()
     checkpointer.wait()
+    # No compilation outlives the run (a sweep runs the next one in this process).
+    futures.wait(compiling.values())
+    for key, future in compiling.items():
+      if future.exception() is not None:
+        log.warning("compiling %s failed: %r", program_name(key), future.exception())
   if stopped_by:
     status = "interrupted"
     error = (

@@ -23,6 +23,16 @@ def curvature_every(cfg) -> int:
   return 1 if value is None or cfg.optimizer.name != "ginger" else value
 
 
+def reorthonormalise_every(cfg) -> int:
+  """Curvature updates between the training loop's re-orthonormalisations of Ginger's ``U``
+  (``ginger.default_reorthonormalise_every`` of ``optimizer.state_dtype``); 0 for the other
+  optimizers. The loop runs them as a program of their own (``loop.make_steps``), so
+  :func:`build_optimizer` builds Ginger with ``reorthonormalise_every=0``."""
+  if cfg.optimizer.name != "ginger":
+    return 0
+  return ginger.default_reorthonormalise_every(cfg.optimizer.get("state_dtype") or "float32")
+
+
 def passes(cfg) -> str:
   """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto); "jnp" where the key
   is absent or null (configs written before it existed). Where the optimizer state is sharded
@@ -74,6 +84,9 @@ def build_optimizer(
       rho=None if cfg.rho is None else float(cfg.rho),
       block=cfg.block,
       state_dtype=opt.state_dtype,
+      # The loop re-orthonormalises as a program of its own (reorthonormalise_every above): a
+      # lax.cond in every step would stop the host on GPUs.
+      reorthonormalise_every=0,
       curvature_every=curvature_every(cfg),
       passes=passes(cfg),
       sharding=sharding,
