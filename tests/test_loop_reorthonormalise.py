@@ -66,15 +66,20 @@ def period_two(monkeypatch):
 
 
 def test_the_update_has_no_conditional_and_the_loop_runs_the_program(period_two, tmp_path):
-  """Ginger's training step lowers without a conditional; the loop runs its program after the
-  2nd and 4th curvature updates of five steps."""
+  """Ginger's training steps (also with and without the curvature update at K=3) lower
+  without a conditional; the loop runs its program after the 2nd and 4th curvature updates of
+  five steps."""
   cfg = config(*BASE, "max_steps=5")
   setup = train.build(cfg)
   assert setup.reorthonormalise_every == 2 and setup.reorthonormalise_step is not None
   arrays = setup.task.train_arrays
   idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
-  text = setup.train_step.lower(setup.state, setup.frozen, arrays, idx).as_text()
-  assert "stablehlo.case" not in text and "stablehlo.if" not in text
+  texts = [setup.train_step.lower(setup.state, setup.frozen, arrays, idx).as_text()]
+  every_3 = train.build(config(*BASE, "max_steps=5", "curvature_every=3"))
+  for step in (every_3.train_step, every_3.precondition_step):
+    texts.append(step.lower(every_3.state, every_3.frozen, arrays, idx).as_text())
+  for text in texts:
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
   train.train(cfg, tmp_path / "run")
   jax.effects_barrier()
   assert period_two == [2, 4]
