@@ -13,6 +13,7 @@ sigma-space form, and not the paper's inverse-space algorithm, is the one implem
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any, NamedTuple
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from ginger import _common, kernels, lowrank
 from ginger import sharding as gsharding
@@ -225,8 +227,11 @@ def scale_by_ginger(
       of ``U`` is written in place when the state is donated to the jitted step (the Pallas
       kernel aliases ``U``; the jnp path rotates large buckets in row blocks). With
       ``"pallas"`` the secular eigensolver's bisection is one kernel too (the same bits as
-      its jnp loop; :mod:`ginger.secular`). A ``pallas_call`` cannot be split by GSPMD: do
-      not shard this state over several devices with ``"pallas"``.
+      its jnp loop; :mod:`ginger.secular`). XLA cannot partition a ``pallas_call``: with
+      ``sharding`` (a state split over devices) the kernels run per device under
+      ``shard_map``, each on its own rows of ``U``, the sums of passes 1 and 2 added over
+      the devices (``psum`` of ``tau``-vectors), pass 3 row-local; without ``sharding`` do
+      not split this state over several devices with ``"pallas"``.
     sharding: where the state's bases are placed when it is split over devices
       (:class:`ginger.sharding.StateSharding`, the arguments the state was placed with), or
       None (default: nothing is pinned; one device, a replicated state, or plain ``jit``).
@@ -321,7 +326,15 @@ def scale_by_ginger(
     if fisher_grads is None and curvature_every > 1:  # no curvature update this step
       sigmas = _sigma_stacks(layout, state.sigma, block)
       outs = [
-        kernels.precondition(u, s, g, gamma, impl=impl[0], interpret=impl[1])
+        _per_shard(
+          lambda u, s, g, axis=None: kernels.precondition(
+            u, s, g, gamma, impl=impl[0], interpret=impl[1], axis=axis
+          ),
+          sharding if impl[0] == "pallas" else None,
+          (u, s, g),
+          ("u", "small", "rows"),
+          "rows",
+        )
         for u, s, g in zip(us, sigmas, gs, strict=True)
       ]
       new_state = state._replace(mu=mu, mu_count=mu_count)
@@ -342,10 +355,9 @@ def scale_by_ginger(
       )
     else:  # the caller's reorthonormalise()
       factors = _identity_factors(us, sigmas)
-    shards = None if sharding is None else [sharding.row_shards(u.shape) for u in us]
     new_us, outs, new_sigmas = brand_step(
       us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1],
-      row_shards=shards,
+      sharding=sharding,
     )  # fmt: skip
     new_us, outs = rows(new_us, us), rows(outs, us)
     if block == "per_tensor":
@@ -371,7 +383,7 @@ def brand_step(
   *,
   impl="jnp",
   interpret=False,
-  row_shards=None,
+  sharding: gsharding.StateSharding | None = None,
 ):
   """One curvature update and preconditioning for every bucket.
 
@@ -385,7 +397,10 @@ def brand_step(
   2 measured from the very same ``p1`` (CGS2), whatever the compiler fuses. The passes run
   with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`), and
   so does the secular eigensolver's bisection (:mod:`ginger.secular`);
-  ``row_shards[b]``: the devices bucket ``b``'s rows are split over (None: 1 each).
+  ``sharding``: where the buckets are split over devices (None: nowhere). The jnp passes
+  are then partitioned by XLA (pass 3 in blocks of each device's rows); the Pallas kernels,
+  which XLA cannot partition, run per device under ``shard_map`` on its own rows, with the
+  sums of passes 1 and 2 added over the devices (:func:`_per_shard`).
   The passes return their sums in ``U``'s dtype; everything between them (``factors``
   included) runs in the compute dtype (:func:`ginger.kernels.compute_dtype`: float32 for a
   bf16 or float16 state, whose eigenproblems neither LAPACK nor the secular solver's bit
@@ -399,11 +414,26 @@ def brand_step(
   compute = kernels.compute_dtype(state_dtype)
   up = lambda *xs: [x.astype(compute) for x in xs]  # noqa: E731
   qs = [q for q, _ in factors]
-  first = [kernels.project_pair(u, v, g, **kw) for u, v, g in zip(us, vs, gs, strict=True)]
+  on = sharding if impl == "pallas" else None  # the jnp passes: XLA partitions them
+
+  def pass_1(u, v, g, axis=None):
+    return kernels.project_pair(u, v, g, axis=axis, **kw)
+
+  def pass_2(u, v, g, a1, inv_l1, axis=None):
+    return kernels.residual_sums(u, v, g, a1, inv_l1, with_p1=True, axis=axis, **kw)
+
+  first = [
+    _per_shard(pass_1, on, (u, v, g), ("u", "rows", "rows"), ("small", "small", "block"))
+    for u, v, g in zip(us, vs, gs, strict=True)
+  ]
   small = [_before_residual(*up(*sums), q) for sums, q in zip(first, qs, strict=True)]
   second = [
-    kernels.residual_sums(
-      u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype), with_p1=True, **kw
+    _per_shard(
+      pass_2,
+      on,
+      (u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype)),
+      ("u", "rows", "rows", "small", "block"),
+      ("small", "block", "block", "block", "rows"),
     )
     for u, v, g, s in zip(us, vs, gs, small, strict=True)
   ]
@@ -429,15 +459,65 @@ def brand_step(
     for b, first, sigma in zip(members, starts, jnp.split(co["sigma"], starts[1:]), strict=True):
       coefs[b], new_sigmas[b] = (co, first), sigma
   new_us, outs = [], []
-  shards = [1] * len(us) if row_shards is None else row_shards
-  for u, p1, g, (co, first), n in zip(us, p1s, gs, coefs, shards, strict=True):
-    u_new, out = kernels.rotate_from_residual(
-      u, p1, g, co["a2"], co["inv_r"], co["rot"], co["b"], co["z"], gamma, first=first,
-      row_shards=n, **kw,
-    )  # fmt: skip
+  for u, p1, g, (co, first) in zip(us, p1s, gs, coefs, strict=True):
+    smalls = [co[key] for key in ("a2", "inv_r", "rot", "b", "z")]
+    u_new, out = _rotate(u, p1, g, smalls, gamma, first, sharding, kw)
     new_us.append(u_new)
     outs.append(out)
   return new_us, outs, new_sigmas
+
+
+def _rotate(u, p1, g, smalls, gamma, first, sharding, kw):
+  """Pass 3 of one bucket (:func:`ginger.kernels.rotate_from_residual`): ``smalls`` are
+  ``(a2, inv_r, rot, b, z)``, joined over the buckets of one rank from ``first`` on. On a
+  split state the jnp pass rotates blocks of each device's rows; the kernel runs per device
+  (row-local: no collective) on the bucket's own slice of them."""
+  if kw["impl"] != "pallas" or sharding is None or not tuple(sharding.spec(u.shape)):
+    return kernels.rotate_from_residual(
+      u, p1, g, *smalls, gamma, first=first,
+      row_shards=1 if sharding is None else sharding.row_shards(u.shape), **kw,
+    )  # fmt: skip
+  mine = [x[first : first + u.shape[0]] for x in smalls]
+  gamma = jnp.broadcast_to(jnp.asarray(gamma, u.dtype), u.shape[:1])
+
+  def rotate(u, p1, g, a2, inv_r, rot, b, z, gamma, axis=None):
+    del axis  # row-local
+    return kernels.rotate_from_residual(u, p1, g, a2, inv_r, rot, b, z, gamma, **kw)
+
+  kinds = ("u", "rows", "rows", "small", "block", "square", "small", "small", "block")
+  return _per_shard(rotate, sharding, (u, p1, g, *mine, gamma), kinds, ("u", "rows"))
+
+
+def _per_shard(fn, sharding, args, kinds, out_kinds):
+  """``fn(*args, axis=...)`` for one bucket (``args[0]`` its ``U``, ``(members, rows,
+  rank)``), run on each device's shard of it under ``shard_map`` where ``sharding`` splits
+  it, with ``axis`` the mesh axis of its rows (the kernels add their sums over it; None when
+  the members, not the rows, are split); else ``fn(*args)`` as it is. ``kinds`` and
+  ``out_kinds`` name the operands' and results' layouts: ``"u"`` like ``U``, ``"rows"``
+  ``(members, rows)``, ``"small"`` ``(members, rank)``, ``"square"`` ``(members, rank,
+  rank)``, ``"block"`` ``(members,)``: split as ``U``'s members and rows are."""
+  u = args[0]
+  spec = () if sharding is None else tuple(sharding.spec(u.shape))
+  if not spec:
+    return fn(*args)
+  members, rows = spec[0], spec[1]
+  layouts = {
+    "u": P(members, rows, None),
+    "rows": P(members, rows),
+    "small": P(members, None),
+    "square": P(members, None, None),
+    "block": P(members),
+  }
+  specs = lambda names: (  # noqa: E731
+    layouts[names] if isinstance(names, str) else tuple(layouts[n] for n in names)
+  )
+  return jax.shard_map(
+    functools.partial(fn, axis=rows),
+    mesh=sharding.mesh,
+    in_specs=specs(kinds),
+    out_specs=specs(out_kinds),
+    check_vma=False,
+  )(*args)
 
 
 def _before_residual(cu, yu, l1, q):
@@ -560,11 +640,10 @@ def reorthonormalise(
         jnp.zeros(u.shape[:-1], u.dtype),
         jnp.zeros(u.shape[:-2] + u.shape[-1:], u.dtype),
       )
-      u_new, _ = kernels.rotate_from_residual(
-        u, rows, rows, small, 0.0, q.astype(u.dtype), small, small, 1.0,
-        impl=impl[0], interpret=impl[1],
-        row_shards=1 if sharding is None else sharding.row_shards(u.shape),
-      )  # fmt: skip
+      inv_r = jnp.zeros(u.shape[:1], u.dtype)
+      smalls = [small, inv_r, q.astype(u.dtype), small, small]
+      kw = dict(impl=impl[0], interpret=impl[1])
+      u_new, _ = _rotate(u, rows, rows, smalls, 1.0, 0, sharding, kw)
       new_us.append(u_new)
       new_sigmas.append(sigma.astype(u.dtype))
     sigma = StackedSigma(new_sigmas, layout) if per_tensor else new_sigmas[0][0]

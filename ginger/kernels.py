@@ -361,8 +361,14 @@ def _rotate_and_precondition_jnp(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamm
   )
 
 
-def _precondition_jnp(u, sigma, g, gamma):
-  z = sigma / (gamma[..., None] + sigma) * _row_sums(u, [g])[..., 0]
+def _psum(x, axis):
+  """``x`` summed over the mesh ``axis`` the rows are split along (inside ``shard_map``), or
+  ``x`` itself (``axis`` None: every row is here)."""
+  return x if axis is None else jax.lax.psum(x, axis)
+
+
+def _precondition_jnp(u, sigma, g, gamma, axis=None):
+  z = sigma / (gamma[..., None] + sigma) * _psum(_row_sums(u, [g])[..., 0], axis)
   return (g - _rowdot(u, z)) / gamma[..., None]
 
 
@@ -707,9 +713,10 @@ def _correct_kernel(t: _Tiles):
   return kernel
 
 
-def _precondition_pallas(u, sigma, g, gamma, interpret, tile=None, steps=None):
+def _precondition_pallas(u, sigma, g, gamma, interpret, tile=None, steps=None, axis=None):
   m, n, k = u.shape
   (y,), _ = _row_sums_pallas(u, [g], False, interpret, tile, steps)
+  y = _psum(y, axis)
   dtype = compute_dtype(u.dtype)
   z = (sigma.astype(dtype) / (gamma.astype(dtype)[:, None] + sigma.astype(dtype)) * y).astype(
     u.dtype
@@ -742,11 +749,14 @@ def _dispatch(jnp_fn, pallas_fn, u, arrays, impl, interpret, tile, steps):
   return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]).astype(u.dtype), outs)
 
 
-def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None):
+def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None, axis=None):
   """Pass 1 (reads ``U``): ``(U^T v, U^T g, sum |v|)`` per block.
 
   ``u``: ``(..., n, k)``; ``v, g``: ``(..., n)``. Returns ``(..., k)``, ``(..., k)``, ``(...)``.
   ``tile`` / ``steps`` (pallas only) override the rows per tile / tiles per program.
+  ``axis``: inside ``shard_map``, the mesh axis the rows are split along: each device passes
+  over its own rows and the sums are added over ``axis`` (``psum``), as here for
+  :func:`residual_sums` and :func:`precondition`; pass 3 is row-local and needs none.
   """
   _check(u, {"v": v, "g": g})
 
@@ -754,22 +764,25 @@ def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None)
     (cv, cg), l1 = _row_sums_pallas(u, [v, g], True, **kw)
     return cv, cg, l1
 
-  return _dispatch(_project_pair_jnp, pallas_fn, u, (v, g), impl, interpret, tile, steps)
+  sums = _dispatch(_project_pair_jnp, pallas_fn, u, (v, g), impl, interpret, tile, steps)
+  return tuple(_psum(x, axis) for x in sums)
 
 
 def residual_sums(
-  u, v, g, a, inv_l1, *, with_p1=False, impl="auto", interpret=None, tile=None, steps=None
-):
+  u, v, g, a, inv_l1, *, with_p1=False, impl="auto", interpret=None, tile=None, steps=None,
+  axis=None,
+):  # fmt: skip
   """Pass 2 (reads ``U``): with ``p1 = (v - U a) inv_l1``, ``(U^T p1, ||p1||^2, p1 . g,
   ||v inv_l1||^2)`` per block. ``a``: ``(..., k)``; ``inv_l1``: ``(...)`` or a scalar.
 
   ``with_p1``: also return ``p1`` itself (``(..., n)``, one more vector written) for
   :func:`rotate_from_residual`, so that pass 3 subtracts ``U c2`` from the very ``p1`` whose
   ``c2 = U^T p1`` was measured here by construction, not by two kernels compiling alike.
+  ``axis``: rows split along this mesh axis, the sums added over it (see :func:`project_pair`).
   """
   _check(u, {"v": v, "g": g}, {"a": a})
   inv_l1 = _scalar("inv_l1", inv_l1, u)
-  return _dispatch(
+  out = _dispatch(
     functools.partial(_residual_sums_jnp, with_p1=with_p1),
     functools.partial(_residual_sums_pallas, with_p1=with_p1),
     u,
@@ -779,6 +792,7 @@ def residual_sums(
     tile,
     steps,
   )
+  return tuple(_psum(x, axis) for x in out[:4]) + tuple(out[4:])
 
 
 def rotate_and_precondition(
@@ -858,13 +872,24 @@ def rotate_from_residual(
   )
 
 
-def precondition(u, sigma, g, gamma, *, impl="auto", interpret=None, tile=None, steps=None):
+def precondition(
+  u, sigma, g, gamma, *, impl="auto", interpret=None, tile=None, steps=None, axis=None
+):
   """``G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma`` with ``U`` as it is
-  (a step without a curvature update): two reads of ``U``. ``sigma``: ``(..., k)``."""
+  (a step without a curvature update): two reads of ``U``. ``sigma``: ``(..., k)``.
+  ``axis``: rows split along this mesh axis, ``U^T g`` added over it (see
+  :func:`project_pair`)."""
   _check(u, {"g": g}, {"sigma": sigma})
   gamma = _scalar("gamma", gamma, u)
   return _dispatch(
-    _precondition_jnp, _precondition_pallas, u, (sigma, g, gamma), impl, interpret, tile, steps
+    functools.partial(_precondition_jnp, axis=axis),
+    functools.partial(_precondition_pallas, axis=axis),
+    u,
+    (sigma, g, gamma),
+    impl,
+    interpret,
+    tile,
+    steps,
   )
 
 

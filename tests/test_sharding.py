@@ -236,13 +236,70 @@ def _split_and_updated(name, tx, params, batches, mesh) -> dict:
   }
 
 
-def _reorthonormalised(sharded, shardings) -> dict:
+def _pallas_on_shards(params, like, mesh) -> dict:
+  """Ginger with ``passes="pallas"`` (interpreted) on a state split over ``mesh``: the kernels
+  run per device under ``shard_map``, passes 1-2's sums added over the devices. Four steps
+  with ``curvature_every=2`` (a curvature update, then a step without one: the precondition
+  kernels) and a re-orthonormalisation, against the jnp passes on one unsplit state: the
+  largest relative difference of the updates and of ``S x``, and whether ``U`` stayed split."""
+  split = ginger.sharding.StateSharding(mesh, "data", min_size=1 << 14)
+  kw = dict(tau=4, gamma=1e-2, curvature_every=2)
+  pallas = ginger.ginger(1e-3, passes="pallas", sharding=split, **kw)
+  plain = ginger.ginger(1e-3, passes="jnp", **kw)
+  state = jax.jit(plain.init)(params)
+  shardings = split.shardings(state)
+  sharded = jax.device_put(state, shardings)
+  rep = sharding.Plan(mesh).replicated
+
+  def steps(tx, placed):
+    def update(state, g, d):
+      return tx.update(g, state, params, fisher_grads=d)
+
+    def precondition(state, g):
+      return tx.update(g, state, params)
+
+    if placed:
+      return (
+        jax.jit(update, in_shardings=(shardings, rep, rep), out_shardings=(rep, shardings)),
+        jax.jit(precondition, in_shardings=(shardings, rep), out_shardings=(rep, shardings)),
+      )
+    return jax.jit(update), jax.jit(precondition)
+
+  (update_p, precondition_p), (update_j, precondition_j) = steps(pallas, True), steps(plain, False)
+  err = 0.0
+  for t in range(4):
+    g, d = like(), jax.tree.map(lambda x: 1e-2 * x, like())
+    if t % 2 == 0:
+      (got, sharded), (want, state) = update_p(sharded, g, d), update_j(state, g, d)
+    else:
+      (got, sharded), (want, state) = precondition_p(sharded, g), precondition_j(state, g)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      err = max(err, float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b))))
+  kept = all(
+    a.sharding.is_equivalent_to(b, a.ndim)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(shardings))
+  )
+  reorth = jax.jit(
+    functools.partial(ginger.reorthonormalise, passes="pallas", sharding=split),
+    in_shardings=(shardings,),
+    out_shardings=shardings,
+  )
+  return {
+    "max_rel_error": err,
+    "kept": kept,
+    "reorthonormalised": _reorthonormalised(sharded, shardings, reorth),
+  }
+
+
+def _reorthonormalised(sharded, shardings, split=None) -> dict:
   """``ginger.reorthonormalise`` jitted on the split state against the same state gathered
-  on one device: whether the bases stay split, ``max |U^T U - I|``, and the largest relative
+  on one device (``split``: that jitted call, default the jnp passes with the state's
+  shardings): whether the bases stay split, ``max |U^T U - I|``, and the largest relative
   difference of ``S x = U diag(sigma) U^T x`` (not of ``U``: columns of equal ``sigma``, the
   zeros, may come out rotated)."""
   whole = jax.device_get(sharded)
-  split = jax.jit(ginger.reorthonormalise, in_shardings=(shardings,), out_shardings=shardings)
+  if split is None:
+    split = jax.jit(ginger.reorthonormalise, in_shardings=(shardings,), out_shardings=shardings)
   got, want = split(sharded), jax.jit(ginger.reorthonormalise)(whole)
 
   def inner(state):
@@ -303,6 +360,7 @@ def _sharded_state(configs: str) -> dict:
     }.items()
   }
 
+  out["pallas"] = _pallas_on_shards(params, like, mesh)
   plan = sharding.Plan(sharding.make_mesh(2, 2), min_shard_size=1 << 14)
   state = train.TrainState(
     jnp.zeros([], jnp.int32),
@@ -361,6 +419,14 @@ def test_sharded_optimizer_state_on_four_devices(four_devices):
       reorth = r["reorthonormalised"]
       assert reorth["kept"], name
       assert reorth["orthonormality"] < 1e-5 and reorth["max_rel_error"] < 1e-4, (name, reorth)
+  # The Pallas kernels per device on the split state (interpreted): the jnp passes' updates on
+  # one device to float32 rounding (the same bound), U still split, and the re-orthonormalised
+  # state the same as theirs. A shard's sums not added over the devices: 1e-2.
+  pallas = result["pallas"]
+  assert pallas["kept"] and pallas["max_rel_error"] < 1e-4, pallas
+  reorth = pallas["reorthonormalised"]
+  assert reorth["kept"], reorth
+  assert reorth["orthonormality"] < 1e-5 and reorth["max_rel_error"] < 1e-4, reorth
   for name in ("ginger", "qng"):
     assert result[name]["basis_ratio"] > 3.5, result[name]  # U: ~4x less per device
     assert result[name]["state_ratio"] > 3.0, result[name]  # the whole optimizer state
@@ -414,6 +480,8 @@ CORRECT = {
   # the batch split 4 ways and all of the state's arrays of >= 16384 elements (Ginger's U)
   # split 4 ways (the default's 1M would leave the demo's small state replicated)
   "four_split": ["mesh.data=4", "mesh.min_shard_size=16384"],
+  # the same with the Pallas kernels (interpreted) per device on the split U (shard_map)
+  "four_split_pallas": ["mesh.data=4", "mesh.min_shard_size=16384", "passes=pallas"],
 }
 # The shared d-pass's per-device pull-back (fisher_backward=local, shard_map) against the
 # one-device shared d-pass; BatchNorm over the global batch (the demo's): inside the shard_map

@@ -262,39 +262,22 @@ def _check_optimizer(c: _Checker) -> str | None:
   if name in CURVATURE:
     _check_curvature_every(c, name)
   if name == "ginger" and c.get("passes") not in (_MISSING, None):
-    passes = c.choice("passes", PASSES)
-    problem = pallas_mesh_problem(passes, c.get("mesh"))
-    if problem:
-      c.problems.append(problem)
+    c.choice("passes", PASSES)
   return name
 
 
-def pallas_mesh_problem(passes, mesh, devices: int | None = None):
-  """Why ``passes`` cannot run on ``mesh`` (the config's ``mesh`` node), or None.
-
-  The Pallas kernels are ``pallas_call`` s, which GSPMD cannot split: on an optimizer state
-  sharded over several devices they would not run per shard. Refused for ``pallas`` on a
-  sharded state of several devices (``auto`` runs the jnp passes there:
-  :func:`training.optimizers.passes`); ``devices`` resolves ``mesh.data=-1`` (unknown here:
-  only explicit sizes count).
-  """
+def sharded_over(mesh, devices: int | None = None) -> int:
+  """The number of devices a run's optimizer state is split over (the config's ``mesh``
+  node): 1 for a replicated state (``mesh.shard_optimizer_state=false``) or one device.
+  ``devices`` resolves ``mesh.data=-1`` (unknown here: only explicit sizes count)."""
   mesh = mesh if isinstance(mesh, Mapping) else {}
-  if passes != "pallas":
-    return None
   if not mesh.get("shard_optimizer_state", True):
-    return None
+    return 1
   data, model = mesh.get("data", -1), mesh.get("model", 1)
   if not (_is_int(data) and _is_int(model)):
-    return None  # reported by their own checks
+    return 1  # reported by their own checks
   size = data * model if data != -1 else (devices if devices is not None else model)
-  if size <= 1:
-    return None
-  return (
-    f"passes={_show(passes)} with mesh.shard_optimizer_state=true on {size} devices: the "
-    "Pallas kernels (pallas_call) cannot be split by GSPMD over a sharded optimizer state; "
-    "set mesh.shard_optimizer_state=false (replicated state), passes='jnp', or a one-device "
-    "mesh."
-  )
+  return max(int(size), 1)
 
 
 def _check_curvature_every(c: _Checker, name: str) -> None:
@@ -434,5 +417,5 @@ __all__ = [
   "check_config",
   "ignored_settings",
   "override_keys",
-  "pallas_mesh_problem",
+  "sharded_over",
 ]
