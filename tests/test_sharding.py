@@ -480,9 +480,11 @@ CORRECT = {
   # the batch split 4 ways and all of the state's arrays of >= 16384 elements (Ginger's U)
   # split 4 ways (the default's 1M would leave the demo's small state replicated)
   "four_split": ["mesh.data=4", "mesh.min_shard_size=16384"],
-  # the same with the Pallas kernels (interpreted) per device on the split U (shard_map)
-  "four_split_pallas": ["mesh.data=4", "mesh.min_shard_size=16384", "passes=pallas"],
 }
+# The same with the Pallas kernels (interpreted) per device on the split U (shard_map): ~26 s
+# more in the 4-device process, `make test-all` only (the kernels on a split state are also
+# checked update by update in _pallas_on_shards, which `make test` runs).
+PALLAS = {"four_split_pallas": [*CORRECT["four_split"], "passes=pallas"]}
 # The shared d-pass's per-device pull-back (fisher_backward=local, shard_map) against the
 # one-device shared d-pass; BatchNorm over the global batch (the demo's): inside the shard_map
 # its statistics are reduced over the devices.
@@ -740,7 +742,8 @@ def four_devices(request):
     for item in request.session.items
     if item.originalname == "test_the_comparison_catches_an_injected_sharding_bug"
   }
-  compare = bool(bugs) or "test_four_devices_give_the_one_device_results" in selected
+  pallas = "test_pallas_kernels_on_four_devices_give_the_one_device_results" in selected
+  compare = bool(bugs) or pallas or "test_four_devices_give_the_one_device_results" in selected
   local = "test_the_per_device_pull_back_on_four_devices" in selected
   return run_on_cpu_devices(
     f"""
@@ -748,7 +751,7 @@ def four_devices(request):
       sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
       import test_sharding as t
       state, names = json.loads(sys.argv[2]), json.loads(sys.argv[3])
-      variants = {{name: {{**t.CORRECT, **t.BUGS}}[name] for name in names}}
+      variants = {{name: {{**t.CORRECT, **t.PALLAS, **t.BUGS}}[name] for name in names}}
       print(json.dumps({{
         "state": t._sharded_state(sys.argv[1]) if state else None,
         "comparison": t._compare_meshes(sys.argv[1], variants) if variants else None,
@@ -758,7 +761,7 @@ def four_devices(request):
       """,
     str(ROOT / "configs"),
     json.dumps("test_sharded_optimizer_state_on_four_devices" in selected),
-    json.dumps([*CORRECT, *sorted(bugs)] if compare else []),
+    json.dumps([*CORRECT, *(PALLAS if pallas else ()), *sorted(bugs)] if compare else []),
     json.dumps(local),
     timeout=600,
   )
@@ -789,6 +792,17 @@ def test_four_devices_give_the_one_device_results(four_device_comparison):
     assert not _violations(result, name), (name, _violations(result, name))
     # accuracy over 360 examples: a near-tie argmax may go the other way (1/360 each)
     assert result[name]["steps"][-1]["val_correct"] <= 100 / 360 + 1e-9, name
+
+
+@pytest.mark.slow
+def test_pallas_kernels_on_four_devices_give_the_one_device_results(four_device_comparison):
+  """The demo's steps with ``passes=pallas`` on the 4-device mesh (the kernels per device on
+  the split ``U``, under ``shard_map``) give the 1-device steps, as the jnp passes do."""
+  result = four_device_comparison
+  for name in PALLAS:
+    assert result[name]["mesh"] == {"data": 4, "model": 1}
+    assert len(result[name]["steps"]) == STEPS
+    assert not _violations(result, name), (name, _violations(result, name))
 
 
 def test_the_per_device_pull_back_on_four_devices(four_devices):
