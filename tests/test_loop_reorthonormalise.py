@@ -85,6 +85,24 @@ def test_the_update_has_no_conditional_and_the_loop_runs_the_program(period_two,
   assert period_two == [2, 4]
 
 
+def test_a_run_too_short_to_need_it_never_compiles_it(tmp_path):
+  """With the default period (1000 curvature updates) a 5-step run neither runs nor compiles
+  the program (compiled in the background only by a run that gets that far)."""
+  compiled: list = []
+
+  def listener(event, start, end, **kwargs):
+    del start, end
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_time_span_listener(listener)
+  try:
+    train.train(config(*BASE, "max_steps=5"), tmp_path / "run")
+  finally:
+    jax.monitoring.unregister_event_time_span_listener(listener)
+  assert "jit(step)" in compiled and "jit(reorthonormalise)" not in compiled
+
+
 def test_with_curvature_every_it_counts_curvature_updates_only(period_two, tmp_path):
   """K=3, seven steps: curvature updates on steps 0, 3, 6 (counts 1, 2, 3), so the program
   runs once, after step 3."""
@@ -108,6 +126,9 @@ def test_reorthonormalises_after(every, curvature, after):
     curvature_every=curvature, reorthonormalise_every=every
   )
   assert [step for step in range(12) if setup.reorthonormalises_after(step)] == after
+  for start in range(12):  # the first at or after start, as the loop looks it up
+    later = [step for step in range(start, 40) if setup.reorthonormalises_after(step)]
+    assert setup.first_reorthonormalisation(start) == (later[0] if later else None), start
 
 
 def test_period_follows_the_state_dtype_and_only_ginger_has_one():

@@ -115,11 +115,9 @@ def test_every_program_is_compiled_before_the_first_step(runs, which):
   after = [name for kind, name in log[first_stop:] if kind == "compiled" and name in PROGRAMS]
   assert sorted(before) == ["jit(eval_step)"] * 2 + ["jit(step)"] * 2
   assert after == []
-  # Ginger's re-orthonormalisation (needed after its 1000th curvature update) compiles in the
-  # background, once, before the run ends (training.loop.LATER).
-  assert [name for kind, name in log if name == "jit(reorthonormalise)"] == [
-    "jit(reorthonormalise)"
-  ]
+  # Ginger's re-orthonormalisation, first needed after its 1000th curvature update, is not
+  # compiled by a run of 4 steps (training.loop.LATER; tests/test_loop_reorthonormalise.py).
+  assert "jit(reorthonormalise)" not in [name for _, name in log]
   assert [step for kind, step in log if kind == "stop asked"] == [0, 1, 2, 3]  # 4 steps ran
 
 

@@ -359,7 +359,8 @@ COMPILE_THREADS: int | None = None
 # Programs a run first needs hundreds of steps in (Ginger's re-orthonormalisation: after its
 # 1000th curvature update, its 10th with a 16-bit state): compiled in a thread of their own
 # while the run trains (compile_later), not beside the others before the first step (on one
-# H200 it took 5-9 s there and slowed the others' compilations: start-up 20-23 s, not 17).
+# H200 it took 5-9 s there and slowed the others' compilations: start-up 20-23 s, not 17),
+# and only by a run that gets that far (Setup.first_reorthonormalisation).
 LATER = ("reorthonormalise",)
 
 
@@ -474,6 +475,16 @@ class Setup(NamedTuple):
     if not self.reorthonormalise_every or not self.updates_curvature(step):
       return False
     return (step // self.curvature_every + 1) % self.reorthonormalise_every == 0
+
+  def first_reorthonormalisation(self, start: int) -> int | None:
+    """The first step ``>= start`` after which ``reorthonormalise_step`` runs (None: never):
+    steps ``K (N m - 1)``, ``m >= 1``, for ``K = curvature_every`` and ``N =
+    reorthonormalise_every``."""
+    if not self.reorthonormalise_every:
+      return None
+    every, n = self.curvature_every, self.reorthonormalise_every
+    m = max(1, -(-(-(-start // every) + 1) // n))
+    return every * (n * m - 1)
 
 
 def check(cfg: DictConfig) -> sharding.Plan:
@@ -840,7 +851,12 @@ def _run(
   program_s: dict = {}
   executables = compile_all(lower, COMPILE_THREADS, program_s)
   compile_s = time.perf_counter() - began
-  compiling = {key: compile_later(lowering) for key, lowering in later.items()}
+  first = setup.first_reorthonormalisation(start)
+  compiling = {
+    key: compile_later(lowering)
+    for key, lowering in later.items()
+    if first is not None and first < total_steps
+  }
   # Only now the optimizer state (build(materialize=False)): compile-time scratch and the
   # state (Ginger's U) are never on the device at once.
   state = initial_state()
