@@ -330,7 +330,8 @@ def scale_by_ginger(
           lambda u, s, g, axis=None: kernels.precondition(
             u, s, g, gamma, impl=impl[0], interpret=impl[1], axis=axis
           ),
-          sharding if impl[0] == "pallas" else None,
+          sharding,
+          impl[0],
           (u, s, g),
           ("u", "small", "rows"),
           "rows",
@@ -414,7 +415,6 @@ def brand_step(
   compute = kernels.compute_dtype(state_dtype)
   up = lambda *xs: [x.astype(compute) for x in xs]  # noqa: E731
   qs = [q for q, _ in factors]
-  on = sharding if impl == "pallas" else None  # the jnp passes: XLA partitions them
 
   def pass_1(u, v, g, axis=None):
     return kernels.project_pair(u, v, g, axis=axis, **kw)
@@ -423,14 +423,17 @@ def brand_step(
     return kernels.residual_sums(u, v, g, a1, inv_l1, with_p1=True, axis=axis, **kw)
 
   first = [
-    _per_shard(pass_1, on, (u, v, g), ("u", "rows", "rows"), ("small", "small", "block"))
+    _per_shard(
+      pass_1, sharding, impl, (u, v, g), ("u", "rows", "rows"), ("small", "small", "block")
+    )
     for u, v, g in zip(us, vs, gs, strict=True)
   ]
   small = [_before_residual(*up(*sums), q) for sums, q in zip(first, qs, strict=True)]
   second = [
     _per_shard(
       pass_2,
-      on,
+      sharding,
+      impl,
       (u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype)),
       ("u", "rows", "rows", "small", "block"),
       ("small", "block", "block", "block", "rows"),
@@ -472,7 +475,7 @@ def _rotate(u, p1, g, smalls, gamma, first, sharding, kw):
   ``(a2, inv_r, rot, b, z)``, joined over the buckets of one rank from ``first`` on. On a
   split state the jnp pass rotates blocks of each device's rows; the kernel runs per device
   (row-local: no collective) on the bucket's own slice of them."""
-  if kw["impl"] != "pallas" or sharding is None or not tuple(sharding.spec(u.shape)):
+  if not _shard_spec(sharding, kw["impl"], u):
     return kernels.rotate_from_residual(
       u, p1, g, *smalls, gamma, first=first,
       row_shards=1 if sharding is None else sharding.row_shards(u.shape), **kw,
@@ -485,19 +488,27 @@ def _rotate(u, p1, g, smalls, gamma, first, sharding, kw):
     return kernels.rotate_from_residual(u, p1, g, a2, inv_r, rot, b, z, gamma, **kw)
 
   kinds = ("u", "rows", "rows", "small", "block", "square", "small", "small", "block")
-  return _per_shard(rotate, sharding, (u, p1, g, *mine, gamma), kinds, ("u", "rows"))
+  return _per_shard(rotate, sharding, kw["impl"], (u, p1, g, *mine, gamma), kinds, ("u", "rows"))
 
 
-def _per_shard(fn, sharding, args, kinds, out_kinds):
+def _shard_spec(sharding, impl: str, u) -> tuple:
+  """How bucket ``u`` is split where its passes run per device (the Pallas kernels, which
+  XLA cannot partition, on a split bucket), else ``()``: XLA partitions the jnp passes."""
+  if impl != "pallas" or sharding is None:
+    return ()
+  return tuple(sharding.spec(u.shape))
+
+
+def _per_shard(fn, sharding, impl, args, kinds, out_kinds):
   """``fn(*args, axis=...)`` for one bucket (``args[0]`` its ``U``, ``(members, rows,
-  rank)``), run on each device's shard of it under ``shard_map`` where ``sharding`` splits
-  it, with ``axis`` the mesh axis of its rows (the kernels add their sums over it; None when
-  the members, not the rows, are split); else ``fn(*args)`` as it is. ``kinds`` and
-  ``out_kinds`` name the operands' and results' layouts: ``"u"`` like ``U``, ``"rows"``
-  ``(members, rows)``, ``"small"`` ``(members, rank)``, ``"square"`` ``(members, rank,
-  rank)``, ``"block"`` ``(members,)``: split as ``U``'s members and rows are."""
-  u = args[0]
-  spec = () if sharding is None else tuple(sharding.spec(u.shape))
+  rank)``), run on each device's shard of it under ``shard_map`` where its passes run per
+  device (:func:`_shard_spec`), with ``axis`` the mesh axis of its rows (the kernels add
+  their sums over it; None when the members, not the rows, are split); else ``fn(*args)``
+  as it is. ``kinds`` and ``out_kinds`` name the operands' and results' layouts: ``"u"``
+  like ``U``, ``"rows"`` ``(members, rows)``, ``"small"`` ``(members, rank)``,
+  ``"square"`` ``(members, rank, rank)``, ``"block"`` ``(members,)``: split as ``U``'s
+  members and rows are."""
+  spec = _shard_spec(sharding, impl, args[0])
   if not spec:
     return fn(*args)
   members, rows = spec[0], spec[1]
@@ -634,15 +645,13 @@ def reorthonormalise(
     layout, us = state.u.layout, list(state.u.stacks)
     per_tensor = isinstance(state.sigma, StackedSigma)
     sigmas = _sigma_stacks(layout, state.sigma, "per_tensor" if per_tensor else "global")
+    kw = dict(impl=impl[0], interpret=impl[1])
     new_us, new_sigmas = [], []
     for u, (q, sigma) in zip(us, _reorthonormalising_factors(us, sigmas), strict=True):
-      rows, small = (
-        jnp.zeros(u.shape[:-1], u.dtype),
-        jnp.zeros(u.shape[:-2] + u.shape[-1:], u.dtype),
-      )
+      rows = jnp.zeros(u.shape[:-1], u.dtype)  # p1 and g: a zero residual and output
+      small = jnp.zeros(u.shape[:-2] + u.shape[-1:], u.dtype)
       inv_r = jnp.zeros(u.shape[:1], u.dtype)
-      smalls = [small, inv_r, q.astype(u.dtype), small, small]
-      kw = dict(impl=impl[0], interpret=impl[1])
+      smalls = [small, inv_r, q.astype(u.dtype), small, small]  # U' = U Q
       u_new, _ = _rotate(u, rows, rows, smalls, 1.0, 0, sharding, kw)
       new_us.append(u_new)
       new_sigmas.append(sigma.astype(u.dtype))

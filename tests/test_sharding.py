@@ -179,12 +179,7 @@ def _split_and_updated(name, tx, params, batches, mesh) -> dict:
   state = jax.jit(tx.init)(params)  # one program (op by op: dozens, each compiled)
   shardings = ginger.sharding.state_shardings(state, mesh, "data", min_size=1 << 14)
   sharded = jax.device_put(state, shardings)
-  kind = ginger.ScaleByQNGState if name == "qng" else ginger.ScaleByGingerState
-  inner = [
-    s
-    for s in jax.tree.leaves(sharded, is_leaf=lambda x: isinstance(x, kind))
-    if isinstance(s, kind)
-  ][0]
+  inner = _inner(sharded, ginger.ScaleByQNGState if name == "qng" else ginger.ScaleByGingerState)
   bases = jax.tree.leaves(inner.qhat if name == "qng" else inner.u)
 
   def update(state, g, d):
@@ -302,14 +297,7 @@ def _reorthonormalised(sharded, shardings, split=None) -> dict:
     split = jax.jit(ginger.reorthonormalise, in_shardings=(shardings,), out_shardings=shardings)
   got, want = split(sharded), jax.jit(ginger.reorthonormalise)(whole)
 
-  def inner(state):
-    kind = ginger.ScaleByGingerState
-    return [
-      s
-      for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind))
-      if isinstance(s, kind)
-    ][0]
-
+  inner = functools.partial(_inner, kind=ginger.ScaleByGingerState)
   err, drift = 0.0, 0.0
   sigmas = lambda st: st.sigma.stacks if hasattr(st.sigma, "stacks") else [st.sigma[None]]
   for u, sigma, u0, sigma0 in zip(
