@@ -358,15 +358,14 @@ def test_sharded_over_resolves_all_devices():
   ("mesh", "expected"),
   [
     ([], "auto"),  # one device: the library's choice (the kernels on GPUs)
-    (["mesh.data=4"], "jnp"),  # the state split over 4 devices: XLA partitions the jnp passes
+    (["mesh.data=4"], "auto"),  # split over 4 devices: the kernels per device (shard_map)
     (["mesh.data=4", "mesh.shard_optimizer_state=false"], "auto"),  # replicated
   ],
 )
-def test_auto_runs_the_jnp_passes_where_the_state_is_split(mesh, expected):
+def test_auto_is_left_to_the_library_also_where_the_state_is_split(mesh, expected):
   """The training config's default, ``passes=auto``, is handed to the library, which runs the
-  Pallas kernels on GPUs, unless the optimizer state is split over several devices: there it
-  is ``jnp`` (the kernels per device under ``shard_map`` are not yet measured against them
-  on GPUs), and an explicit ``pallas`` is taken as given."""
+  Pallas kernels on GPUs, also where the optimizer state is split over several devices (the
+  kernels then run per device under ``shard_map``); explicit values are taken as given."""
   from training.optimizers import passes
 
   assert passes(_config("optimizer=ginger", *mesh)) == expected  # the default
