@@ -15,8 +15,9 @@ trains), in one of two modes:
 
 * ``one-by-one``: each program lowered and compiled in turn (the loop before it compiled
   concurrently, plus the evaluation step it then compiled at the first evaluation);
-* ``concurrent``: ``loop.compile_all``, what the loop does now (the training step first, then
-  the others at once).
+* ``concurrent``: ``loop.compile_all``, what the loop does now (the first of
+  ``loop.programs`` alone: with K > 1 the step without the curvature update, else the training
+  step; then the others at once).
 
 The table gives, per program, the lowering and compilation seconds (wall clock and this
 process's CPU seconds: on a busy machine the wall clock includes waiting for a core) and the

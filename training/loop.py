@@ -309,10 +309,15 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
   the training step (with the curvature update, if any); ``False``, the step without it
   (``curvature_every`` > 1 only); ``("eval", n)``, the evaluation step on batches of ``n``
   (:func:`eval_batch_sizes`); ``"reorthonormalise"``, Ginger's ``reorthonormalise_step``.
-  ``indices``: a training batch's, placed (``plan.indices``)."""
-  steps = {True: setup.train_step}
-  if setup.curvature_every > 1:
-    steps[False] = setup.precondition_step
+  ``indices``: a training batch's, placed (``plan.indices``).
+
+  The first is the one :func:`compile_all` compiles alone: with ``curvature_every`` > 1 the
+  step without the curvature update, which lowers in a quarter of the training step's time and
+  autotunes the convolutions both share; the training step, lowered meanwhile, then compiles
+  reading them (one H200, Ginger K=8: 12.9-14.0 s for all programs against 14.5-15.0 s with
+  the training step first; bench/RESULTS.md, session 21)."""
+  steps = {False: setup.precondition_step} if setup.curvature_every > 1 else {}
+  steps[True] = setup.train_step
   jobs = {key: (fn, (state, frozen, train_arrays, indices), (0,)) for key, fn in steps.items()}
   for size in eval_batch_sizes(setup.task.num_val, int(cfg.eval_batch_size)):
     args = setup.eval_step.arguments(
@@ -381,12 +386,12 @@ def compile_all(
   others' at once, in threads.
 
   Lowering (tracing Python) holds the GIL and runs here, one program after the other; XLA's
-  compilation releases it, so the others are lowered while the first (the training step, the
-  largest) compiles. Their compilations start once it is done: on a GPU, XLA's autotuner
-  keeps the kernels it timed for the rest of the process, and the other programs share most of
-  the first's convolutions, so they read its choices instead of autotuning them again, each
-  beside the others on the same GPU (ResNet-18 with Ginger and K=8 on an H200: 12 s for the
-  training step, then 4 s, against 15-77 s with all three at once). The executables are
+  compilation releases it, so the others are lowered while the first (a training step:
+  :func:`programs`) compiles. Their compilations start once it is done: on a GPU, XLA's
+  autotuner keeps the kernels it timed for the rest of the process, and the other programs
+  share most of the first's convolutions, so they read its choices instead of autotuning them
+  again, each beside the others on the same GPU (ResNet-18 with Ginger and K=8 on an H200:
+  12 s for the training step, then 4 s, against 15-77 s with all three at once). The executables are
   those that compiling one after the other gives (the same programs, the same compiler
   options). ``threads``: at most this many compilations at once (default: all of them; 1: one
   after the other). ``times``: if given, filled with ``{key: {"lower": s, "compile": s}}``
@@ -842,8 +847,9 @@ def _run(
   # runs every step (calling the jitted function would compile a second time). With
   # curvature_every = K > 1 two executables, with and without the curvature update. The
   # evaluation step too, so that the first evaluation does not stop training to compile.
-  # In threads (compile_all): the training step first, the others lowered meanwhile and
-  # compiled at once after it, reading its autotuned kernels; the LATER ones while it trains.
+  # In threads (compile_all): the first of programs() alone (the step without the curvature
+  # update, else the training step), the others lowered meanwhile and compiled at once after
+  # it, reading its autotuned kernels; the LATER ones while it trains.
   every = setup.curvature_every
   began = time.perf_counter()
   lower = programs(setup, setup.state, frozen, train_arrays, val_arrays, batch_indices(start), cfg)
@@ -864,12 +870,14 @@ def _run(
   eval_step = setup.eval_step.with_compiled(
     {key[1]: c for key, c in executables.items() if isinstance(key, tuple)}
   )
-  xla = [_xla_flops(c) for c in compiled.values()]  # with the curvature update, without
+  xla = {update: _xla_flops(c) for update, c in compiled.items()}  # with the update, without
   memory = {update: _xla_memory(c) for update, c in compiled.items()}
   flops_per_iter = {
     "analytic": analytic_flops(task, cfg, setup.sizes),
     # The mean over K steps, as the analytic count (K = 1: the one step's count).
-    "xla": None if None in xla else (xla[0] + (every - 1) * xla[-1]) / every,
+    "xla": None
+    if None in xla.values()
+    else (xla[True] + (every - 1) * xla.get(False, xla[True])) / every,
   }
   summary_base = {
     "run": run_record.identity(config),
