@@ -10,6 +10,9 @@ consumed (a benchmark that returned one entry would let XLA drop the rest of the
 Steps are timed as a jitted ``lax.scan`` over ``--scan`` steps (so the ~2 ms of host dispatch
 per call on a GPU is amortised), after a warm-up, as the median of ``--repeats`` runs. Params,
 gradients and Fisher vectors are arguments of the jitted function, not constants baked into it.
+Ginger's update is the library's default unless ``--reorthonormalise-every 0``: that is the
+update train.py runs, without the in-update re-orthonormalisation (an XLA conditional, which on
+a GPU stops the host every step; train.py runs it as a program of its own).
 
 On GPU the table also gives Ginger's memory floor, ``U`` read and written once per step
 (``2 d tau`` elements of ``state_dtype``: ``2 d tau 4`` bytes in float32), as a time at the
@@ -68,10 +71,16 @@ SIZES = {
 
 
 def make_optimizer(
-  name: str, tau: int | None, block: str | None, passes: str = "jnp", state_dtype="float32"
+  name: str,
+  tau: int | None,
+  block: str | None,
+  passes: str = "jnp",
+  state_dtype="float32",
+  reorthonormalise_every: int | None = None,
 ):
   """``name`` is an optimizer, or ``ginger/<eigensolver>`` for a non-default Ginger solver;
-  ``passes`` and ``state_dtype`` (of ``U``, sigma and the momentum) are Ginger's."""
+  ``passes``, ``state_dtype`` (of ``U``, sigma and the momentum) and
+  ``reorthonormalise_every`` (None: the library's default, in the update) are Ginger's."""
   if name == "adam":
     return optax.adam(1e-3)
   if name == "momentum":
@@ -86,6 +95,7 @@ def make_optimizer(
     eigensolver=solver or "secular",
     passes=passes,
     state_dtype=state_dtype,
+    reorthonormalise_every=reorthonormalise_every,
   )
 
 
@@ -190,6 +200,14 @@ def main(argv=None) -> None:
     choices=["float32", "bfloat16"],
     help="Ginger's state_dtype (column 'state'; the floor counts U in it)",
   )
+  parser.add_argument(
+    "--reorthonormalise-every",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Ginger's reorthonormalise_every (default: the library's, a conditional in every "
+    "update; 0: none in the update, as train.py builds it and runs it as a program of its own)",
+  )
   parser.add_argument("--scan", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument(
@@ -210,6 +228,7 @@ def main(argv=None) -> None:
     f"jax={jax.__version__} optax={optax.__version__}"
     + (f" copy_bandwidth={bandwidth / 1e12:.2f}TB/s" if bandwidth else "")
     + (f" datasheet_peak={peak / 1e12:.2f}TB/s" if peak else "")
+    + f" reorthonormalise_every={args.reorthonormalise_every}"
   )
   print(
     "| size | d | optimizer | tau | block | passes | state | ms/update | x Adam | floor ms "
@@ -238,7 +257,9 @@ def main(argv=None) -> None:
     adam_s = None
     for name, tau, block, passes, state in configs:
       seconds, compile_s, report = time_update(
-        make_optimizer(name, tau, block, passes or "jnp", state or "float32"),
+        make_optimizer(
+          name, tau, block, passes or "jnp", state or "float32", args.reorthonormalise_every
+        ),
         shapes,
         args.scan,
         args.repeats,

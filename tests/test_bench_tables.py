@@ -4,6 +4,8 @@ header shifts every value under the wrong name, as bench.scaling's once did)."""
 import json
 import subprocess
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from bench import checkpoint_stall, kernel_tiling, scaling, train_step
@@ -221,7 +223,7 @@ def test_optimizer_step_rows_match_the_header_with_state_dtypes(monkeypatch, cap
 
   built = []
 
-  def fake_make(name, tau, block, passes="jnp", state_dtype="float32"):
+  def fake_make(name, tau, block, passes="jnp", state_dtype="float32", reorthonormalise=None):
     built.append((name, state_dtype))
     return name
 
@@ -233,6 +235,28 @@ def test_optimizer_step_rows_match_the_header_with_state_dtypes(monkeypatch, cap
   )
   assert built == [("adam", "float32"), ("ginger", "float32"), ("ginger", "bfloat16")]
   _check(capsys.readouterr().out, expect_rows=3)
+
+
+def test_optimizer_step_times_the_update_the_training_loop_runs(capsys):
+  """--reorthonormalise-every 0 builds Ginger's update without its in-update
+  re-orthonormalisation (an XLA conditional: a host round trip a step on GPUs), as train.py
+  does; the header says which update was timed. The default is the library's."""
+  from bench import optimizer_step
+
+  def has_cond(tx) -> bool:
+    params = [jnp.ones((64, 3))]
+    jaxpr = jax.make_jaxpr(lambda s: tx.update(params, s, params, fisher_grads=params))
+    return "cond[" in str(jaxpr(tx.init(params)))
+
+  assert has_cond(optimizer_step.make_optimizer("ginger", 2, "per_tensor"))
+  assert not has_cond(
+    optimizer_step.make_optimizer("ginger", 2, "per_tensor", reorthonormalise_every=0)
+  )
+  optimizer_step.main(
+    ["--sizes", "1M", "--optimizers", "adam", "--taus", "2", "--blocks", "global", "--scan", "1"]
+    + ["--repeats", "1", "--reorthonormalise-every", "0"]
+  )
+  assert "reorthonormalise_every=0" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_race_labels_runs_by_their_numerics(tmp_path):
