@@ -401,7 +401,8 @@ def brand_step(
   ``sharding``: where the buckets are split over devices (None: nowhere). The jnp passes
   are then partitioned by XLA (pass 3 in blocks of each device's rows); the Pallas kernels,
   which XLA cannot partition, run per device under ``shard_map`` on its own rows, with the
-  sums of passes 1 and 2 added over the devices (:func:`_per_shard`).
+  sums of passes 1 and 2 added over the devices, all buckets' in one all-reduce a pass
+  (:func:`_per_shard_sums`).
   The passes return their sums in ``U``'s dtype; everything between them (``factors``
   included) runs in the compute dtype (:func:`ginger.kernels.compute_dtype`: float32 for a
   bf16 or float16 state, whose eigenproblems neither LAPACK nor the secular solver's bit
@@ -422,24 +423,26 @@ def brand_step(
   def pass_2(u, v, g, a1, inv_l1, axis=None):
     return kernels.residual_sums(u, v, g, a1, inv_l1, with_p1=True, axis=axis, **kw)
 
-  first = [
-    _per_shard(
-      pass_1, sharding, impl, (u, v, g), ("u", "rows", "rows"), ("small", "small", "block")
-    )
-    for u, v, g in zip(us, vs, gs, strict=True)
-  ]
+  first = _per_shard_sums(
+    pass_1,
+    sharding,
+    impl,
+    list(zip(us, vs, gs, strict=True)),
+    ("u", "rows", "rows"),
+    ("small", "small", "block"),
+  )
   small = [_before_residual(*up(*sums), q) for sums, q in zip(first, qs, strict=True)]
-  second = [
-    _per_shard(
-      pass_2,
-      sharding,
-      impl,
-      (u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype)),
-      ("u", "rows", "rows", "small", "block"),
-      ("small", "block", "block", "block", "rows"),
-    )
-    for u, v, g, s in zip(us, vs, gs, small, strict=True)
-  ]
+  second = _per_shard_sums(
+    pass_2,
+    sharding,
+    impl,
+    [
+      (u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype))
+      for u, v, g, s in zip(us, vs, gs, small, strict=True)
+    ],
+    ("u", "rows", "rows", "small", "block"),
+    ("small", "block", "block", "block", "rows"),
+  )
   p1s = [p1 for *_, p1 in second]
   for s, (*sums, _), (q, sigma) in zip(small, second, factors, strict=True):
     c2u, pp, pg, vv = up(*sums)
@@ -511,6 +514,18 @@ def _per_shard(fn, sharding, impl, args, kinds, out_kinds):
   spec = _shard_spec(sharding, impl, args[0])
   if not spec:
     return fn(*args)
+  return jax.shard_map(
+    functools.partial(fn, axis=spec[1]),
+    mesh=sharding.mesh,
+    in_specs=_specs(spec, kinds),
+    out_specs=_specs(spec, out_kinds),
+    check_vma=False,
+  )(*args)
+
+
+def _specs(spec, kinds):
+  """The ``PartitionSpec`` of each layout in ``kinds`` (one name or a tuple of them; see
+  :func:`_per_shard`) for a bucket split as ``spec`` (members, rows)."""
   members, rows = spec[0], spec[1]
   layouts = {
     "u": P(members, rows, None),
@@ -519,16 +534,66 @@ def _per_shard(fn, sharding, impl, args, kinds, out_kinds):
     "square": P(members, None, None),
     "block": P(members),
   }
-  specs = lambda names: (  # noqa: E731
-    layouts[names] if isinstance(names, str) else tuple(layouts[n] for n in names)
-  )
-  return jax.shard_map(
-    functools.partial(fn, axis=rows),
+  return layouts[kinds] if isinstance(kinds, str) else tuple(layouts[n] for n in kinds)
+
+
+# Layouts of results that are sums over a bucket's rows (a pass's tau-vectors and norms).
+_SUMS = ("small", "square", "block")
+
+
+def _per_shard_sums(fn, sharding, impl, bucket_args, kinds, out_kinds) -> list:
+  """``[fn(*args) for args in bucket_args]`` for a pass whose results of layouts ``_SUMS`` are
+  sums over the rows, as :func:`_per_shard` runs it per bucket, but the buckets whose passes
+  run per device all in one ``shard_map``, their sums added over the devices in one ``psum``
+  (per mesh axis and dtype) instead of one per bucket and sum: XLA's combiner merged only some
+  of those, and each all-reduce is a latency-bound collective (2x H200, split state: 14
+  all-reduces a step and device against the replicated state's 4). ``fn`` is called without
+  ``axis`` (each device's partial sums)."""
+  outs: list = [None] * len(bucket_args)
+  split = []
+  for b, args in enumerate(bucket_args):
+    spec = _shard_spec(sharding, impl, args[0])
+    if spec:
+      split.append((b, spec))
+    else:
+      outs[b] = fn(*args)
+  if not split:
+    return outs
+  axes = [spec[1] for _, spec in split]
+
+  def per_device(*per_bucket):
+    return _summed_over_devices([fn(*args) for args in per_bucket], axes, out_kinds)
+
+  mapped = jax.shard_map(
+    per_device,
     mesh=sharding.mesh,
-    in_specs=specs(kinds),
-    out_specs=specs(out_kinds),
+    in_specs=tuple(_specs(spec, kinds) for _, spec in split),
+    out_specs=[_specs(spec, out_kinds) for _, spec in split],
     check_vma=False,
-  )(*args)
+  )(*(tuple(bucket_args[b]) for b, _ in split))
+  for (b, _), out in zip(split, mapped, strict=True):
+    outs[b] = out
+  return outs
+
+
+def _summed_over_devices(results, axes, out_kinds) -> list[tuple]:
+  """Inside ``shard_map``: each bucket's ``results`` with those of layouts ``_SUMS`` added
+  over its rows' mesh axis (``axes``; None: its rows are all here), joined into one vector per
+  (axis, dtype) for one ``psum``."""
+  results = [list(r) for r in results]
+  groups: dict = defaultdict(list)
+  for b, axis in enumerate(axes):
+    if axis is not None:
+      for i, kind in enumerate(out_kinds):
+        if kind in _SUMS:
+          groups[axis, results[b][i].dtype].append((b, i))
+  for (axis, _), where in groups.items():
+    parts = [results[b][i] for b, i in where]
+    total = jax.lax.psum(jnp.concatenate([x.ravel() for x in parts]), axis)
+    cuts = np.cumsum([x.size for x in parts])[:-1].tolist()
+    for (b, i), x, y in zip(where, parts, jnp.split(total, cuts), strict=True):
+      results[b][i] = y.reshape(x.shape)
+  return [tuple(r) for r in results]
 
 
 def _before_residual(cu, yu, l1, q):

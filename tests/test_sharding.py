@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -274,6 +275,9 @@ def _pallas_on_shards(params, like, mesh) -> dict:
     a.sharding.is_equivalent_to(b, a.ndim)
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(shardings))
   )
+  # The devices' sums of passes 1 and 2, each pass's in one all-reduce for all buckets.
+  g, d = like(), like()
+  psums = len(re.findall(r"\bpsum\[", str(jax.make_jaxpr(update_p)(sharded, g, d))))
   reorth = jax.jit(
     functools.partial(ginger.reorthonormalise, passes="pallas", sharding=split),
     in_shardings=(shardings,),
@@ -282,6 +286,11 @@ def _pallas_on_shards(params, like, mesh) -> dict:
   return {
     "max_rel_error": err,
     "kept": kept,
+    "split_buckets": sum(
+      any(a is not None for a in split.spec(u.shape))
+      for u in _inner(sharded, ginger.ScaleByGingerState).u.stacks
+    ),
+    "psums": psums,
     "reorthonormalised": _reorthonormalised(sharded, shardings, reorth),
   }
 
@@ -412,6 +421,9 @@ def test_sharded_optimizer_state_on_four_devices(four_devices):
   # state the same as theirs. A shard's sums not added over the devices: 1e-2.
   pallas = result["pallas"]
   assert pallas["kept"] and pallas["max_rel_error"] < 1e-4, pallas
+  # One all-reduce per pass for all split buckets (one per bucket and sum was 7 a bucket: on
+  # GPUs each a latency-bound collective).
+  assert pallas["split_buckets"] >= 2 and pallas["psums"] == 2, pallas
   reorth = pallas["reorthonormalised"]
   assert reorth["kept"], reorth
   assert reorth["orthonormality"] < 1e-5 and reorth["max_rel_error"] < 1e-4, reorth
