@@ -38,6 +38,7 @@ import ginger
 from ginger import _common, kernels
 
 PASSES = (
+  "project",
   "project_pair",
   "residual_sums",
   "rotate_and_precondition",
@@ -54,7 +55,7 @@ def gamma_n(n: int, dtype) -> float:
 
 
 def random_inputs(seed: int, m: int, n: int, k: int, dtype=jnp.float32) -> dict:
-  """Operands of all four passes, in the ranges a step produces (``inv_l1 = 1 / sum |v|``,
+  """Operands of every pass, in the ranges a step produces (``inv_l1 = 1 / sum |v|``,
   ``sigma >= 0`` with trailing zeros, ``gamma > 0``)."""
   rng = np.random.default_rng(seed)
   normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
@@ -80,6 +81,8 @@ def random_inputs(seed: int, m: int, n: int, k: int, dtype=jnp.float32) -> dict:
 
 def call(name: str, x: dict, **kw):
   fn = getattr(kernels, name)
+  if name == "project":
+    return fn(x["u"], x["g"], **kw)
   if name == "project_pair":
     return fn(x["u"], x["v"], x["g"], **kw)
   if name == "residual_sums":  # with p1, the fifth output
@@ -105,6 +108,8 @@ def bounds(name: str, x: dict, rows: int | None = None) -> list[tuple[np.ndarray
   n = u.shape[-2] if rows is None else rows
   ut = lambda w: np.einsum("...nk,...n->...k", u, w)  # noqa: E731  |U|^T w
   ua = lambda a: np.einsum("...nk,...k->...n", u, a)  # noqa: E731  |U| a
+  if name == "project":
+    return [(ut(g), n)]
   if name == "project_pair":
     return [(ut(v), n), (ut(g), n), (v.sum(-1), n)]
   if name == "rotate_from_residual":

@@ -325,18 +325,26 @@ def scale_by_ginger(
     impl = kernels.resolve_impl(passes, None)  # on the backend the step is traced for
     if fisher_grads is None and curvature_every > 1:  # no curvature update this step
       sigmas = _sigma_stacks(layout, state.sigma, block)
+      kw = dict(impl=impl[0], interpret=impl[1])
+      # U^T g of all buckets first, so that a split state adds them over devices at once.
+      ys = _per_shard_sums(
+        lambda u, g, axis=None: (kernels.project(u, g, axis=axis, **kw),),
+        sharding,
+        impl[0],
+        list(zip(us, gs, strict=True)),
+        ("u", "rows"),
+        ("small",),
+      )
       outs = [
         _per_shard(
-          lambda u, s, g, axis=None: kernels.precondition(
-            u, s, g, gamma, impl=impl[0], interpret=impl[1], axis=axis
-          ),
+          lambda u, s, g, y, axis=None: kernels.precondition(u, s, g, gamma, uT_g=y, **kw),
           sharding,
           impl[0],
-          (u, s, g),
-          ("u", "small", "rows"),
+          (u, s, g, y),
+          ("u", "small", "rows", "small"),
           "rows",
         )
-        for u, s, g in zip(us, sigmas, gs, strict=True)
+        for u, s, g, (y,) in zip(us, sigmas, gs, ys, strict=True)
       ]
       new_state = state._replace(mu=mu, mu_count=mu_count)
       return _common.unflatten_like(_common.scatter(layout, rows(outs, us)), updates), new_state

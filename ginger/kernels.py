@@ -367,8 +367,9 @@ def _psum(x, axis):
   return x if axis is None else jax.lax.psum(x, axis)
 
 
-def _precondition_jnp(u, sigma, g, gamma, axis=None):
-  z = sigma / (gamma[..., None] + sigma) * _psum(_row_sums(u, [g])[..., 0], axis)
+def _precondition_jnp(u, sigma, g, gamma, y=None, axis=None):
+  y = _psum(_row_sums(u, [g])[..., 0], axis) if y is None else y.astype(u.dtype)
+  z = sigma / (gamma[..., None] + sigma) * y
   return (g - _rowdot(u, z)) / gamma[..., None]
 
 
@@ -713,10 +714,13 @@ def _correct_kernel(t: _Tiles):
   return kernel
 
 
-def _precondition_pallas(u, sigma, g, gamma, interpret, tile=None, steps=None, axis=None):
+def _precondition_pallas(
+  u, sigma, g, gamma, y=None, *, interpret, tile=None, steps=None, axis=None
+):  # fmt: skip
   m, n, k = u.shape
-  (y,), _ = _row_sums_pallas(u, [g], False, interpret, tile, steps)
-  y = _psum(y, axis)
+  if y is None:
+    (y,), _ = _row_sums_pallas(u, [g], False, interpret, tile, steps)
+    y = _psum(y, axis)
   dtype = compute_dtype(u.dtype)
   z = (sigma.astype(dtype) / (gamma.astype(dtype)[:, None] + sigma.astype(dtype)) * y).astype(
     u.dtype
@@ -872,20 +876,44 @@ def rotate_from_residual(
   )
 
 
+def project(u, g, *, impl="auto", interpret=None, tile=None, steps=None, axis=None):
+  """``U^T g`` per block (one read of ``U``), in the compute dtype (:func:`compute_dtype`):
+  :func:`precondition`'s first half, for callers that add it over devices themselves.
+  ``u``: ``(..., n, k)``; ``g``: ``(..., n)``; returns ``(..., k)``. ``axis``: as in
+  :func:`project_pair`."""
+  _check(u, {"g": g})
+  impl, interpret = resolve_impl(impl, interpret)
+  if impl == "jnp":  # widened exactly from U's dtype, which _precondition_jnp rounds back to
+    return _psum(_row_sums(u, [g])[..., 0].astype(compute_dtype(u.dtype)), axis)
+  lead = u.shape[:-2]
+  (y,), _ = _row_sums_pallas(
+    _flat(u, len(lead)), [_flat(g, len(lead))], False, interpret, tile, steps
+  )
+  return _psum(y.reshape(lead + y.shape[1:]), axis)
+
+
 def precondition(
-  u, sigma, g, gamma, *, impl="auto", interpret=None, tile=None, steps=None, axis=None
-):
+  u, sigma, g, gamma, *, uT_g=None, impl="auto", interpret=None, tile=None, steps=None,
+  axis=None,
+):  # fmt: skip
   """``G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma`` with ``U`` as it is
   (a step without a curvature update): two reads of ``U``. ``sigma``: ``(..., k)``.
-  ``axis``: rows split along this mesh axis, ``U^T g`` added over it (see
+  ``uT_g``: ``U^T g`` where the caller has it (:func:`project`, e.g. added over devices):
+  then one read. ``axis``: rows split along this mesh axis, ``U^T g`` added over it (see
   :func:`project_pair`)."""
   _check(u, {"g": g}, {"sigma": sigma})
+  extra = () if uT_g is None else (uT_g,)
+  if uT_g is not None and (uT_g.shape != sigma.shape or uT_g.dtype != compute_dtype(u.dtype)):
+    raise ValueError(
+      f"uT_g must have shape {sigma.shape} and dtype {compute_dtype(u.dtype)} (as project "
+      f"returns it; u is {u.shape} {u.dtype}), got {uT_g.shape} {uT_g.dtype}."
+    )
   gamma = _scalar("gamma", gamma, u)
   return _dispatch(
     functools.partial(_precondition_jnp, axis=axis),
     functools.partial(_precondition_pallas, axis=axis),
     u,
-    (sigma, g, gamma),
+    (sigma, g, gamma, *extra),
     impl,
     interpret,
     tile,
@@ -902,6 +930,7 @@ __all__ = [
   "ROTATE_TILE_ROWS",
   "ROW_BLOCK_ELEMENTS",
   "precondition",
+  "project",
   "project_pair",
   "residual_sums",
   "resolve_impl",

@@ -41,7 +41,7 @@ def assert_close(name: str, x: dict, got, want, dtype=jnp.float32, extra: int = 
 
 
 def both(x: dict, tile: int, steps: int):
-  """All four passes, jnp and interpreted Pallas, in one jitted function (one compilation)."""
+  """Every pass, jnp and interpreted Pallas, in one jitted function (one compilation)."""
 
   def run(x):
     ref = {name: call(name, x, impl="jnp") for name in PASSES}
@@ -116,6 +116,29 @@ def test_pass_three_in_sixteen_lanes_matches_reference(monkeypatch):
   ref, got = both(x, tile=16, steps=2)
   for name in PASSES:
     assert_close(name, x, got[name], ref[name])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_precondition_from_its_first_half(impl, dtype):
+  """``precondition(..., uT_g=project(u, g))`` (how a split state adds ``U^T g`` of all
+  buckets over the devices at once) is ``precondition`` itself: the same operations, split in
+  two; bit for bit with the kernels, to float32 rounding with the jnp passes (XLA may fuse the
+  halves otherwise: the tests' bound)."""
+  x = random_inputs(7, 2, 45, 5, dtype)
+  kw = dict(impl=impl, interpret=True, tile=16, steps=2)
+  args = (x["u"], x["sigma"], x["g"], x["gamma"])
+
+  def both(x):
+    whole = kernels.precondition(*args, **kw)
+    return whole, kernels.precondition(*args, uT_g=kernels.project(x["u"], x["g"], **kw), **kw)
+
+  whole, halves = jax.jit(both)(x)
+  if impl == "pallas":
+    np.testing.assert_array_equal(np.asarray(halves, np.float32), np.asarray(whole, np.float32))
+  assert_close("precondition", x, halves, whole, dtype, extra=int(dtype == jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"uT_g must have shape \(2, 5\)"):
+    kernels.precondition(*args, uT_g=x["g"], **kw)
 
 
 def test_bfloat16_state():
