@@ -328,7 +328,7 @@ def scale_by_ginger(
       kw = dict(impl=impl[0], interpret=impl[1])
       # U^T g of all buckets first, so that a split state adds them over devices at once.
       ys = _per_shard_sums(
-        lambda u, g, axis=None: (kernels.project(u, g, axis=axis, **kw),),
+        lambda u, g: (kernels.project(u, g, **kw),),
         sharding,
         impl[0],
         list(zip(us, gs, strict=True)),
@@ -337,7 +337,7 @@ def scale_by_ginger(
       )
       outs = [
         _per_shard(
-          lambda u, s, g, y, axis=None: kernels.precondition(u, s, g, gamma, uT_g=y, **kw),
+          lambda u, s, g, y: kernels.precondition(u, s, g, gamma, uT_g=y, **kw),
           sharding,
           impl[0],
           (u, s, g, y),
@@ -425,14 +425,8 @@ def brand_step(
   up = lambda *xs: [x.astype(compute) for x in xs]  # noqa: E731
   qs = [q for q, _ in factors]
 
-  def pass_1(u, v, g, axis=None):
-    return kernels.project_pair(u, v, g, axis=axis, **kw)
-
-  def pass_2(u, v, g, a1, inv_l1, axis=None):
-    return kernels.residual_sums(u, v, g, a1, inv_l1, with_p1=True, axis=axis, **kw)
-
   first = _per_shard_sums(
-    pass_1,
+    functools.partial(kernels.project_pair, **kw),
     sharding,
     impl,
     list(zip(us, vs, gs, strict=True)),
@@ -441,7 +435,7 @@ def brand_step(
   )
   small = [_before_residual(*up(*sums), q) for sums, q in zip(first, qs, strict=True)]
   second = _per_shard_sums(
-    pass_2,
+    functools.partial(kernels.residual_sums, with_p1=True, **kw),
     sharding,
     impl,
     [
@@ -493,11 +487,7 @@ def _rotate(u, p1, g, smalls, gamma, first, sharding, kw):
     )  # fmt: skip
   mine = [x[first : first + u.shape[0]] for x in smalls]
   gamma = jnp.broadcast_to(jnp.asarray(gamma, u.dtype), u.shape[:1])
-
-  def rotate(u, p1, g, a2, inv_r, rot, b, z, gamma, axis=None):
-    del axis  # row-local
-    return kernels.rotate_from_residual(u, p1, g, a2, inv_r, rot, b, z, gamma, **kw)
-
+  rotate = functools.partial(kernels.rotate_from_residual, **kw)
   kinds = ("u", "rows", "rows", "small", "block", "square", "small", "small", "block")
   return _per_shard(rotate, sharding, kw["impl"], (u, p1, g, *mine, gamma), kinds, ("u", "rows"))
 
@@ -511,19 +501,18 @@ def _shard_spec(sharding, impl: str, u) -> tuple:
 
 
 def _per_shard(fn, sharding, impl, args, kinds, out_kinds):
-  """``fn(*args, axis=...)`` for one bucket (``args[0]`` its ``U``, ``(members, rows,
-  rank)``), run on each device's shard of it under ``shard_map`` where its passes run per
-  device (:func:`_shard_spec`), with ``axis`` the mesh axis of its rows (the kernels add
-  their sums over it; None when the members, not the rows, are split); else ``fn(*args)``
-  as it is. ``kinds`` and ``out_kinds`` name the operands' and results' layouts: ``"u"``
-  like ``U``, ``"rows"`` ``(members, rows)``, ``"small"`` ``(members, rank)``,
-  ``"square"`` ``(members, rank, rank)``, ``"block"`` ``(members,)``: split as ``U``'s
-  members and rows are."""
+  """``fn(*args)`` for one bucket (``args[0]`` its ``U``, ``(members, rows, rank)``), run on
+  each device's shard of it under ``shard_map`` where its passes run per device
+  (:func:`_shard_spec`); else as it is. ``fn`` must be row-local (pass 3, the second half of
+  preconditioning): a pass that sums over the rows runs in :func:`_per_shard_sums`.
+  ``kinds`` and ``out_kinds`` name the operands' and results' layouts: ``"u"`` like ``U``,
+  ``"rows"`` ``(members, rows)``, ``"small"`` ``(members, rank)``, ``"square"`` ``(members,
+  rank, rank)``, ``"block"`` ``(members,)``: split as ``U``'s members and rows are."""
   spec = _shard_spec(sharding, impl, args[0])
   if not spec:
     return fn(*args)
   return jax.shard_map(
-    functools.partial(fn, axis=spec[1]),
+    fn,
     mesh=sharding.mesh,
     in_specs=_specs(spec, kinds),
     out_specs=_specs(spec, out_kinds),
@@ -555,8 +544,9 @@ def _per_shard_sums(fn, sharding, impl, bucket_args, kinds, out_kinds) -> list:
   run per device all in one ``shard_map``, their sums added over the devices in one ``psum``
   (per mesh axis and dtype) instead of one per bucket and sum: XLA's combiner merged only some
   of those, and each all-reduce is a latency-bound collective (2x H200, split state: 14
-  all-reduces a step and device against the replicated state's 4). ``fn`` is called without
-  ``axis`` (each device's partial sums)."""
+  all-reduces a step and device against the replicated state's 4). Under ``shard_map``
+  ``fn`` gives each device's partial sums over its own rows; ``kinds``, ``out_kinds``: the
+  layouts, as for :func:`_per_shard`."""
   outs: list = [None] * len(bucket_args)
   split = []
   for b, args in enumerate(bucket_args):

@@ -361,14 +361,8 @@ def _rotate_and_precondition_jnp(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamm
   )
 
 
-def _psum(x, axis):
-  """``x`` summed over the mesh ``axis`` the rows are split along (inside ``shard_map``), or
-  ``x`` itself (``axis`` None: every row is here)."""
-  return x if axis is None else jax.lax.psum(x, axis)
-
-
-def _precondition_jnp(u, sigma, g, gamma, y=None, axis=None):
-  y = _psum(_row_sums(u, [g])[..., 0], axis) if y is None else y.astype(u.dtype)
+def _precondition_jnp(u, sigma, g, gamma, y=None):
+  y = _row_sums(u, [g])[..., 0] if y is None else y.astype(u.dtype)
   z = sigma / (gamma[..., None] + sigma) * y
   return (g - _rowdot(u, z)) / gamma[..., None]
 
@@ -714,13 +708,10 @@ def _correct_kernel(t: _Tiles):
   return kernel
 
 
-def _precondition_pallas(
-  u, sigma, g, gamma, y=None, *, interpret, tile=None, steps=None, axis=None
-):  # fmt: skip
+def _precondition_pallas(u, sigma, g, gamma, y=None, *, interpret, tile=None, steps=None):
   m, n, k = u.shape
   if y is None:
     (y,), _ = _row_sums_pallas(u, [g], False, interpret, tile, steps)
-    y = _psum(y, axis)
   dtype = compute_dtype(u.dtype)
   z = (sigma.astype(dtype) / (gamma.astype(dtype)[:, None] + sigma.astype(dtype)) * y).astype(
     u.dtype
@@ -753,14 +744,11 @@ def _dispatch(jnp_fn, pallas_fn, u, arrays, impl, interpret, tile, steps):
   return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]).astype(u.dtype), outs)
 
 
-def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None, axis=None):
+def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None):
   """Pass 1 (reads ``U``): ``(U^T v, U^T g, sum |v|)`` per block.
 
   ``u``: ``(..., n, k)``; ``v, g``: ``(..., n)``. Returns ``(..., k)``, ``(..., k)``, ``(...)``.
   ``tile`` / ``steps`` (pallas only) override the rows per tile / tiles per program.
-  ``axis``: inside ``shard_map``, the mesh axis the rows are split along: each device passes
-  over its own rows and the sums are added over ``axis`` (``psum``), as here for
-  :func:`residual_sums` and :func:`precondition`; pass 3 is row-local and needs none.
   """
   _check(u, {"v": v, "g": g})
 
@@ -768,25 +756,22 @@ def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None,
     (cv, cg), l1 = _row_sums_pallas(u, [v, g], True, **kw)
     return cv, cg, l1
 
-  sums = _dispatch(_project_pair_jnp, pallas_fn, u, (v, g), impl, interpret, tile, steps)
-  return tuple(_psum(x, axis) for x in sums)
+  return _dispatch(_project_pair_jnp, pallas_fn, u, (v, g), impl, interpret, tile, steps)
 
 
 def residual_sums(
-  u, v, g, a, inv_l1, *, with_p1=False, impl="auto", interpret=None, tile=None, steps=None,
-  axis=None,
-):  # fmt: skip
+  u, v, g, a, inv_l1, *, with_p1=False, impl="auto", interpret=None, tile=None, steps=None
+):
   """Pass 2 (reads ``U``): with ``p1 = (v - U a) inv_l1``, ``(U^T p1, ||p1||^2, p1 . g,
   ||v inv_l1||^2)`` per block. ``a``: ``(..., k)``; ``inv_l1``: ``(...)`` or a scalar.
 
   ``with_p1``: also return ``p1`` itself (``(..., n)``, one more vector written) for
   :func:`rotate_from_residual`, so that pass 3 subtracts ``U c2`` from the very ``p1`` whose
   ``c2 = U^T p1`` was measured here by construction, not by two kernels compiling alike.
-  ``axis``: rows split along this mesh axis, the sums added over it (see :func:`project_pair`).
   """
   _check(u, {"v": v, "g": g}, {"a": a})
   inv_l1 = _scalar("inv_l1", inv_l1, u)
-  out = _dispatch(
+  return _dispatch(
     functools.partial(_residual_sums_jnp, with_p1=with_p1),
     functools.partial(_residual_sums_pallas, with_p1=with_p1),
     u,
@@ -796,7 +781,6 @@ def residual_sums(
     tile,
     steps,
   )
-  return tuple(_psum(x, axis) for x in out[:4]) + tuple(out[4:])
 
 
 def rotate_and_precondition(
@@ -876,31 +860,28 @@ def rotate_from_residual(
   )
 
 
-def project(u, g, *, impl="auto", interpret=None, tile=None, steps=None, axis=None):
+def project(u, g, *, impl="auto", interpret=None, tile=None, steps=None):
   """``U^T g`` per block (one read of ``U``), in the compute dtype (:func:`compute_dtype`):
   :func:`precondition`'s first half, for callers that add it over devices themselves.
-  ``u``: ``(..., n, k)``; ``g``: ``(..., n)``; returns ``(..., k)``. ``axis``: as in
-  :func:`project_pair`."""
+  ``u``: ``(..., n, k)``; ``g``: ``(..., n)``; returns ``(..., k)``."""
   _check(u, {"g": g})
   impl, interpret = resolve_impl(impl, interpret)
   if impl == "jnp":  # widened exactly from U's dtype, which _precondition_jnp rounds back to
-    return _psum(_row_sums(u, [g])[..., 0].astype(compute_dtype(u.dtype)), axis)
+    return _row_sums(u, [g])[..., 0].astype(compute_dtype(u.dtype))
   lead = u.shape[:-2]
   (y,), _ = _row_sums_pallas(
     _flat(u, len(lead)), [_flat(g, len(lead))], False, interpret, tile, steps
   )
-  return _psum(y.reshape(lead + y.shape[1:]), axis)
+  return y.reshape(lead + y.shape[1:])
 
 
 def precondition(
-  u, sigma, g, gamma, *, uT_g=None, impl="auto", interpret=None, tile=None, steps=None,
-  axis=None,
-):  # fmt: skip
+  u, sigma, g, gamma, *, uT_g=None, impl="auto", interpret=None, tile=None, steps=None
+):
   """``G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma`` with ``U`` as it is
   (a step without a curvature update): two reads of ``U``. ``sigma``: ``(..., k)``.
   ``uT_g``: ``U^T g`` where the caller has it (:func:`project`, e.g. added over devices):
-  then one read. ``axis``: rows split along this mesh axis, ``U^T g`` added over it (see
-  :func:`project_pair`)."""
+  then one read."""
   _check(u, {"g": g}, {"sigma": sigma})
   extra = () if uT_g is None else (uT_g,)
   if uT_g is not None and (uT_g.shape != sigma.shape or uT_g.dtype != compute_dtype(u.dtype)):
@@ -910,8 +891,8 @@ def precondition(
     )
   gamma = _scalar("gamma", gamma, u)
   return _dispatch(
-    functools.partial(_precondition_jnp, axis=axis),
-    functools.partial(_precondition_pallas, axis=axis),
+    _precondition_jnp,
+    _precondition_pallas,
     u,
     (sigma, g, gamma, *extra),
     impl,
