@@ -344,16 +344,6 @@ def test_config_passes_is_checked_up_front():
     check_config(_config("passes=triton"), overrides=())
 
 
-def test_sharded_over_resolves_all_devices():
-  from training.config_check import sharded_over
-
-  sharded = {"data": -1, "model": 1, "shard_optimizer_state": True}
-  assert sharded_over(sharded, devices=1) == 1
-  assert sharded_over(sharded, devices=4) == 4
-  assert sharded_over({**sharded, "data": 2, "model": 2}) == 4
-  assert sharded_over({**sharded, "shard_optimizer_state": False}, 4) == 1
-
-
 @pytest.mark.parametrize(
   ("mesh", "expected"),
   [

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -266,20 +266,6 @@ def _check_optimizer(c: _Checker) -> str | None:
   return name
 
 
-def sharded_over(mesh, devices: int | None = None) -> int:
-  """The number of devices a run's optimizer state is split over (the config's ``mesh``
-  node): 1 for a replicated state (``mesh.shard_optimizer_state=false``) or one device.
-  ``devices`` resolves ``mesh.data=-1`` (unknown here: only explicit sizes count)."""
-  mesh = mesh if isinstance(mesh, Mapping) else {}
-  if not mesh.get("shard_optimizer_state", True):
-    return 1
-  data, model = mesh.get("data", -1), mesh.get("model", 1)
-  if not (_is_int(data) and _is_int(model)):
-    return 1  # reported by their own checks
-  size = data * model if data != -1 else (devices if devices is not None else model)
-  return max(int(size), 1)
-
-
 def _check_curvature_every(c: _Checker, name: str) -> None:
   # Absent or null: 1 (a run's config from before the key ran every step).
   value = c.get("curvature_every")
@@ -417,5 +403,4 @@ __all__ = [
   "check_config",
   "ignored_settings",
   "override_keys",
-  "sharded_over",
 ]
