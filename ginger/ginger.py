@@ -311,6 +311,9 @@ def scale_by_ginger(
       return list(xs)
     return [sharding.constrain(x, u.shape) for x, u in zip(xs, us, strict=True)]
 
+  def whole(xs):
+    return list(xs) if sharding is None else sharding.replicate(list(xs))
+
   def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):
     del params, extra_args
     if sharding is not None:
@@ -347,7 +350,7 @@ def scale_by_ginger(
         for u, s, g, (y,) in zip(us, sigmas, gs, ys, strict=True)
       ]
       new_state = state._replace(mu=mu, mu_count=mu_count)
-      return _common.unflatten_like(_common.scatter(layout, rows(outs, us)), updates), new_state
+      return _common.unflatten_like(_common.scatter(layout, whole(outs)), updates), new_state
     vs = rows(
       _common.gather(layout, _common.fisher_vectors(updates, fisher_grads, state_dtype)), us
     )
@@ -368,7 +371,7 @@ def scale_by_ginger(
       us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1],
       sharding=sharding,
     )  # fmt: skip
-    new_us, outs = rows(new_us, us), rows(outs, us)
+    new_us, outs = rows(new_us, us), whole(outs)
     if block == "per_tensor":
       sigma = StackedSigma(new_sigmas, layout)
     else:
