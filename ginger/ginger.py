@@ -312,6 +312,8 @@ def scale_by_ginger(
     return [sharding.constrain(x, u.shape) for x, u in zip(xs, us, strict=True)]
 
   def whole(xs):
+    """The update's stacks gathered on every device before its leaves are sliced out: sliced
+    from split stacks, a leaf ending inside a device's rows costs a collective-permute."""
     return list(xs) if sharding is None else sharding.replicate(list(xs))
 
   def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):

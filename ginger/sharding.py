@@ -9,9 +9,12 @@ device mesh, replicate the small ones (``sigma``, counts, Brand's ``(k+1) x (k+1
 Inside the step the optimizer's own temporaries follow the same rule when it is told where the
 state lives (``ginger.ginger(..., sharding=ginger.sharding.StateSharding(mesh, "data"))``): the
 stacked ``g`` and ``d`` are pinned to the rows of ``U`` each device holds, and so is the update
-until it is scattered back to the (replicated) parameters. Without that, XLA's partitioner sees
-params-shaped vectors meet row-split bases and re-lays them out with all-gathers and
-collective-permutes (about twice the bytes of a replicated state per step, bench/RESULTS.md).
+as the passes make it; then it is gathered whole, stack by stack, before the leaves are sliced
+out of it. Without the first, XLA's partitioner sees params-shaped vectors meet row-split bases
+and re-lays them out with all-gathers and collective-permutes (about twice the bytes of a
+replicated state per step, bench/RESULTS.md); without the second, slicing a leaf that ends
+inside a device's rows out of the split update sends its edges between neighbours (a
+collective-permute per slice, one after the other).
 
 The rule is generic, so it holds whatever layout the state has (per-leaf ``(d, tau)`` bases,
 stacked ``(members, rows, tau)`` buckets, params-shaped momenta): an array of at least
