@@ -13,13 +13,18 @@ high-water mark, the optimizer state). ``--batchnorm per_device`` runs with
 all-reduce; at 1 device the same as ``sync``). ``--profile N`` traces N steps of every run
 and prints where each device's time goes (:mod:`bench.profile_summary`: kernels, collectives
 hidden behind them or exposed, idle gaps). ``--extra`` passes more overrides to every run (e.g.
-``curvature_every=16``, the race's Ginger).
+``curvature_every=16``, the race's Ginger). ``--repeat R`` runs the whole set R times, round
+after round (so that a host's drift between calls reaches every configuration alike: Adam's
+4-GPU step on one 4x H200 host took 5.5 to 7.0 ms from one call to the next), prints each
+run's row as it finishes (efficiency against the same round's 1-device run) and then a table
+of the medians over the rounds, with every round's step time.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 from pathlib import Path
 
 from bench import profile_summary, train_step
@@ -28,6 +33,9 @@ RUNS = ("adam", "ginger tau=8 (d-pass: shared forward)")
 HEADER = (
   "| optimizer | devices | optimizer state | ms/step | images/s | efficiency "
   f"| {train_step.MEMORY_HEADER} |"
+)
+MEDIAN_HEADER = (
+  "| optimizer | devices | optimizer state | ms/step | images/s | efficiency | ms/step each round |"
 )
 
 
@@ -63,7 +71,16 @@ def main(argv=None) -> None:
     help="trace N steps of every run (ending 10 steps before the last) and print, after the "
     "table, where each device's time goes (bench.profile_summary)",
   )
+  parser.add_argument(
+    "--repeat",
+    type=int,
+    default=1,
+    metavar="R",
+    help="run every configuration R times, round after round, then print the medians",
+  )
   args = parser.parse_args(argv)
+  if args.repeat < 1:
+    parser.error(f"--repeat {args.repeat}: must be >= 1")
   if 1 not in args.devices:
     parser.error("--devices must include 1 (the efficiency baseline)")
   if args.profile < 0 or (args.profile and args.steps < args.profile + 20):
@@ -77,52 +94,86 @@ def main(argv=None) -> None:
   )
   print(HEADER)
   print("|---" * (HEADER.count("|") - 1) + "|", flush=True)
-  single: dict[str, float] = {}
+  configs = [
+    (name, n, shard)
+    for name in args.runs
+    for n in sorted(args.devices)
+    for shard in ((True, False) if n > 1 else (True,))
+  ]
+  runs: dict[tuple, list[tuple[float, float]]] = {config: [] for config in configs}
   traced: list[tuple[str, Path]] = []
-  summary = {}
-  for name in args.runs:
-    for n in sorted(args.devices):
-      for shard in (True, False) if n > 1 else (True,):
-        extra = [
-          f"mesh.data={n}",
-          f"batch_size={n * args.per_device_batch}",
-          f"mesh.shard_optimizer_state={str(shard).lower()}",
-        ]
-        out = args.out / f"d{n}_{'sharded' if shard else 'replicated'}"
-        if args.batchnorm != "sync":
-          extra.append(f"batchnorm={args.batchnorm}")
-          out = out.with_name(f"{out.name}_bn_{args.batchnorm}")
-        if args.profile:
-          start = args.steps - args.profile - 10
-          extra += [f"profile_steps={args.profile}", f"profile_start={start}"]
-          traced.append(
-            (f"{name}, {n} devices, {out.name}", out / "resnet18" / train_step.run_dir_name(name))
-          )
-        summary = train_step.run(
-          "resnet18", name, args.data, args.steps, out, args.timeout, extra + args.extra
+  last = {}  # the last run that finished: its device and versions close the table
+  for round_ in range(args.repeat):
+    single: dict[str, float] = {}  # this round's 1-device images/s of each optimizer
+    for name, n, shard in configs:
+      extra = [
+        f"mesh.data={n}",
+        f"batch_size={n * args.per_device_batch}",
+        f"mesh.shard_optimizer_state={str(shard).lower()}",
+      ]
+      out = args.out / f"d{n}_{'sharded' if shard else 'replicated'}"
+      if args.batchnorm != "sync":
+        extra.append(f"batchnorm={args.batchnorm}")
+        out = out.with_name(f"{out.name}_bn_{args.batchnorm}")
+      if args.repeat > 1:
+        out = out.with_name(f"{out.name}_round{round_}")
+      if args.profile:
+        start = args.steps - args.profile - 10
+        extra += [f"profile_steps={args.profile}", f"profile_start={start}"]
+        traced.append(
+          (f"{name}, {n} devices, {out.name}", out / "resnet18" / train_step.run_dir_name(name))
         )
-        layout = "sharded" if shard and n > 1 else "replicated"
-        if not summary:
-          print(
-            f"| {name} | {n} | {layout} | failed |" + " |" * (HEADER.count("|") - 5), flush=True
-          )
-          continue
-        rate = summary["examples_per_s"]
-        if n == 1:
-          single[name] = rate
-        eff = f"{rate / (n * single[name]):.1%}" if name in single else ""
-        print(
-          f"| {name} | {n} | {layout} | {1e3 * summary['step_time_s']:.2f} | {rate:.0f} "
-          f"| {eff} | {train_step.memory_cells(summary)} |",
-          flush=True,
-        )
-  print(f"device={summary.get('device')} versions={summary.get('versions')}")
+      summary = train_step.run(
+        "resnet18", name, args.data, args.steps, out, args.timeout, extra + args.extra
+      )
+      layout = "sharded" if shard and n > 1 else "replicated"
+      if not summary:
+        print(f"| {name} | {n} | {layout} | failed |" + " |" * (HEADER.count("|") - 5), flush=True)
+        continue
+      last, rate = summary, summary["examples_per_s"]
+      runs[(name, n, shard)].append((rate, summary["step_time_s"]))
+      if n == 1:
+        single[name] = rate
+      eff = f"{rate / (n * single[name]):.1%}" if name in single else ""
+      print(
+        f"| {name} | {n} | {layout} | {1e3 * summary['step_time_s']:.2f} | {rate:.0f} "
+        f"| {eff} | {train_step.memory_cells(summary)} |",
+        flush=True,
+      )
+  if args.repeat > 1:
+    print_medians(configs, runs, args.repeat)
+  print(f"device={last.get('device')} versions={last.get('versions')}")
   for label, run_dir in traced:
     print(f"\n## Profile: {label}")
     try:
       profile_summary.main([str(run_dir), "--steps", str(args.profile)])
     except SystemExit as e:  # a run that failed has no trace: say so, go on
       print(e)
+
+
+def print_medians(configs, runs: dict, rounds: int) -> None:
+  """The table of medians over the rounds (``runs``: each configuration's (images/s, step s)
+  per round): efficiency against the median 1-device images/s of the same optimizer, and
+  every round's step time."""
+  print(f"\n## Medians over {rounds} rounds")
+  print(MEDIAN_HEADER)
+  print("|---" * (MEDIAN_HEADER.count("|") - 1) + "|")
+  single = {
+    name: statistics.median(rate for rate, _ in got)
+    for (name, n, _), got in runs.items()
+    if n == 1 and got
+  }
+  for name, n, shard in configs:
+    got = runs[(name, n, shard)]
+    layout = "sharded" if shard and n > 1 else "replicated"
+    if not got:
+      print(f"| {name} | {n} | {layout} | failed | | | |")
+      continue
+    rate = statistics.median(r for r, _ in got)
+    ms = 1e3 * statistics.median(t for _, t in got)
+    eff = f"{rate / (n * single[name]):.1%}" if name in single else ""
+    each = ", ".join(f"{1e3 * t:.2f}" for _, t in got)
+    print(f"| {name} | {n} | {layout} | {ms:.2f} | {rate:.0f} | {eff} | {each} |", flush=True)
 
 
 if __name__ == "__main__":

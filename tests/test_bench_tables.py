@@ -94,6 +94,42 @@ def test_scaling_extra_reaches_every_run(monkeypatch, capsys):
   assert "extra=['a=1', 'b=2']" in capsys.readouterr().out
 
 
+def test_scaling_repeat_runs_rounds_and_prints_the_medians(monkeypatch, capsys, tmp_path):
+  """--repeat 3: the whole set runs round after round (each run in its own dir), each row's
+  efficiency is against its round's 1-device run, and the medians' table takes the medians."""
+  calls = []
+  # (devices, round) -> step seconds: round 1 is a slow host (every run 2x), one 2-device run
+  # fails.
+  step_s = {(1, 0): 0.010, (2, 0): 0.0125, (1, 1): 0.020, (2, 1): 0.025, (1, 2): 0.010}
+
+  def fake_run(suite, name, data, steps, out, timeout, extra):
+    n, round_ = int(extra[0].split("=")[1]), int(out.name.rsplit("round", 1)[1])
+    calls.append((n, round_, out.name))
+    if (n, round_) not in step_s:
+      return None
+    return SUMMARY | {
+      "step_time_s": step_s[n, round_],
+      "examples_per_s": 128 * n / step_s[n, round_],
+    }
+
+  monkeypatch.setattr(train_step, "run", fake_run)
+  argv = ["--data", "x", "--devices", "1", "2", "--runs", "adam", "--out", str(tmp_path)]
+  scaling.main([*argv, "--repeat", "3"])
+  assert [(n, r) for n, r, _ in calls] == [(n, r) for r in range(3) for n in (1, 2, 2)]
+  assert len({name for _, _, name in calls}) == 9  # no two runs share a dir
+  out = capsys.readouterr().out
+  runs, medians = out.split("## Medians over 3 rounds")
+  _check(runs, expect_rows=9)
+  _check(medians, expect_rows=3)
+  # the slow round's 2-device runs are 80 % against its own 1-device run, not 40 %
+  assert runs.count("| 80.0% |") == 4 and "40.0%" not in runs
+  # medians: 1 device 10.00 ms; 2 devices sharded 12.50 and 25.00 (round 2 failed) -> 18.75 ms
+  assert "| adam | 1 | replicated | 10.00 | 12800 | 100.0% | 10.00, 20.00, 10.00 |" in medians
+  assert "| adam | 2 | sharded | 18.75 |" in medians
+  with pytest.raises(SystemExit):
+    scaling.main([*argv, "--repeat", "0"])
+
+
 def test_train_step_rows_match_the_header(monkeypatch, capsys):
   monkeypatch.setattr(train_step, "run", lambda *a, **k: SUMMARY)
   train_step.main(["--suite", "resnet18", "--data", "x", "--only", "adam"])
