@@ -259,7 +259,7 @@ def test_optimizer_step_rows_match_the_header_with_state_dtypes(monkeypatch, cap
 
   built = []
 
-  def fake_make(name, tau, block, passes="jnp", state_dtype="float32", reorthonormalise=None):
+  def fake_make(name, tau, block, passes="jnp", state_dtype="float32", reorthonormalise_every=None):
     built.append((name, state_dtype))
     return name
 
