@@ -219,8 +219,8 @@ print(json.dumps(out))
 
 
 def test_the_batched_backward_gathers_a_split_batch():
-  """Why the training loop's ``fisher_backward=auto`` takes ``sequential`` on several devices:
-  with the batch split over 4 (CPU) devices, the batched pull-back's convolutions fold the pair
+  """Why the training loop's ``fisher_backward=auto`` never takes ``batched`` on several
+  devices (but ``local``, or ``sequential``): with the batch split over 4 (CPU) devices, the batched pull-back's convolutions fold the pair
   of cotangents into the batch dimension, outside the split, and GSPMD all-gathers their
   operands; the two sequential backwards gather nothing (their gradients are all-reduced)."""
   from cpu_devices import run_on_cpu_devices
@@ -230,22 +230,42 @@ def test_the_batched_backward_gathers_a_split_batch():
   assert gathers["batched"] > 0
 
 
-def test_auto_backward_is_batched_on_one_device_only():
+def test_auto_backward_takes_the_per_device_pull_back_where_the_batch_is_split():
+  """``fisher_backward=auto``: batched on one device; on several, local (one batched backward
+  per device) for a model with no state but parameters and BatchNorm statistics, sequential
+  for one that draws randomness (dropout) or when no model is given; a named one as named."""
   from types import SimpleNamespace
 
+  from flax import nnx
   from omegaconf import OmegaConf
 
+  from models.resnet import build_resnet
   from training.loop import fisher_backward
 
-  for value, devices, expected in [
-    ("auto", 1, "batched"),
-    ("auto", 4, "sequential"),
-    (None, 2, "sequential"),
-    ("batched", 4, "batched"),  # asked for: as asked
-    ("sequential", 1, "sequential"),
+  resnet = build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0))
+
+  class WithDropout(nnx.Module):
+    def __init__(self):
+      self.dense = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(1))
+
+  dropout = WithDropout()
+  for value, devices, model, expected in [
+    ("auto", 1, resnet, "batched"),
+    ("auto", 1, dropout, "batched"),
+    ("auto", 4, resnet, "local"),
+    (None, 2, resnet, "local"),
+    ("auto", 4, dropout, "sequential"),
+    ("auto", 4, None, "sequential"),
+    ("batched", 4, resnet, "batched"),  # asked for: as asked
+    ("sequential", 4, resnet, "sequential"),
+    ("sequential", 1, resnet, "sequential"),
+    ("local", 4, dropout, "local"),  # refused by build (_per_shard_graphdef), not here
   ]:
     cfg = OmegaConf.create({"fisher_backward": value})
-    assert fisher_backward(cfg, SimpleNamespace(data_size=devices)) == expected, (value, devices)
+    plan = SimpleNamespace(data_size=devices)
+    got = fisher_backward(cfg, plan, model)
+    assert got == expected, (value, devices, type(model).__name__, got)
 
 
 _PER_DEVICE = """

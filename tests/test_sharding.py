@@ -489,10 +489,11 @@ CORRECT = {
 # more in the 4-device process, `make test-all` only (the kernels on a split state are also
 # checked update by update in _pallas_on_shards, which `make test` runs).
 PALLAS = {"four_split_pallas": [*CORRECT["four_split"], "passes=pallas"]}
-# The shared d-pass's per-device pull-back (fisher_backward=local, shard_map) against the
-# one-device shared d-pass; BatchNorm over the global batch (the demo's): inside the shard_map
-# its statistics are reduced over the devices.
-LOCAL = {"four_split_local": [*CORRECT["four_split"], "fisher_backward=local"]}
+# The shared d-pass's per-device pull-back (shard_map) against the one-device shared d-pass;
+# BatchNorm over the global batch (the demo's): inside the shard_map its statistics are
+# reduced over the devices. fisher_backward=auto, which takes local for the demo's ResNet on
+# a split batch (the run records which backward it took).
+LOCAL = {"four_split_local": CORRECT["four_split"]}
 LOCAL_COMMON = ("fisher_forward=shared",)
 # Injected sharding bugs: the comparison must catch every one of them.
 BUGS = {
@@ -684,6 +685,7 @@ def _compare_meshes(configs: str, variants: dict, common: tuple = ()) -> dict:
     out[name] = {
       "steps": steps,
       "mesh": setup.plan.describe()["shape"],
+      "fisher_backward": setup.fisher_backward,
       **_state_bytes(setup.state.opt_state),
     }
   return out
@@ -816,6 +818,7 @@ def test_the_per_device_pull_back_on_four_devices(four_devices):
   result = four_devices["local"]
   for name in LOCAL:
     assert result[name]["mesh"] == {"data": 4, "model": 1}
+    assert result[name]["fisher_backward"] == "local", result[name]["fisher_backward"]
     assert len(result[name]["steps"]) == STEPS
     assert not _violations(result, name), (name, _violations(result, name))
     assert result[name]["steps"][-1]["val_correct"] <= 100 / 360 + 1e-9, name
