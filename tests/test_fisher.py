@@ -220,9 +220,10 @@ print(json.dumps(out))
 
 def test_the_batched_backward_gathers_a_split_batch():
   """Why the training loop's ``fisher_backward=auto`` never takes ``batched`` on several
-  devices (but ``local``, or ``sequential``): with the batch split over 4 (CPU) devices, the batched pull-back's convolutions fold the pair
-  of cotangents into the batch dimension, outside the split, and GSPMD all-gathers their
-  operands; the two sequential backwards gather nothing (their gradients are all-reduced)."""
+  devices (but ``local``, or ``sequential``): with the batch split over 4 (CPU) devices, the
+  batched pull-back's convolutions fold the pair of cotangents into the batch dimension,
+  outside the split, and GSPMD all-gathers their operands; the two sequential backwards gather
+  nothing (their gradients are all-reduced)."""
   from cpu_devices import run_on_cpu_devices
 
   gathers = run_on_cpu_devices(_SPLIT_BATCH)
