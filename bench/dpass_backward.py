@@ -10,14 +10,15 @@ random images, ``--per-device-batch`` each, BatchNorm statistics per device as t
 ``batchnorm=per_device``), on a data mesh of the first N devices, computed as:
 
 * ``sequential``: GSPMD, two backward passes (the training loop's ``fisher_backward=auto``
-  wherever the batch is split);
+  wherever the batch is split and the model draws randomness);
 * ``batched``: GSPMD, one backward over the pair of cotangents (``auto`` on one device; on
   several, a convolution's batching rule folds the pair into the batch axis outside the
   split and XLA all-gathers);
 * ``local``: :func:`ginger.fisher.value_grad_and_fisher_per_device`, one backward over the
   pair inside ``jax.shard_map``: every device pulls both cotangents back through its own
   examples (the model with one BatchNorm group: the same statistics), then ``g`` and ``d``
-  are summed over the devices (``fisher_backward=local`` in train.py).
+  are summed over the devices (``fisher_backward=local`` in train.py, which ``auto`` takes
+  wherever the batch is split and the model allows it).
 
 Columns: median ms per call (jitted, host-timed with ``block_until_ready`` after a warm-up),
 the collectives of the compiled program (:func:`bench.collectives.collectives`: count and MB),
@@ -116,6 +117,19 @@ def rel_diff(xs, ys) -> float:
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(xs, ys, strict=True)) / scale
 
 
+def inputs(mesh, params, rest, per_device_batch: int):
+  """``(params, rest, images, labels)`` placed where the steps take them (the model
+  replicated, the batch split over ``data``): an argument left on one device would be copied
+  to the others inside every timed call (session 23 on 4 H200s: 28-39 ms a call against the
+  whole training step's 8.5)."""
+  devices = mesh.shape["data"]
+  kx, ky = jax.random.split(jax.random.key(1))
+  images = jax.random.normal(kx, (devices * per_device_batch, 32, 32, 3))
+  labels = jax.random.randint(ky, (devices * per_device_batch,), 0, 10)
+  replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  return (*jax.device_put((params, rest), replicated), *jax.device_put((images, labels), batch))
+
+
 def measure(model: str, devices: int, per_device_batch: int, steps: int) -> list[dict]:
   """One row per way of computing (g, d) on the first ``devices`` devices."""
   mesh = jax.make_mesh(
@@ -123,9 +137,7 @@ def measure(model: str, devices: int, per_device_batch: int, steps: int) -> list
   )
   graphdef, params, rest = split_model(model, devices)
   graphdefs = {"grouped": graphdef, "one group": split_model(model, 1)[0]}
-  kx, ky = jax.random.split(jax.random.key(1))
-  images = jax.random.normal(kx, (devices * per_device_batch, 32, 32, 3))
-  labels = jax.random.randint(ky, (devices * per_device_batch,), 0, 10)
+  params, rest, images, labels = inputs(mesh, params, rest, per_device_batch)
   rows, reference = [], None
   for backward in BACKWARDS:
     compiled = step_fn(backward, mesh, graphdefs).lower(params, rest, images, labels).compile()
