@@ -1,9 +1,8 @@
 """bench.dpass_backward on 4 simulated CPU devices: the shard_map form of the shared d-pass's
 batched backward computes the GSPMD step's g, d and BatchNorm statistics without gathering."""
 
-from jax.sharding import PartitionSpec as P
-
 from cpu_devices import run_on_cpu_devices
+from jax.sharding import PartitionSpec as P
 
 _SCRIPT = """
 import json
@@ -20,10 +19,8 @@ from bench import dpass_backward
 mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 _, params, rest = dpass_backward.split_model("resnet_tiny", 4)
 out = dpass_backward.inputs(mesh, params, rest, per_device_batch=2)
-specs = [
-  [str(x.sharding.spec) if hasattr(x.sharding, "spec") else "one device" for x in jax.tree.leaves(a)]
-  for a in out
-]
+spec = lambda x: str(x.sharding.spec) if hasattr(x.sharding, "spec") else "one device"
+specs = [[spec(x) for x in jax.tree.leaves(a)] for a in out]
 print(json.dumps({"specs": specs, "batch": out[2].shape[0]}))
 """
 
