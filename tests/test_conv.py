@@ -73,6 +73,9 @@ def _check_stack(stride, padding, kernel, dilation, stack, seed):
   out = jax.eval_shape(plain, x, w)
   gs = jax.random.normal(kg, (stack, *out.shape), jnp.float64)
   np.testing.assert_array_equal(ours(x, w), plain(x, w))
+  # one cotangent, no vmap (Adam's backward, the sequential d-pass): lax's rule as it is
+  for got, want in zip(jax.vjp(ours, x, w)[1](gs[0]), jax.vjp(plain, x, w)[1](gs[0]), strict=True):
+    np.testing.assert_array_equal(got, want)
   for got, want in zip(_pull_back(ours, x, w, gs), _pull_back(plain, x, w, gs), strict=True):
     assert got.shape == want.shape
     # The same sums of at most 2 * 8 * 8 * 9 products in float64 (another order at most):
