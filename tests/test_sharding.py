@@ -493,7 +493,16 @@ PALLAS = {"four_split_pallas": [*CORRECT["four_split"], "passes=pallas"]}
 # BatchNorm over the global batch (the demo's): inside the shard_map its statistics are
 # reduced over the devices. fisher_backward=auto, which takes local for the demo's ResNet on
 # a split batch (the run records which backward it took).
-LOCAL = {"four_split_local": CORRECT["four_split"]}
+LOCAL = {
+  "four_split_local": CORRECT["four_split"],
+  # the batch split 2 ways, the state 4 ways over data x model: each data shard's pull-back
+  # runs on both of its model devices
+  "two_by_two_local": ["mesh.data=2", "mesh.model=2", "mesh.min_shard_size=16384"],
+}
+LOCAL_MESHES = {
+  "four_split_local": {"data": 4, "model": 1},
+  "two_by_two_local": {"data": 2, "model": 2},
+}
 LOCAL_COMMON = ("fisher_forward=shared",)
 # Injected sharding bugs: the comparison must catch every one of them.
 BUGS = {
@@ -817,7 +826,7 @@ def test_the_per_device_pull_back_on_four_devices(four_devices):
   the rounding each step amplifies, as the GSPMD step does above."""
   result = four_devices["local"]
   for name in LOCAL:
-    assert result[name]["mesh"] == {"data": 4, "model": 1}
+    assert result[name]["mesh"] == LOCAL_MESHES[name]
     assert result[name]["fisher_backward"] == "local", result[name]["fisher_backward"]
     assert len(result[name]["steps"]) == STEPS
     assert not _violations(result, name), (name, _violations(result, name))
