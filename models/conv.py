@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 # The largest stack of cotangents whose weight gradients are computed one at a time: the
@@ -82,7 +83,7 @@ def _hashable(value: Any) -> Any:
 @functools.cache
 def _conv(options: tuple):
   """The convolution with ``options`` (``conv_general_dilated``'s keyword arguments) as a
-  ``custom_vjp`` of ``(x, w)``; one per distinct layer shape, built once."""
+  ``custom_vjp`` of ``(x, w)``, built once per distinct set of options."""
   conv = functools.partial(lax.conv_general_dilated, **dict(options))
 
   def weight_grad_of(x, w, g):
@@ -124,8 +125,6 @@ def use_conv_weight_grads(model, mode: str):
   ``mode`` says (train.py's ``conv_weight_grads``): ``folded`` keeps flax's
   ``jax.lax.conv_general_dilated``, ``per_cotangent`` takes :func:`conv_general_dilated`. The
   parameters and the forward are the same either way."""
-  from flax import nnx
-
   if mode not in CONV_WEIGHT_GRADS:
     raise ValueError(f"conv_weight_grads must be one of {list(CONV_WEIGHT_GRADS)}, got {mode!r}.")
   fn = conv_general_dilated if mode == "per_cotangent" else lax.conv_general_dilated
