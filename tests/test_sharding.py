@@ -493,12 +493,10 @@ PALLAS = {"four_split_pallas": [*CORRECT["four_split"], "passes=pallas"]}
 # BatchNorm over the global batch (the demo's): inside the shard_map its statistics are
 # reduced over the devices. fisher_backward=auto, which takes local for the demo's ResNet on
 # a split batch (the run records which backward it took).
-LOCAL = {
-  "four_split_local": CORRECT["four_split"],
-  # the batch split 2 ways, the state 4 ways over data x model: each data shard's pull-back
-  # runs on both of its model devices
-  "two_by_two_local": ["mesh.data=2", "mesh.model=2", "mesh.min_shard_size=16384"],
-}
+LOCAL = {"four_split_local": CORRECT["four_split"]}
+# The batch split 2 ways, the state 4 ways over data x model (each data shard's pull-back runs
+# on both of its model devices): a compilation more, `make test-all` only.
+LOCAL_2X2 = {"two_by_two_local": ["mesh.data=2", "mesh.model=2", "mesh.min_shard_size=16384"]}
 LOCAL_MESHES = {
   "four_split_local": {"data": 4, "model": 1},
   "two_by_two_local": {"data": 2, "model": 2},
@@ -759,7 +757,10 @@ def four_devices(request):
   }
   pallas = "test_pallas_kernels_on_four_devices_give_the_one_device_results" in selected
   compare = bool(bugs) or pallas or "test_four_devices_give_the_one_device_results" in selected
-  local = "test_the_per_device_pull_back_on_four_devices" in selected
+  local = {
+    **(LOCAL if "test_the_per_device_pull_back_on_four_devices" in selected else {}),
+    **(LOCAL_2X2 if "test_the_per_device_pull_back_on_a_two_by_two_mesh" in selected else {}),
+  }
   return run_on_cpu_devices(
     f"""
       import json, sys
@@ -770,14 +771,14 @@ def four_devices(request):
       print(json.dumps({{
         "state": t._sharded_state(sys.argv[1]) if state else None,
         "comparison": t._compare_meshes(sys.argv[1], variants) if variants else None,
-        "local": t._compare_meshes(sys.argv[1], t.LOCAL, t.LOCAL_COMMON)
+        "local": t._compare_meshes(sys.argv[1], json.loads(sys.argv[4]), t.LOCAL_COMMON)
         if json.loads(sys.argv[4]) else None,
       }}))
       """,
     str(ROOT / "configs"),
     json.dumps("test_sharded_optimizer_state_on_four_devices" in selected),
     json.dumps([*CORRECT, *(PALLAS if pallas else ()), *sorted(bugs)] if compare else []),
-    json.dumps(local),
+    json.dumps(local),  # variant name -> overrides
     timeout=600,
   )
 
@@ -820,17 +821,27 @@ def test_pallas_kernels_on_four_devices_give_the_one_device_results(four_device_
     assert not _violations(result, name), (name, _violations(result, name))
 
 
-def test_the_per_device_pull_back_on_four_devices(four_devices):
-  """fisher_backward=local (the shared d-pass's batched pull-back inside shard_map, each
-  device on its own quarter of the batch) gives the 1-device shared d-pass's steps, to within
-  the rounding each step amplifies, as the GSPMD step does above."""
-  result = four_devices["local"]
-  for name in LOCAL:
+def _check_local(result, names):
+  for name in names:
     assert result[name]["mesh"] == LOCAL_MESHES[name]
     assert result[name]["fisher_backward"] == "local", result[name]["fisher_backward"]
     assert len(result[name]["steps"]) == STEPS
     assert not _violations(result, name), (name, _violations(result, name))
     assert result[name]["steps"][-1]["val_correct"] <= 100 / 360 + 1e-9, name
+
+
+def test_the_per_device_pull_back_on_four_devices(four_devices):
+  """fisher_backward=auto on a split batch: local (the shared d-pass's batched pull-back
+  inside shard_map, each device on its own quarter of the batch), which gives the 1-device
+  shared d-pass's steps, to within the rounding each step amplifies, as the GSPMD step does
+  above."""
+  _check_local(four_devices["local"], LOCAL)
+
+
+@pytest.mark.slow
+def test_the_per_device_pull_back_on_a_two_by_two_mesh(four_devices):
+  """The same on a data x model = 2 x 2 mesh (~18 s more)."""
+  _check_local(four_devices["local"], LOCAL_2X2)
 
 
 @pytest.mark.parametrize(
