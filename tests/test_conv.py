@@ -49,7 +49,7 @@ def _pull_back(fn, x, w, gs, in_axes=(None, None, 0)):
   return jax.vmap(one, in_axes=in_axes)(x, w, gs)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
   stride=st.sampled_from([1, 2]),
   padding=st.sampled_from(["SAME", "VALID", ((1, 1), (1, 1)), ((0, 2), (1, 0))]),
