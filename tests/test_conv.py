@@ -166,3 +166,9 @@ def test_the_config_refuses_per_cotangent_for_t5_up_front():
 def test_use_conv_weight_grads_refuses_an_unknown_mode():
   with pytest.raises(ValueError, match=r"conv_weight_grads must be one of \['folded', 'per_cot"):
     conv.use_conv_weight_grads(build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0)), "stacked")
+
+
+def test_the_config_check_knows_the_same_modes():
+  from training import config_check
+
+  assert config_check.CONV_WEIGHT_GRADS == conv.CONV_WEIGHT_GRADS

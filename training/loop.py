@@ -111,12 +111,6 @@ def fisher_backward(cfg, plan: sharding.Plan, model: nnx.Module | None = None) -
   return "sequential"
 
 
-def per_shard_pull_back(cfg, plan: sharding.Plan, model: nnx.Module | None = None) -> bool:
-  """Whether the training step's d-pass pulls back per device (``fisher_backward`` resolves
-  to ``local``, which applies to a curvature optimizer's shared forward only)."""
-  return shared_d_pass(cfg) and fisher_backward(cfg, plan, model) == "local"
-
-
 def shared_d_pass(cfg) -> bool:
   """Whether the training step's d-pass reuses its forward (a curvature optimizer with
   ``fisher_forward=shared``), the only case ``fisher_backward`` applies to."""
@@ -169,7 +163,7 @@ def make_steps(
   separate_d_pass = cfg.fisher_forward == "eval"
   # build passes graphdef_per_shard where fisher_backward resolves to local (auto included).
   backward, per_shard = fisher_backward(cfg, plan), graphdef_per_shard is not None
-  if per_shard_pull_back(cfg, plan) and not per_shard:
+  if shared_d_pass(cfg) and backward == "local" and not per_shard:
     raise ValueError("fisher_backward=local needs graphdef_per_shard (see build).")
 
   # A function of its own under jit: a run's programs (the training step with and without the
@@ -604,8 +598,10 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
   model.eval()
   graphdef_eval = nnx.split(model, nnx.Param, ...)[0]
   model.train()
+  # The shared d-pass's backward, resolved once for this mesh and model (None: no shared d-pass).
+  backward = fisher_backward(cfg, plan, model) if shared_d_pass(cfg) else None
   graphdef_per_shard = None
-  if per_shard_pull_back(cfg, plan, model):
+  if backward == "local":
     graphdef_per_shard = _per_shard_graphdef(model, int(cfg.batch_size), plan.data_size)
   trainable = task.trainable_params(params)
   sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(trainable)]
@@ -670,7 +666,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     init_state,
     reorthonormalise_step,
     reorthonormalise_every(cfg),
-    fisher_backward(cfg, plan, model) if shared_d_pass(cfg) else None,
+    backward,
   )
 
 
