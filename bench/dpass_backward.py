@@ -1,7 +1,6 @@
 """The shared d-pass's backward with the batch split over devices, three ways.
 
     python -m bench.dpass_backward --devices 1 4                       # GPUs: ResNet-18
-    python -m bench.dpass_backward --devices 1 --conv-weight-grads folded per_cotangent
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
         python -m bench.dpass_backward --devices 4 --model resnet_tiny --per-device-batch 4
 
@@ -46,7 +45,6 @@ from jax.sharding import PartitionSpec as P
 
 from bench.collectives import collectives
 from ginger.fisher import value_grad_and_fisher, value_grad_and_fisher_per_device
-from models.conv import CONV_WEIGHT_GRADS, use_conv_weight_grads
 from models.resnet import build_resnet
 
 BACKWARDS = ("sequential", "batched", "local")
@@ -56,12 +54,10 @@ HEADER = (
 )
 
 
-def split_model(name: str, groups: int, num_classes: int = 10, conv_weight_grads="folded"):
+def split_model(name: str, groups: int, num_classes: int = 10):
   """``(graphdef, params, rest)`` of a ResNet in training mode with ``groups`` BatchNorm
-  groups; the variables do not depend on ``groups`` (models.resnet.GroupedBatchNorm) or on
-  how its convolutions compute weight gradients (models.conv)."""
+  groups; the variables do not depend on ``groups`` (models.resnet.GroupedBatchNorm)."""
   model = build_resnet(name, num_classes, rngs=nnx.Rngs(0), batchnorm_groups=groups)
-  use_conv_weight_grads(model, conv_weight_grads)
   model.train()
   return nnx.split(model, nnx.Param, ...)
 
@@ -134,18 +130,13 @@ def inputs(mesh, params, rest, per_device_batch: int):
   return (*jax.device_put((params, rest), replicated), *jax.device_put((images, labels), batch))
 
 
-def measure(
-  model: str, devices: int, per_device_batch: int, steps: int, conv_weight_grads: str = "folded"
-) -> list[dict]:
+def measure(model: str, devices: int, per_device_batch: int, steps: int) -> list[dict]:
   """One row per way of computing (g, d) on the first ``devices`` devices."""
   mesh = jax.make_mesh(
     (devices,), ("data",), devices=jax.devices()[:devices], axis_types=(jax.sharding.AxisType.Auto,)
   )
-  graphdef, params, rest = split_model(model, devices, conv_weight_grads=conv_weight_grads)
-  graphdefs = {
-    "grouped": graphdef,
-    "one group": split_model(model, 1, conv_weight_grads=conv_weight_grads)[0],
-  }
+  graphdef, params, rest = split_model(model, devices)
+  graphdefs = {"grouped": graphdef, "one group": split_model(model, 1)[0]}
   params, rest, images, labels = inputs(mesh, params, rest, per_device_batch)
   rows, reference = [], None
   for backward in BACKWARDS:
@@ -186,13 +177,6 @@ def main(argv=None) -> None:
   parser.add_argument("--model", default="resnet18")
   parser.add_argument("--per-device-batch", type=int, default=128)
   parser.add_argument("--steps", type=int, default=30, help="timed calls per way")
-  parser.add_argument(
-    "--conv-weight-grads",
-    nargs="+",
-    choices=CONV_WEIGHT_GRADS,
-    default=["folded"],
-    help="the convolutions' weight gradients in the batched backwards (models.conv), each in turn",
-  )
   args = parser.parse_args(argv)
   available = len(jax.devices())
   if any(not 1 <= n <= available for n in args.devices):
@@ -201,12 +185,11 @@ def main(argv=None) -> None:
     f"# {datetime.date.today()} {args.model}, batch {args.per_device_batch} per device, "
     f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
   )
-  for mode in args.conv_weight_grads:
-    print(f"\n## conv_weight_grads={mode}\n{HEADER}")
-    print("|---" * (HEADER.count("|") - 1) + "|", flush=True)
-    for n in args.devices:
-      for row in measure(args.model, n, args.per_device_batch, args.steps, mode):
-        print(format_row(row), flush=True)
+  print(HEADER)
+  print("|---" * (HEADER.count("|") - 1) + "|", flush=True)
+  for n in args.devices:
+    for row in measure(args.model, n, args.per_device_batch, args.steps):
+      print(format_row(row), flush=True)
 
 
 if __name__ == "__main__":

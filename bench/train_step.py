@@ -51,12 +51,6 @@ SUITES = {
         "fisher_forward=shared",
         "fisher_backward=local",
       ],
-      "ginger tau=8 (d-pass: shared forward, per-cotangent conv weight grads)": [
-        "optimizer=ginger",
-        "tau=8",
-        "fisher_forward=shared",
-        "conv_weight_grads=per_cotangent",
-      ],
     },
   },
   # t5-small shapes (random weights: timing only), batch 4, 512/128 tokens.

@@ -205,7 +205,6 @@ class ImageClassification(Task):
       seed=int(cfg.seed),
       augment=bool(cfg.data.augment),
       batchnorm_groups=resolve_batchnorm_groups(cfg),
-      conv_weight_grads=cfg.get("conv_weight_grads") or "folded",
     )
 
   def __init__(
@@ -217,9 +216,7 @@ class ImageClassification(Task):
     seed: int,
     augment: bool = True,
     batchnorm_groups: int = 1,
-    conv_weight_grads: str = "folded",
   ):
-    from models.conv import use_conv_weight_grads
     from models.flops import resnet_forward_macs
     from models.resnet import build_resnet
 
@@ -236,7 +233,6 @@ class ImageClassification(Task):
       ),
       seed,
     )
-    use_conv_weight_grads(model, conv_weight_grads)
     super().__init__(
       model=model,
       train_arrays={"images": dataset.train_images, "labels": dataset.train_labels},

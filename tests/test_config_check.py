@@ -54,10 +54,6 @@ def test_shipped_configs_pass_without_warnings(experiment, optimizer, caplog):
       "fisher_backward=both",
       "fisher_backward='both': must be one of ['auto', 'batched', 'sequential', 'local']",
     ),
-    (
-      "conv_weight_grads=stacked",
-      "conv_weight_grads='stacked': must be one of ['folded', 'per_cotangent']",
-    ),
     ("precision=float16", "precision='float16': must be one of ['float32', 'bfloat16']"),
     ("schedule=cos", "schedule='cos': must be one of ['constant', 'warmup_constant', 'cosine']"),
     ("block=layer", "block='layer': must be one of ['per_tensor', 'global']"),
@@ -133,11 +129,6 @@ def test_group_values_are_checked(overrides, named):
       ("optimizer=ginger", "fisher_forward=eval", "fisher_backward=sequential"),
       "fisher_backward='sequential' is ignored: with fisher_forward=eval",
     ),
-    (
-      ("optimizer=ginger", "fisher_forward=eval", "conv_weight_grads=per_cotangent"),
-      "conv_weight_grads='per_cotangent' is ignored: with fisher_forward=eval",
-    ),
-    (("optimizer=adam", "conv_weight_grads=per_cotangent"), "conv_weight_grads='per_cotangent' is"),
     (("schedule=constant", "warmup_epochs=3"), "warmup_epochs is ignored: schedule=constant"),
   ],
 )

@@ -29,7 +29,6 @@ BLOCKS = ("per_tensor", "global")
 FISHERS = ("sampled", "empirical")
 FISHER_FORWARDS = ("eval", "shared")
 FISHER_BACKWARDS = ("auto", "batched", "sequential", "local")  # + ginger.fisher.BACKWARDS
-CONV_WEIGHT_GRADS = ("folded", "per_cotangent")  # models.conv.CONV_WEIGHT_GRADS
 PRECISIONS = ("float32", "bfloat16")
 # A float64 state needs JAX's 64-bit mode, which a training run does not use (the library takes
 # it: ginger.scale_by_ginger(..., state_dtype="float64") under jax_enable_x64).
@@ -56,7 +55,7 @@ IGNORED = {
 }
 # Keys with config defaults that only the curvature optimizers read: a warning only when the
 # command line set them (overrides), since their defaults are always present.
-CURVATURE_ONLY = ("fisher", "fisher_forward", "fisher_backward", "conv_weight_grads")
+CURVATURE_ONLY = ("fisher", "fisher_forward", "fisher_backward")
 # The optimizers that can update their curvature every K-th step only (curvature_every = K > 1).
 CURVATURE_EVERY = ("ginger",)
 
@@ -222,8 +221,6 @@ def _check_run(c: _Checker) -> None:
   c.choice("fisher_forward", FISHER_FORWARDS)
   if c.get("fisher_backward") not in (_MISSING, None):
     c.choice("fisher_backward", FISHER_BACKWARDS)
-  if c.get("conv_weight_grads") not in (_MISSING, None):
-    c.choice("conv_weight_grads", CONV_WEIGHT_GRADS)
   c.integer("spectrum_every", 0, optional=True)
   c.integer("profile_steps", 0, optional=True)
   c.integer("profile_start", 0, optional=True)
@@ -312,12 +309,6 @@ def _check_model_and_data(c: _Checker) -> None:
       c.text("model.lora.targets")
       c.boolean("model.lora.train_1d")
   _check_batchnorm(c, family)
-  if family == "t5" and c.get("conv_weight_grads") == "per_cotangent":
-    c.bad(
-      "conv_weight_grads",
-      "per_cotangent",
-      "'folded' for model.family='t5' (T5 has no convolutions)",
-    )
   path = c.get("data.path")
   if path is not _MISSING and path is not None and not isinstance(path, str):
     c.bad("data.path", path, "a file or folder path, or null")
@@ -388,17 +379,16 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
           f"{key}={_show(OmegaConf.select(cfg, key))} is ignored: optimizer={optimizer} "
           f"uses no Fisher vector (only {', '.join(CURVATURE)} do)."
         )
-  for key in ("fisher_backward", "conv_weight_grads"):
-    if (
-      optimizer in CURVATURE
-      and key in given
-      and OmegaConf.select(cfg, "fisher_forward", default=None) == "eval"
-    ):
-      out.append(
-        f"{key}={_show(OmegaConf.select(cfg, key))} is ignored: with "
-        "fisher_forward=eval the d-pass has a forward and a backward of its own (only "
-        "fisher_forward=shared pulls both cotangents back through one forward)."
-      )
+  if (
+    optimizer in CURVATURE
+    and "fisher_backward" in given
+    and OmegaConf.select(cfg, "fisher_forward", default=None) == "eval"
+  ):
+    out.append(
+      f"fisher_backward={_show(OmegaConf.select(cfg, 'fisher_backward'))} is ignored: with "
+      "fisher_forward=eval the d-pass has a forward and a backward of its own (only "
+      "fisher_forward=shared pulls both cotangents back through one forward)."
+    )
   schedule = OmegaConf.select(cfg, "schedule", default=None)
   if "warmup_epochs" in given and schedule != "warmup_constant":
     out.append(

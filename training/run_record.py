@@ -63,7 +63,6 @@ NOT_FINGERPRINTED = frozenset(
     "mesh",  # results agree across meshes to float rounding; checkpoints move between them
     "passes",  # Ginger's jnp and Pallas passes agree to float32 summation order
     "fisher_backward",  # one batched backward, two, or one per device: the same values
-    "conv_weight_grads",  # the same weight gradients, in one convolution or one per cotangent
     "distributed",
     "compilation_cache_dir",  # where compiled programs are cached: start-up time only
     "eval_batch_size",  # the same sums in other batches
