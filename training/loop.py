@@ -125,6 +125,7 @@ def make_steps(
   cfg,
   plan: sharding.Plan,
   state_shardings,
+  backward: str | None = None,
   graphdef_per_shard=None,
 ):
   """The jitted training and evaluation steps, written once for any number of devices: the
@@ -149,8 +150,10 @@ def make_steps(
   XLA conditional stops the host until the device has caught up (ResNet-18 tau 8 on two
   H200s: 10.7 ms a step with it, 9.2 without).
 
+  ``backward``: the shared d-pass's backward as :func:`fisher_backward` resolved it for this
+  mesh and model (``build`` resolves it once); None where the step has no shared d-pass.
   ``graphdef_per_shard``: the training model for one device's shard
-  (``models.tasks.per_shard_model``), for ``fisher_backward=local``.
+  (``models.tasks.per_shard_model``), for ``backward="local"``.
   """
   from ginger.fisher import (
     cross_entropy,
@@ -161,9 +164,8 @@ def make_steps(
 
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
   separate_d_pass = cfg.fisher_forward == "eval"
-  # build passes graphdef_per_shard where fisher_backward resolves to local (auto included).
-  backward, per_shard = fisher_backward(cfg, plan), graphdef_per_shard is not None
-  if shared_d_pass(cfg) and backward == "local" and not per_shard:
+  per_shard = backward == "local"
+  if per_shard and graphdef_per_shard is None:
     raise ValueError("fisher_backward=local needs graphdef_per_shard (see build).")
 
   # A function of its own under jit: a run's programs (the training step with and without the
@@ -647,7 +649,15 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     )
   frozen = sharding.put(task.frozen_params(params), plan.replicated)
   train_step, eval_step, precondition_step, reorthonormalise_step = make_steps(
-    task, graphdef_train, graphdef_eval, tx, cfg, plan, state_shardings, graphdef_per_shard
+    task,
+    graphdef_train,
+    graphdef_eval,
+    tx,
+    cfg,
+    plan,
+    state_shardings,
+    backward,
+    graphdef_per_shard,
   )
   return Setup(
     task,
