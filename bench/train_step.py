@@ -189,7 +189,7 @@ def main(argv=None) -> None:
       adam[setting] = t
     ratio = f"{t / adam[setting]:.2f}" if t and adam.get(setting) else ""
     print(
-      f"| {name} | {s.get('trained_parameters'):,} | {1e3 * t:.1f} | "
+      f"| {name} | {s.get('trained_parameters'):,} | {1e3 * t:.2f} | "
       f"{s.get('examples_per_s'):.0f} | {ratio} | {memory_cells(s)} | {wall:.0f} |",
       flush=True,
     )

@@ -241,10 +241,11 @@ def scale_by_ginger(
       are the same either way (to float summation order).
     b1: if set, the updates are first averaged, ``m_t = b1 m_{t-1} + (1 - b1) g_t``, and
       ``m_t / (1 - b1^t)`` is preconditioned: ``optax.ema(b1, debias=True)`` chained before
-      this transformation, the same arithmetic, but with ``m`` kept in the stacked layout of
-      ``U`` (``state.mu``, in ``state_dtype``), so that averaging is one fused operation per
-      bucket on the gathered gradient instead of one per parameter tensor. Every call
-      averages, also one without a curvature update.
+      this transformation, the same arithmetic (to rounding: ``G^{-1} m_t`` is divided by
+      ``1 - b1^t``, which ``G^{-1}``'s linearity allows), but with ``m`` kept in the stacked
+      layout of ``U`` (``state.mu``, in ``state_dtype``), so that averaging is one fused
+      operation per bucket on the gathered gradient instead of one per parameter tensor.
+      Every call averages, also one without a curvature update.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -295,15 +296,22 @@ def scale_by_ginger(
     )
 
   def average(gs, state):
-    """The bias-corrected EMA of the stacked updates (as ``optax.ema(b1, debias=True)``)
-    and the state's new ``mu`` and ``mu_count``; ``gs`` and the state as they are without
-    ``b1``."""
+    """The EMA of the stacked updates, ``m_t``, as the state's new ``mu``, and a function that
+    divides the preconditioned ``m_t`` by the bias correction ``1 - b1^t`` (``optax.ema(b1,
+    debias=True)``'s, after ``G^{-1}`` rather than before: ``G^{-1}`` is linear, and the
+    division then fuses into the per-leaf ops after the update instead of writing a corrected
+    copy of every bucket's ``m``); plus the new ``mu_count``. Without ``b1``: ``gs``, the
+    identity and the state's ``mu`` and ``mu_count``."""
     if b1 is None:
-      return gs, state.mu, state.mu_count
+      return gs, lambda outs: outs, state.mu, state.mu_count
     mu_count = optax.safe_increment(state.mu_count)
     mu = [(1 - b1) * g + b1 * m for g, m in zip(gs, state.mu.stacks, strict=True)]
     correction = 1 - b1**mu_count
-    return [m / correction.astype(m.dtype) for m in mu], StackedRows(mu, state.mu.layout), mu_count
+
+    def debias(outs):
+      return [out / correction.astype(out.dtype) for out in outs]
+
+    return mu, debias, StackedRows(mu, state.mu.layout), mu_count
 
   def rows(xs, us):
     """``xs`` (one array per bucket) pinned to the rows of ``us`` each device holds."""
@@ -326,7 +334,7 @@ def scale_by_ginger(
     layout = state.u.layout
     us = list(state.u.stacks)
     gs = rows(_common.gather(layout, _common.flat_vectors(updates, state_dtype)[0]), us)
-    gs, mu, mu_count = average(gs, state)
+    gs, debias, mu, mu_count = average(gs, state)
     impl = kernels.resolve_impl(passes, None)  # on the backend the step is traced for
     if fisher_grads is None and curvature_every > 1:  # no curvature update this step
       sigmas = _sigma_stacks(layout, state.sigma, block)
@@ -352,7 +360,8 @@ def scale_by_ginger(
         for u, s, g, (y,) in zip(us, sigmas, gs, ys, strict=True)
       ]
       new_state = state._replace(mu=mu, mu_count=mu_count)
-      return _common.unflatten_like(_common.scatter(layout, whole(outs)), updates), new_state
+      outs = debias(whole(outs))
+      return _common.unflatten_like(_common.scatter(layout, outs), updates), new_state
     vs = rows(
       _common.gather(layout, _common.fisher_vectors(updates, fisher_grads, state_dtype)), us
     )
@@ -367,13 +376,16 @@ def scale_by_ginger(
         us,
         sigmas,
       )
-    else:  # the caller's reorthonormalise()
-      factors = _identity_factors(us, sigmas)
+    else:  # the caller's reorthonormalise(): Q = I, known while tracing (no products with it)
+      factors = [
+        (None, sigma.astype(kernels.compute_dtype(u.dtype)))
+        for u, sigma in zip(us, sigmas, strict=True)
+      ]
     new_us, outs, new_sigmas = brand_step(
       us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1],
       sharding=sharding,
     )  # fmt: skip
-    new_us, outs = rows(new_us, us), whole(outs)
+    new_us, outs = rows(new_us, us), debias(whole(outs))
     if block == "per_tensor":
       sigma = StackedSigma(new_sigmas, layout)
     else:
@@ -401,21 +413,20 @@ def brand_step(
 ):
   """One curvature update and preconditioning for every bucket.
 
-  ``factors[b] = (Q, sigma)``: the step works with the orthonormal basis ``U Q`` (``Q = I``
-  except on re-orthonormalisation steps), folded into the small matrices so that ``U Q`` is
-  never formed. Per bucket: pass 1 gives ``c = U^T v`` and ``y = U^T g``; pass 2 the CGS2
-  correction ``c2 = U^T p1`` and norms, and ``p1`` itself; then, for all blocks of one rank at
-  once, Brand's core and its eigenpairs; pass 3 writes ``U' = [U p] V[:, :k]`` (over ``U``)
-  and ``G'^{-1} g``, where ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further pass. Pass 3
-  reads pass 2's ``p1`` rather than recomputing it, so that it removes the rounding that pass
-  2 measured from the very same ``p1`` (CGS2), whatever the compiler fuses. The passes run
-  with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`), and
-  so does the secular eigensolver's bisection (:mod:`ginger.secular`);
-  ``sharding``: where the buckets are split over devices (None: nowhere). The jnp passes
-  are then partitioned by XLA (pass 3 in blocks of each device's rows); the Pallas kernels,
-  which XLA cannot partition, run per device under ``shard_map`` on its own rows, with the
-  sums of passes 1 and 2 added over the devices, all buckets' in one all-reduce a pass
-  (:func:`_per_shard_sums`).
+  ``factors[b] = (Q, sigma)``: the step works with the orthonormal basis ``U Q`` (``Q = I`` except
+  on re-orthonormalisation steps; ``Q`` None: ``I``, known while tracing), folded into the small
+  matrices so that ``U Q`` is never formed. Per bucket: pass 1 gives ``c = U^T v`` and ``y = U^T
+  g``; pass 2 the CGS2 correction ``c2 = U^T p1`` and norms, and ``p1`` itself; then, for all
+  blocks of one rank at once, Brand's core and its eigenpairs; pass 3 writes ``U' = [U p] V[:,
+  :k]`` (over ``U``) and ``G'^{-1} g``, where ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further
+  pass. Pass 3 reads pass 2's ``p1`` rather than recomputing it, so that it removes the rounding
+  that pass 2 measured from the very same ``p1`` (CGS2), whatever the compiler fuses. The passes
+  run with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`), and
+  so does the secular eigensolver's bisection (:mod:`ginger.secular`); ``sharding``: where the
+  buckets are split over devices (None: nowhere). The jnp passes are then partitioned by XLA (pass
+  3 in blocks of each device's rows); the Pallas kernels, which XLA cannot partition, run per
+  device under ``shard_map`` on its own rows, with the sums of passes 1 and 2 added over the
+  devices, all buckets' in one all-reduce a pass (:func:`_per_shard_sums`).
   The passes return their sums in ``U``'s dtype; everything between them (``factors``
   included) runs in the compute dtype (:func:`ginger.kernels.compute_dtype`: float32 for a
   bf16 or float16 state, whose eigenproblems neither LAPACK nor the secular solver's bit
@@ -453,7 +464,7 @@ def brand_step(
   p1s = [p1 for *_, p1 in second]
   for s, (*sums, _), (q, sigma) in zip(small, second, factors, strict=True):
     c2u, pp, pg, vv = up(*sums)
-    s.update(c2=lowrank.small_matvec(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
+    s.update(c2=_times(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
   # Brand's cores of all blocks of one rank share one batched solve. Pass 3 reads each
   # bucket's coefficients from the joined arrays at the bucket's first block (``first``):
   # slices of them would each be a small copy kernel on a GPU.
@@ -465,7 +476,7 @@ def brand_step(
   for members in by_rank.values():
     sizes = [us[b].shape[0] for b in members]
     joined = {key: jnp.concatenate([small[b][key] for b in members]) for key in small[members[0]]}
-    joined["q"] = jnp.concatenate([qs[b] for b in members])
+    joined["q"] = None if qs[members[0]] is None else jnp.concatenate([qs[b] for b in members])
     co = _after_residual(joined, alpha, gamma, eigensolver, jnp.finfo(state_dtype).eps, **kw)
     co = {key: x.astype(state_dtype) for key, x in co.items()}  # pass 3's operands, the state
     starts = np.cumsum([0] + sizes[:-1]).tolist()
@@ -599,16 +610,22 @@ def _summed_over_devices(results, axes, out_kinds) -> list[tuple]:
   return [tuple(r) for r in results]
 
 
+def _times(q, x, transpose=False):
+  """``Q x`` (or ``Q^T x``) batched over blocks; ``x`` itself where ``Q`` is None (``I``, known
+  while tracing: no product, which XLA would run as one more small kernel per bucket)."""
+  return x if q is None else lowrank.small_matvec(q, x, transpose=transpose)
+
+
 def _before_residual(cu, yu, l1, q):
-  """Small quantities after pass 1, in the orthonormal basis ``U Q``."""
-  c = lowrank.small_matvec(q, cu, transpose=True)
+  """Small quantities after pass 1, in the orthonormal basis ``U Q`` (``Q`` None: ``U``)."""
+  c = _times(q, cu, transpose=True)
   inv_l1 = 1.0 / jnp.maximum(l1, jnp.finfo(l1.dtype).tiny)
   return {
     "c": c,
-    "y": lowrank.small_matvec(q, yu, transpose=True),
+    "y": _times(q, yu, transpose=True),
     "l1": l1,
     "inv_l1": inv_l1,
-    "a1": lowrank.small_matvec(q, c),
+    "a1": _times(q, c),
   }
 
 
@@ -648,9 +665,9 @@ def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=
   weight = sigma / (gamma + sigma)
   return {
     "sigma": sigma,
-    "a2": lowrank.small_matvec(s["q"], s["c2"]),
+    "a2": _times(s["q"], s["c2"]),
     "inv_r": inv_p,
-    "rot": jnp.matmul(s["q"], top, precision=lowrank.HIGHEST),
+    "rot": top if s["q"] is None else jnp.matmul(s["q"], top, precision=lowrank.HIGHEST),
     "b": b,
     "z": weight * y_new,
   }
@@ -658,7 +675,7 @@ def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=
 
 def _identity_factors(us, sigmas):
   """``(Q = I, sigma)`` per bucket, in the compute dtype (the small algebra's, see
-  :func:`brand_step`)."""
+  :func:`brand_step`), as arrays (a branch of the re-orthonormalisation's ``lax.cond``)."""
   factors = []
   for u, sigma in zip(us, sigmas, strict=True):
     dtype = kernels.compute_dtype(u.dtype)

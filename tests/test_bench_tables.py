@@ -273,6 +273,35 @@ def test_optimizer_step_rows_match_the_header_with_state_dtypes(monkeypatch, cap
   _check(capsys.readouterr().out, expect_rows=3)
 
 
+def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypatch, capsys):
+  """--solo-rows N: each Ginger row is timed with blocks of >= N rows in buckets of their own
+  (the plan is read when the state is built, inside time_update), labelled in the block
+  column; 0 is the library's plan; the module's plan is restored after each row."""
+  from bench import optimizer_step
+  from ginger import _common
+
+  seen = []
+
+  def fake_time(tx, shapes, *a):
+    state = tx.init([jnp.zeros(s) for s in shapes])[0]
+    seen.append(len(state.u.layout.buckets) if hasattr(state, "u") else None)
+    return 1e-3, 0.1, ""
+
+  monkeypatch.setattr(optimizer_step, "time_update", fake_time)
+  monkeypatch.setitem(optimizer_step.SIZES, "tiny", lambda: [(64, 4), (64, 4), (3,)])
+  before = _common.SOLO_BUCKETS, _common.SOLO_ROWS
+  optimizer_step.main(
+    ["--sizes", "tiny", "--optimizers", "ginger", "--taus", "2", "--blocks", "per_tensor"]
+    + ["--solo-rows", "0", "100", "--reorthonormalise-every", "0"]
+  )
+  assert (_common.SOLO_BUCKETS, _common.SOLO_ROWS) == before
+  out = capsys.readouterr().out
+  _check(out, expect_rows=3)
+  assert "| per_tensor solo>=100 |" in out
+  library = len(_common.plan_layout([256, 256, 3], 2, "per_tensor", None).buckets)
+  assert library < 3 and seen == [None, library, 3]  # Adam's row first; then both 256s alone
+
+
 def test_optimizer_step_times_the_update_the_training_loop_runs(capsys):
   """--reorthonormalise-every 0 builds Ginger's update without its in-update
   re-orthonormalisation (an XLA conditional: a host round trip a step on GPUs), as train.py
