@@ -949,7 +949,12 @@ def _free_port() -> int:
 # and 2 of the 360 validation images: steps after EARLY_STEPS are compared only to LATE_RTOL
 # (2.5x the measured drift), and the multi-host plumbing is what the early steps check: a second
 # process with another seed or other batches moves the first steps' loss and gradient norm by
-# far more than EARLY_RTOL (see the test).
+# far more than EARLY_RTOL (see the test). Past that horizon a single step's gradient norm is
+# the most sensitive of these numbers (one ReLU flip moves it): since the momentum's bias
+# correction divides G^{-1} m (e2389bb) the two runs round apart from step 12 on and one step's
+# grad_norm was 5.3e-2 from the other's (step 30; its neighbours 4e-3-2.5e-2), while the means
+# over steps 11-40 stayed 2.6e-4 (loss) and 3.0e-3 (grad_norm) apart. Late steps are therefore
+# compared as those means, not one by one; evaluations and the final summary as before.
 EARLY_STEPS = 10  # the first run's steps up to its checkpoint
 EARLY_RTOL = 1e-5  # ~170 float32 ulps: 25x the measured early differences
 EARLY_ACCURACY = 100 / 360  # one near-tie argmax of the 360 validation images (measured: 0)
@@ -1073,11 +1078,15 @@ def test_two_processes_give_the_one_process_results(tmp_path):
   assert all(step == stopped for _, step in extra), extra  # at most the preemption's
   by_key = dict(zip(keys, events, strict=True))
   assert sum(a["step"] <= EARLY_STEPS and "train_loss" in a for a in reference) == EARLY_STEPS
+  late = [(a, by_key[(a["event"], a["step"])]) for a in reference if a["step"] > EARLY_STEPS]
+  for key in ("train_loss", "grad_norm"):  # past the early steps: their means (see LATE_RTOL)
+    pairs = [(a[key], b[key]) for a, b in late if key in a]
+    assert pairs and _close(*np.mean(pairs, axis=0), rtol=LATE_RTOL), (key, pairs)
   for a in reference:
     b = by_key[(a["event"], a["step"])]
     early = a["step"] <= EARLY_STEPS
     for key in ("train_loss", "grad_norm", "val_loss"):
-      if key in a:
+      if key in a and (early or key == "val_loss"):
         assert _close(a[key], b[key], rtol=EARLY_RTOL if early else LATE_RTOL), (key, a, b)
     if "val_accuracy" in a:
       bound = EARLY_ACCURACY if early else LATE_ACCURACY
