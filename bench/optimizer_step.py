@@ -4,12 +4,16 @@
     python -m bench.optimizer_step --sizes resnet18 --taus 8 --blocks per_tensor
     python -m bench.optimizer_step --sizes resnet18 --optimizers ginger qng --taus 8 32 \
         --blocks per_tensor global --passes jnp pallas       # Ginger's passes both ways
+    python -m bench.optimizer_step --sizes resnet18 --optimizers ginger --taus 8 \
+        --blocks per_tensor --passes pallas --solo-rows 0 2097152   # other bucket plans
 
 Each step is ``tx.update`` followed by ``optax.apply_updates``, so every update entry is
 consumed (a benchmark that returned one entry would let XLA drop the rest of the output).
 Steps are timed as a jitted ``lax.scan`` over ``--scan`` steps (so the ~2 ms of host dispatch
-per call on a GPU is amortised), after a warm-up, as the median of ``--repeats`` runs. Params,
-gradients and Fisher vectors are arguments of the jitted function, not constants baked into it.
+per call on a GPU is amortised), after a warm-up, as the median of ``--repeats`` runs, with the
+state and params donated as train.py's step donates them (updated in place, not first copied).
+Params, gradients and Fisher vectors are arguments of the jitted function, not constants baked
+into it.
 Ginger's update is the library's default unless ``--reorthonormalise-every 0``: that is the
 update train.py runs, without the in-update re-orthonormalisation (an XLA conditional, which on
 a GPU stops the host every step; train.py runs it as a program of its own).
