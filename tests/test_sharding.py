@@ -954,7 +954,10 @@ def _free_port() -> int:
 # correction divides G^{-1} m (e2389bb) the two runs round apart from step 12 on and one step's
 # grad_norm was 5.3e-2 from the other's (step 30; its neighbours 4e-3-2.5e-2), while the means
 # over steps 11-40 stayed 2.6e-4 (loss) and 3.0e-3 (grad_norm) apart. Late steps are therefore
-# compared as those means, not one by one; evaluations and the final summary as before.
+# compared as those means, not one by one; evaluations and the final summary as before. Whether
+# the preempted run resumed exactly is checked step by step against the same 2-process run not
+# preempted (the same programs: equal to rounding; a resume that halved the restored momentum
+# is 1e-3 off at step 17, which no comparison against the other process layout would catch).
 EARLY_STEPS = 10  # the first run's steps up to its checkpoint
 EARLY_RTOL = 1e-5  # ~170 float32 ulps: 25x the measured early differences
 EARLY_ACCURACY = 100 / 360  # one near-tie argmax of the 360 validation images (measured: 0)
@@ -968,10 +971,10 @@ def test_two_processes_give_the_one_process_results(tmp_path):
   """A multi-host launch (COORDINATOR_ADDRESS / NUM_PROCESSES / PROCESS_ID, as a launcher
   sets them), simulated by two local processes with two CPU devices each, preempted with
   SIGTERM after step 10 and rerun to step 40 from its (orbax multi-host) checkpoint: only
-  process 0 writes metrics.jsonl and summary.json, and the metrics are those of one process
-  with the same 4-device mesh: to rounding over the first 10 steps (the same data, parameters
-  and optimizer state on both processes), within the measured drift of two summation orders
-  after them (~4 min).
+  process 0 writes metrics.jsonl and summary.json; every step's metrics are those of the same
+  2-process run not preempted (to rounding), and those of one process with the same 4-device
+  mesh: to rounding over the first 10 steps (the same data, parameters and optimizer state on
+  both processes), within the measured drift of two summation orders after them (~5 min).
 
   Free-running trajectories on different meshes drift apart by rounding that Ginger magnifies
   (the step-by-step test above checks the sharded math itself; see EARLY_STEPS)."""
@@ -984,16 +987,16 @@ def test_two_processes_give_the_one_process_results(tmp_path):
   )
   steps = 40
   run = [a for a in RUN if not a.startswith("log_every=")] + ["log_every=1"]  # every step
-  cmd = [
-    sys.executable,
-    "train.py",
-    *run,
-    f"max_steps={steps}",
-    "checkpoint_every=10",
-    f"hydra.run.dir={tmp_path / 'multi'}",
-  ]
 
-  def launch():
+  def launch(run_dir="multi"):
+    cmd = [
+      sys.executable,
+      "train.py",
+      *run,
+      f"max_steps={steps}",
+      "checkpoint_every=10",
+      f"hydra.run.dir={tmp_path / run_dir}",
+    ]
     return [
       subprocess.Popen(
         cmd,
@@ -1038,6 +1041,9 @@ def test_two_processes_give_the_one_process_results(tmp_path):
   logs = [p.communicate(timeout=600)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), logs[0][-2000:] + logs[1][-2000:]
   assert all("resumed from" in log and f"at step {stopped}" in log for log in logs)
+  procs = launch("multi_uninterrupted")  # the same 2-process run, not preempted
+  logs = [p.communicate(timeout=600)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), logs[0][-2000:] + logs[1][-2000:]
   single = subprocess.run(
     [
       sys.executable,
@@ -1077,6 +1083,15 @@ def test_two_processes_give_the_one_process_results(tmp_path):
   extra = set(keys) - {(e["event"], e["step"]) for e in reference}
   assert all(step == stopped for _, step in extra), extra  # at most the preemption's
   by_key = dict(zip(keys, events, strict=True))
+  # Preempted and resumed = not preempted, every step: the same programs on the same processes
+  # from an exact checkpoint (the late steps below only bound two process layouts' rounding).
+  uninterrupted = read("multi_uninterrupted")
+  assert {(e["event"], e["step"]) for e in uninterrupted} == set(keys) - extra
+  for a in uninterrupted:
+    b = by_key[(a["event"], a["step"])]
+    for key in ("train_loss", "grad_norm", "val_loss", "val_accuracy"):
+      if key in a:
+        assert _close(a[key], b[key], rtol=EARLY_RTOL), (key, a, b)
   assert sum(a["step"] <= EARLY_STEPS and "train_loss" in a for a in reference) == EARLY_STEPS
   late = [(a, by_key[(a["event"], a["step"])]) for a in reference if a["step"] > EARLY_STEPS]
   for key in ("train_loss", "grad_norm"):  # past the early steps: their means (see LATE_RTOL)
