@@ -974,7 +974,7 @@ def test_two_processes_give_the_one_process_results(tmp_path):
   process 0 writes metrics.jsonl and summary.json; every step's metrics are those of the same
   2-process run not preempted (to rounding), and those of one process with the same 4-device
   mesh: to rounding over the first 10 steps (the same data, parameters and optimizer state on
-  both processes), within the measured drift of two summation orders after them (~5 min).
+  both processes), within the measured drift of two summation orders after them (~75 s).
 
   Free-running trajectories on different meshes drift apart by rounding that Ginger magnifies
   (the step-by-step test above checks the sharded math itself; see EARLY_STEPS)."""
