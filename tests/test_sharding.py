@@ -935,28 +935,29 @@ def _free_port() -> int:
 
 
 # How far the 2-process run may be from the 1-process one (since 2026-11-27 the one process has
-# the same 4 devices: with the initial draw of models.tasks.init_model, the 1-device run's
-# step 7 gradient norm is 1e-3 from the 4-device one's while their losses are equal to the
-# last bit: one step's summation order, amplified by a badly conditioned term of that step,
-# not a sharding bug; the step-by-step test bounds each step by its own sensitivity instead).
-# Measured before that change (demo, Ginger, 40 steps,
-# log_every=1) between three pairs of legitimately different float summation orders: 1 device
-# vs 4 devices in one process, vs 2 devices in one process, vs this 2 x 2-process run. Over
-# steps 1-11 train_loss and grad_norm agree to <= 4.2e-7 (a few float32 ulps: the sums of one
-# step in another order; the step-10 evaluation to 0) in all three; from step 12-23 on the
-# rounding grows (Ginger magnifies it by about sigma_max / gamma, a ReLU input near its kink
-# flips) and by step 40 reaches 7e-3 in the loss, 1.9e-2 in grad_norm, 7.7e-3 in the val_loss
-# and 2 of the 360 validation images: steps after EARLY_STEPS are compared only to LATE_RTOL
-# (2.5x the measured drift), and the multi-host plumbing is what the early steps check: a second
-# process with another seed or other batches moves the first steps' loss and gradient norm by
-# far more than EARLY_RTOL (see the test). Past that horizon a single step's gradient norm is
-# the most sensitive of these numbers (one ReLU flip moves it): since the momentum's bias
+# the same 4 devices: with the initial draw of models.tasks.init_model, the 1-device run's step 7
+# gradient norm is 1e-3 from the 4-device one's while their losses are equal to the last bit: one
+# step's summation order, amplified by a badly conditioned term of that step, not a sharding bug;
+# the step-by-step test bounds each step by its own sensitivity instead). Measured before that
+# change (demo, Ginger, 40 steps, log_every=1) between three pairs of legitimately different float
+# summation orders: 1 device vs 4 devices in one process, vs 2 devices in one process, vs this 2 x
+# 2-process run. Over steps 1-11 train_loss and grad_norm agree to <= 4.2e-7 (a few float32 ulps:
+# the sums of one step in another order; the step-10 evaluation to 0) in all three; from step
+# 12-23 on the rounding grows (Ginger magnifies it by about sigma_max / gamma, a ReLU input near
+# its kink flips) and by step 40 reaches 7e-3 in the loss, 1.9e-2 in grad_norm, 7.7e-3 in the
+# val_loss and 2 of the 360 validation images: steps after EARLY_STEPS are compared only to
+# LATE_RTOL (2.5x the measured drift), and the multi-host plumbing is what the early steps check:
+# a second process with another seed or other batches moves the first steps' loss and gradient
+# norm by far more than EARLY_RTOL (see the test). Past that horizon a single step's gradient norm
+# is the most sensitive of these numbers (one ReLU flip moves it): since the momentum's bias
 # correction divides G^{-1} m (e2389bb) the two runs round apart from step 12 on and one step's
 # grad_norm was 5.3e-2 from the other's (step 30; its neighbours 4e-3-2.5e-2), while the means
-# over steps 11-40 stayed 2.6e-4 (loss) and 3.0e-3 (grad_norm) apart. Late steps are therefore
-# compared as those means, not one by one; evaluations and the final summary as before. Whether
-# the preempted run resumed exactly is checked step by step against the same 2-process run not
-# preempted (the same programs: equal to rounding; a resume that halved the restored momentum
+# over steps 11-40 stayed 2.6e-4 (loss) and 3.0e-3 (grad_norm) apart. Both runs compile the same
+# step (their optimized HLO is identical but for metadata): they round apart at run time
+# (collectives, buffer placement), which no change to the program guarantees away. Late steps are
+# therefore compared as those means, not one by one; evaluations and the final summary as before.
+# Whether the preempted run resumed exactly is checked step by step against the same 2-process run
+# not preempted (the same programs: equal to rounding; a resume that halved the restored momentum
 # is 1e-3 off at step 17, which no comparison against the other process layout would catch).
 EARLY_STEPS = 10  # the first run's steps up to its checkpoint
 EARLY_RTOL = 1e-5  # ~170 float32 ulps: 25x the measured early differences
