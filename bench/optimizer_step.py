@@ -278,11 +278,11 @@ def main(argv=None) -> None:
     shapes = SIZES[size]()
     d = sum(math.prod(s) for s in shapes)
     # Adam always runs first: it is the reference of the "x Adam" column.
-    configs = [("adam", None, None, None, None)]
+    configs = [("adam", None, None, None, None, 0)]
     if "momentum" in args.optimizers:
-      configs.append(("momentum", None, None, None, None))
+      configs.append(("momentum", None, None, None, None, 0))
     if "qng" in args.optimizers:
-      configs += [("qng", t, b, None, None) for t in args.qng_taus for b in args.blocks]
+      configs += [("qng", t, b, None, None, 0) for t in args.qng_taus for b in args.blocks]
     if "ginger" in args.optimizers:
       configs += [
         ("ginger" if e == "secular" else f"ginger/{e}", t, b, p, dt, n)
@@ -294,8 +294,8 @@ def main(argv=None) -> None:
         for n in args.solo_rows
       ]
     adam_s = None
-    for name, tau, block, passes, state, *solo in configs:
-      with solo_buckets(solo[0] if solo else 0):
+    for name, tau, block, passes, state, solo in configs:
+      with solo_buckets(solo):
         seconds, compile_s, report = time_update(
           make_optimizer(
             name, tau, block, passes or "jnp", state or "float32", args.reorthonormalise_every
@@ -305,8 +305,8 @@ def main(argv=None) -> None:
           args.repeats,
           args.kernels if name.startswith("ginger") else 0,
         )
-      if solo and solo[0] and block == "per_tensor":
-        block = f"{block} solo>={solo[0]}"
+      if solo and block == "per_tensor":
+        block = f"{block} solo>={solo}"
       if report:
         reports.append(f"{size} {name} tau={tau} {block} passes={passes} {state}:\n{report}")
       adam_s = adam_s or seconds
