@@ -39,8 +39,13 @@ def norm(xs: Pieces) -> jax.Array:
   """Overflow- and underflow-safe 2-norm of a block vector given as pieces.
 
   Gradients of 1e20 have squares of 1e40, which overflow float32; scaling by the largest
-  entry first keeps the sum of squares in range.
+  entry first keeps the sum of squares in range. Pieces without entries (a leaf of size 0)
+  add nothing; a block of none has norm 0.
   """
+  dtype = xs[0].dtype
+  xs = [x for x in xs if x.size]
+  if not xs:
+    return jnp.zeros([], dtype)
   largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in xs]))
   scale = jnp.maximum(largest, jnp.finfo(xs[0].dtype).tiny)
   return scale * jnp.sqrt(sum(jnp.sum(jnp.square(x / scale)) for x in xs))

@@ -122,3 +122,23 @@ def test_qng_optimizer_and_errors():
     ginger.scale_by_qng(2, block="rows")
   masked = optax.masked(ginger.scale_by_qng(2), {"w": True}, mask_compatible_extra_args=True)
   masked.update(params, masked.init(params), params, fisher_grads=params)
+
+
+@pytest.mark.parametrize("block", ["global", "per_tensor"])
+def test_zero_size_leaves_change_nothing(block):
+  """A leaf with no entries (a (0, n) weight) is an empty piece of its block: the update of
+  the other leaves is the one without it (before: the norm of a block took the max of an empty
+  array and raised from inside jnp)."""
+  rng = np.random.default_rng(0)
+  full = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.ones(3)}
+  empty = dict(full, e=jnp.zeros((0, 4)))
+  outs = []
+  for params in (full, empty):
+    tx = ginger.scale_by_qng(2, 0.9, block)
+    state = tx.init(params)
+    for _ in range(3):
+      out, state = jax.jit(tx.update)(params, state, fisher_grads=params)
+    outs.append(out)
+  assert outs[1]["e"].shape == (0, 4)
+  for key in full:
+    np.testing.assert_array_equal(outs[1][key], outs[0][key])
