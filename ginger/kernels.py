@@ -734,9 +734,10 @@ def _precondition_pallas(u, sigma, g, gamma, y=None, *, interpret, tile=None, st
 
 
 def _dispatch(jnp_fn, pallas_fn, u, arrays, impl, interpret, tile, steps):
-  """Runs ``jnp_fn(u, *arrays)`` or the kernel on ``(blocks, ...)``-flattened operands."""
+  """Runs ``jnp_fn(u, *arrays)`` or the kernel on ``(blocks, ...)``-flattened operands. A ``u``
+  without entries (the bucket of a leaf of size 0) takes the jnp path: no kernel to launch."""
   impl, interpret = resolve_impl(impl, interpret)
-  if impl == "jnp":
+  if impl == "jnp" or u.size == 0:
     return jnp_fn(u, *arrays)
   lead = u.shape[:-2]
   flat = [_flat(x, len(lead)) for x in (u, *arrays)]
@@ -866,7 +867,8 @@ def project(u, g, *, impl="auto", interpret=None, tile=None, steps=None):
   ``u``: ``(..., n, k)``; ``g``: ``(..., n)``; returns ``(..., k)``."""
   _check(u, {"g": g})
   impl, interpret = resolve_impl(impl, interpret)
-  if impl == "jnp":  # widened exactly from U's dtype, which _precondition_jnp rounds back to
+  # Widened exactly from U's dtype, which _precondition_jnp rounds back to.
+  if impl == "jnp" or u.size == 0:
     return _row_sums(u, [g])[..., 0].astype(compute_dtype(u.dtype))
   lead = u.shape[:-2]
   (y,), _ = _row_sums_pallas(

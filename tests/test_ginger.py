@@ -643,3 +643,25 @@ def test_reorthonormalise_then_update_equals_the_update_that_reorthonormalises(x
   got_s = _dense_curvatures(got_state, block, len(shapes))
   for g, w in zip(got_s, _dense_curvatures(want_state, block, len(shapes)), strict=True):
     np.testing.assert_allclose(g, w, atol=1e-10 * float(jnp.max(jnp.abs(w))))
+
+
+@pytest.mark.parametrize("block", ["per_tensor", "global"])
+@pytest.mark.parametrize("passes", ["jnp", "pallas"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_zero_size_leaves_change_nothing(block, passes, every):
+  """A leaf with no entries (a (0, n) weight) changes no other leaf's update, with either
+  passes (before: per_tensor with the Pallas passes, the default on GPUs, raised a
+  ZeroDivisionError from reshaping its empty bucket for a kernel)."""
+  rng = np.random.default_rng(0)
+  full = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.ones(3)}
+  empty = dict(full, e=jnp.zeros((0, 4)))
+  outs = []
+  for params in (full, empty):
+    tx = ginger.ginger(1e-3, tau=2, block=block, passes=passes, curvature_every=every)
+    state = tx.init(params)
+    for _ in range(2):  # with every=2 the second step has no curvature update
+      out, state = tx.update(params, state, params, fisher_grads=params)
+    outs.append(out)
+  assert outs[1]["e"].shape == (0, 4)
+  for key in full:
+    np.testing.assert_array_equal(outs[1][key], outs[0][key])
