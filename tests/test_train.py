@@ -342,7 +342,25 @@ def test_rerun_with_another_config_is_refused_and_changes_nothing(
   with pytest.raises(run_record.RunDirError, match="holds another run") as e:
     train.train(other, tmp_path)
   assert named in str(e.value) and "hydra.run.dir=" in str(e.value)
+  assert "left no checkpoint" not in str(e.value)
   assert _files(tmp_path) == before  # .hydra/config.yaml restored; summary, evals, log kept
+
+
+def test_rerun_after_an_attempt_that_left_nothing_says_so(tmp_path, monkeypatch):
+  """An attempt that stopped before its first log (here: its data could not be built)
+  leaves only run.json; a corrected rerun in the dir is refused as any other config is, and
+  the error says the old run left nothing to lose."""
+
+  def no_data(*args, **kwargs):
+    raise RuntimeError("no data")
+
+  monkeypatch.setattr(train, "build", no_data)
+  with pytest.raises(RuntimeError, match="no data"):
+    train.train(config(*RERUN_BASE), tmp_path)
+  assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+  with pytest.raises(run_record.RunDirError, match="lr: 0.0002 -> 0.01") as e:
+    train.train(config(*RERUN_BASE, "lr=0.01"), tmp_path)
+  assert "left no checkpoint, metrics or summary" in str(e.value)
 
 
 def test_rerun_with_other_logging_continues(adam_run, tmp_path):

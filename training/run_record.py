@@ -313,11 +313,18 @@ def _refuse(run_dir: Path, old: Mapping, config: Mapping, hydra: Mapping, write:
     for name, text in hydra.items():  # undo what Hydra wrote before this attempt started
       (run_dir / HYDRA_DIR / name).write_text(text)
   changed = differences(old, fingerprinted(config))
+  nothing = (
+    ""
+    if has_run(run_dir)
+    else " (That run left no checkpoint, metrics or summary: it stopped before its first log, "
+    "e.g. on bad data, or is still starting; resume=false loses nothing of it if it is not "
+    "running.)"
+  )
   raise RunDirError(
     f"{run_dir} holds another run; rerunning there would mix two runs. Its configuration differs "
     f"in: {'; '.join(changed) or 'the fingerprint'}. Nothing in the dir was changed. To start "
     "a new run, give it its own dir (hydra.run.dir=<new dir>, or a new name=...), or pass "
-    "resume=false to discard this run and start over in this dir."
+    f"resume=false to discard this run and start over in this dir.{nothing}"
   )
 
 
