@@ -25,11 +25,32 @@ log = logging.getLogger("evaluate")
 
 
 def load_run_config(run_dir: Path, overrides: list[str]):
+  """The run's stored config with ``overrides`` (``key=value``) applied. Each key must exist
+  there: a key it lacks would be added where nothing reads it (a typo, or ``data.eval_split``
+  for an image run), and the evaluation would silently run as stored."""
   config_file = run_dir / ".hydra" / "config.yaml"
   if not config_file.exists():
     raise RunDirError(f"{run_dir} is not a run dir: {config_file} is missing.")
   cfg = OmegaConf.load(config_file)
+  for override in overrides:
+    _check_key(cfg, override, config_file)
   return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+
+
+def _check_key(cfg, override: str, config_file: Path) -> None:
+  from training.config_check import ConfigError
+
+  path = override.split("=", 1)[0]
+  node, walked = cfg, []
+  for name in path.split("."):
+    if not (OmegaConf.is_dict(node) and name in node):
+      where = f"under {'.'.join(walked)}" if walked else "at the top level"
+      keys = ", ".join(sorted(map(str, node))) if OmegaConf.is_dict(node) else "none (a value)"
+      raise ConfigError(
+        f"{override}: the run's config has no key {path} ({config_file}); keys {where}: {keys}."
+      )
+    node = node.get(name)
+    walked.append(name)
 
 
 def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = ()) -> dict:

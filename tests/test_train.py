@@ -22,6 +22,7 @@ from data.images import DatasetUnavailableError
 from training import loop as train
 from training import run_record
 from training.checkpoints import Checkpointer, CheckpointError
+from training.config_check import ConfigError
 from training.errors import NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,6 +211,17 @@ def test_evaluate_errors(tmp_path):
   OmegaConf.save(config("experiment=demo"), tmp_path / ".hydra" / "config.yaml")
   with pytest.raises(CheckpointError, match="no checkpoint"):
     evaluate.evaluate_run(tmp_path)
+  # An override of a key the run's config lacks is refused, not added where nothing reads it
+  # (an image run has no eval_split; a typo would evaluate with the stored value).
+  for bad, match in [
+    ("data.eval_split=test", r"data.eval_split=test: the run's config has no key data.eval_"),
+    ("data.rouge_exampels=5", r"no key data.rouge_exampels .*; keys under data: .*source"),
+    ("bogus=1", r"bogus=1: .* keys at the top level: .*batch_size"),
+    ("lr.x=1", r"no key lr.x .*; keys under lr: none \(a value\)"),
+  ]:
+    with pytest.raises(ConfigError, match=match):
+      evaluate.evaluate_run(tmp_path, overrides=[bad])
+  assert evaluate.main([f"run_dir={tmp_path}", "data.eval_split=test"]) == 1
 
 
 @pytest.mark.parametrize(
