@@ -7,7 +7,7 @@
 Reads the run's resolved config (``.hydra/config.yaml``), rebuilds the model and data exactly
 as training did, restores the checkpoint (the latest unless ``step=``) and writes
 ``eval_step<N>_<split>.json`` into the run dir. Any other ``key=value`` overrides the stored
-config (e.g. ``data.path=...`` on another machine).
+config (e.g. ``data.path=...`` on another machine); a key the stored config lacks is refused.
 """
 
 from __future__ import annotations
