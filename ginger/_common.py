@@ -46,6 +46,14 @@ def check_alpha(alpha) -> None:
     )
 
 
+def check_b1(b1) -> None:
+  """The momentum's decay: ``b1 = 1`` never moves the average and its bias correction
+  ``1 - b1^t`` is 0 (a NaN update); None (no momentum) passes."""
+  value = None if b1 is None else _concrete(b1)
+  if value is not None and not 0.0 <= value < 1.0:
+    raise ValueError(f"b1 must lie in [0, 1) (the momentum), got {value}.")
+
+
 def check_gamma(gamma) -> None:
   value = _concrete(gamma)
   if value is not None and not (value > 0.0 and math.isfinite(value)):

@@ -252,6 +252,7 @@ def scale_by_ginger(
   """
   tau = _common.check_tau(tau)
   _common.check_alpha(alpha)
+  _common.check_b1(b1)
   _common.check_gamma(gamma)
   _common.check_block(block)
   state_dtype = _common.check_dtype(state_dtype)

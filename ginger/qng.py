@@ -197,6 +197,7 @@ def qng(
 ) -> optax.GradientTransformationExtraArgs:
   """QNG composed like :func:`ginger.ginger` (bias-corrected momentum -> curvature update ->
   precondition -> ``-lr``), so the two differ only in the curvature model."""
+  _common.check_b1(b1)
   return _common.default_fisher_to_gradient(
     optax.chain(
       optax.ema(b1, debias=True),

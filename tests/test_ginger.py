@@ -389,11 +389,19 @@ def test_curvature_every_makes_a_missing_fisher_mean_no_update(x64):
     (dict(tau=2, reorthonormalise_every=2.5), "reorthonormalise_every must be an int"),
     (dict(tau=2, reorthonormalise_every="10"), "reorthonormalise_every must be an int"),
     (dict(tau=2, reorthonormalise_every=True), "reorthonormalise_every must be an int"),
+    (dict(tau=2, b1=1.0), r"b1 must lie in \[0, 1\)"),  # before: 1 - b1^t = 0, a NaN update
+    (dict(tau=2, b1=-0.1), r"b1 must lie in \[0, 1\)"),
   ],
 )
 def test_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ginger.scale_by_ginger(**kwargs)
+
+
+@pytest.mark.parametrize("make", [ginger.ginger, ginger.qng])
+def test_bad_momentum(make):
+  with pytest.raises(ValueError, match=r"b1 must lie in \[0, 1\) \(the momentum\), got 1.0"):
+    make(1e-3, tau=2, b1=1.0)
 
 
 def test_bad_rho():
