@@ -37,6 +37,12 @@ def _weights(
 ) -> tuple[jax.Array, jax.Array]:
   """Per-prediction weights (1 where counted) and their total ``N`` (at least 1); ``count``:
   ``N`` given (a shard of a batch is normalised by the whole batch's count)."""
+  if mask is not None and jnp.shape(mask) != labels.shape:
+    # Broadcasting would weight the wrong axis: a (B,) mask for (B, T) labels masks time steps.
+    raise ValueError(
+      f"mask shape {jnp.shape(mask)} does not match labels shape {labels.shape} (one weight "
+      "per prediction)."
+    )
   dtype = jnp.promote_types(jnp.result_type(float), jnp.float32)
   weights = jnp.ones(labels.shape, dtype) if mask is None else mask.astype(dtype)
   return weights, jnp.maximum(jnp.sum(weights), 1.0) if count is None else count

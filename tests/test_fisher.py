@@ -101,6 +101,12 @@ def test_has_aux_and_errors():
     )
   with pytest.raises(ValueError, match="does not match labels shape"):
     fisher.value_grad_and_fisher(lambda w: w, w, jnp.zeros(5, jnp.int32), jax.random.key(0))
+  # A (B,) mask for (B, T) labels broadcast along T: it masked time steps, silently.
+  x, labels = jnp.ones((4, 4, 3)), jnp.zeros((4, 4), jnp.int32)
+  with pytest.raises(ValueError, match=r"mask shape \(4,\) does not match labels shape \(4, 4\)"):
+    fisher.value_grad_and_fisher(lambda w: x @ w, w, labels, jax.random.key(0), mask=jnp.ones(4))
+  with pytest.raises(ValueError, match="mask shape"):
+    fisher.cross_entropy(jnp.ones((4, 4, 2)), labels, jnp.ones(4))
 
 
 def _coupled_model(key, n=8, features=5, hidden=6, classes=4):
