@@ -805,18 +805,42 @@ def checkpoint_state(opt_state):
 
 def restore_checkpoint_state(saved, like):
   """Inverse of :func:`checkpoint_state`: ``saved`` back in the stacked layout of ``like``
-  (a freshly initialised state of the same optimizer, whatever its bucketing)."""
+  (a freshly initialised state of the same optimizer, whatever its bucketing). Raises
+  ``ValueError`` where a saved basis, momentum or ``sigma`` does not fit ``like`` (a state of
+  other params, ``tau`` or ``block``), naming it."""
 
-  def restack(template, value):
+  def restack(path, template, value):
     if not _is_stacked(template):
       return value
     if type(value) is type(template) and value.layout == template.layout:
       return value  # stacked in the template's plan already: as it is, no copy
     if _is_stacked(value):  # stacked otherwise: only one plan fits the template's shapes
       value = value.tree()
+    _check_fits(jax.tree_util.keystr(path), template, value)
     return type(template).from_tree(value, template.layout)
 
-  return jax.tree.map(restack, like, saved, is_leaf=_is_stacked)
+  return jax.tree_util.tree_map_with_path(restack, like, saved, is_leaf=_is_stacked)
+
+
+def _check_fits(name: str, template: _Stacked, tree) -> None:
+  """``tree`` (per leaf, as :func:`checkpoint_state` saves it) has ``template``'s leaves."""
+  layout = template.layout
+  why = "a checkpoint of other params, tau or block"
+  if jax.tree.structure(tree) != layout.treedef:
+    raise ValueError(
+      f"{name}: saved for params structured {jax.tree.structure(tree)}, this optimizer's "
+      f"state for {layout.treedef} ({why})."
+    )
+  for i, (where, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
+    rank = layout.buckets[layout.where(i)[0]].rank
+    expected = {StackedSigma: (rank,), StackedRows: (layout.sizes[i],)}.get(
+      type(template), (layout.sizes[i], rank)
+    )
+    if tuple(jnp.shape(leaf)) != expected:
+      raise ValueError(
+        f"{name}{jax.tree_util.keystr(where)}: saved {tuple(jnp.shape(leaf))}, this "
+        f"optimizer's state has {expected} ({why})."
+      )
 
 
 def ginger(

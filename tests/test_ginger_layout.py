@@ -269,3 +269,32 @@ def test_checkpoint_state_leaves_other_states_alone():
     jax.tree.map(
       np.testing.assert_array_equal, ginger.restore_checkpoint_state(state, state), state
     )
+
+
+@pytest.mark.parametrize(
+  "saved_by, match",
+  [
+    (dict(tau=2), r"u\['b'\]: saved \(5, 2\), this optimizer's state has \(5, 3\)"),
+    (
+      dict(tau=3, block="global"),
+      r"sigma: saved for params structured PyTreeDef\(\*\), this optimizer's",
+    ),
+  ],
+)
+def test_restore_refuses_a_state_of_another_optimizer(saved_by, match):
+  """A per-leaf state saved by another tau (or block) does not fit this optimizer's layout:
+  before, it was stacked as it was and the state no longer matched its optimizer."""
+  params = {"w": jnp.ones((6, 5)), "b": jnp.ones(5)}
+  other = ginger.ginger(1e-3, **saved_by)
+  saved = ginger.checkpoint_state(other.init(params))
+  like = ginger.ginger(1e-3, tau=3).init(params)
+  with pytest.raises(ValueError, match=match):
+    ginger.restore_checkpoint_state(saved, like)
+
+
+def test_restore_refuses_a_state_of_other_params():
+  params = {"w": jnp.ones((6, 5)), "b": jnp.ones(5)}
+  tx = ginger.ginger(1e-3, tau=2)
+  saved = ginger.checkpoint_state(tx.init(params))
+  with pytest.raises(ValueError, match=r"saved for params structured .* this optimizer's"):
+    ginger.restore_checkpoint_state(saved, tx.init({"w": params["w"]}))
