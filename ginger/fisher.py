@@ -59,8 +59,10 @@ def cross_entropy(
   ``count``, the sum divided by it instead."""
   weights, count = _weights(labels, mask, count)
   logp = jax.nn.log_softmax(_upcast(logits))
-  nll = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return jnp.sum(nll * weights) / count
+  logp_y = jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  # 0 - x, not -x: a saturated prediction (log p = 0) is a loss of +0, not -0 (which XLA keeps
+  # through the sum, and a summary then shows as a negative minimum training loss).
+  return jnp.sum((0.0 - logp_y) * weights) / count
 
 
 def loss_cotangent(

@@ -351,3 +351,11 @@ def test_fisher_cotangent_noise_is_the_categorical_draw():
   np.testing.assert_array_equal(
     fisher.fisher_cotangent(logits, key), fisher.fisher_cotangent(logits, None, noise=noise)
   )
+
+
+def test_a_perfect_prediction_has_loss_plus_zero():
+  """log p = 0 exactly (a saturated softmax) is a loss of +0, not -0 (which summaries and tables
+  showed as a negative minimum training loss, "-0")."""
+  logits = jnp.array([[100.0, -100.0], [-100.0, 100.0]])
+  loss = jax.jit(fisher.cross_entropy)(logits, jnp.array([0, 1]))
+  assert float(loss) == 0.0 and not np.signbit(loss)
