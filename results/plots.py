@@ -586,6 +586,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   """Scan the roots and write every plot to --out."""
   args = parse_args(argv)
+  if error := tables.missing_roots(args.roots):
+    print(f"error: {error}", file=sys.stderr)
+    return 2
   roots = args.roots or list(tables.DEFAULT_ROOTS)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

@@ -1315,9 +1315,21 @@ def tables_to_write(args: argparse.Namespace, runs: Sequence[Run]) -> list[tuple
   return paper + standin_tables(runs, args.flops) + curvature_every_tables(runs)
 
 
+def missing_roots(roots: Sequence[str]) -> str | None:
+  """The error for roots named on the command line that do not exist (a typo would otherwise
+  give blank tables); None if all exist. The default roots may be absent: no runs yet."""
+  missing = [r for r in roots if not Path(r).exists()]
+  if not missing:
+    return None
+  return f"no such run root(s): {', '.join(missing)} (give dirs that hold run dirs)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Scan the roots, build the tables and write <out>/<name>.md and .tex."""
   args = parse_args(argv)
+  if error := missing_roots(args.roots):
+    print(f"error: {error}", file=sys.stderr)
+    return 2
   roots = args.roots or list(DEFAULT_ROOTS)
   runs = collect_runs(roots)
   print(run_report(roots, runs), file=sys.stderr)

@@ -153,8 +153,17 @@ def test_config_labels_show_only_varying_keys() -> None:
 
 def test_nothing_to_plot(tmp_path: Path) -> None:
   out = tmp_path / "plots"
-  assert plots.main([str(tmp_path / "missing"), "--out", str(out)]) == 0
+  (tmp_path / "empty").mkdir()
+  assert plots.main([str(tmp_path / "empty"), "--out", str(out)]) == 0
   assert list(out.iterdir()) == []
+
+
+def test_a_missing_root_is_an_error(tmp_path: Path, capsys) -> None:
+  """A root named on the command line that does not exist (a typo) is refused, not read as
+  no runs."""
+  out = tmp_path / "plots"
+  assert plots.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+  assert "no such run root(s)" in capsys.readouterr().err and not out.exists()
 
 
 def test_time_to_accuracy(tmp_path: Path) -> None:

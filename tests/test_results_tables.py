@@ -597,3 +597,12 @@ def test_ablation_rows_keep_one_configuration_per_variant(tmp_path: Path) -> Non
   clip_row = next(row.cells for row in table.rows if row.cells[0] == "1.0")
   assert "73.00 ± 1.41" in clip_row  # the batch-128 pair, the batch-256 run neither mixed in
   # nor replacing seed 0
+
+
+def test_a_missing_root_is_an_error(tmp_path: Path, capsys) -> None:
+  """A root named on the command line that does not exist (a typo) is refused; before, it wrote
+  blank tables and exited 0."""
+  out = tmp_path / "tables"
+  assert tables.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+  assert f"no such run root(s): {tmp_path / 'missing'}" in capsys.readouterr().err
+  assert not out.exists()
