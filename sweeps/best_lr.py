@@ -34,7 +34,15 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from results.tables import DEFAULT_ROOTS, Run, collect_runs, is_done, is_number, rfield
+from results.tables import (
+  DEFAULT_ROOTS,
+  Run,
+  collect_runs,
+  is_done,
+  is_number,
+  missing_roots,
+  rfield,
+)
 from training.run_record import lr_key, narrow_numerics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   parser.add_argument("--dry-run", action="store_true", help="report, write nothing")
   args = parser.parse_args(argv)
+  if error := missing_roots(args.roots):  # a typo would read as no lr_tune runs
+    print(f"error: {error}", file=sys.stderr)
+    return 2
   roots = args.roots or list(DEFAULT_ROOTS)
   notes: list[str] = []
   runs = collect_runs(roots)

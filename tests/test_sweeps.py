@@ -522,3 +522,11 @@ def test_best_lr_skips_tuning_runs_in_narrow_numerics(tmp_path, cfg_dir, capsys)
   finally:
     for f in out.glob("*.yaml"):
       f.unlink()
+
+
+def test_best_lr_refuses_a_missing_root(tmp_path: Path, capsys) -> None:
+  """A root named on the command line that does not exist would read as "no lr_tune runs" and
+  fall back to the default lrs: refused instead."""
+  out = tmp_path / "best"
+  assert best_lr.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+  assert "no such run root(s)" in capsys.readouterr().err and not out.exists()
