@@ -551,3 +551,12 @@ def test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list(tmp_path):
   assert out.returncode == 1, text[-3000:]
   assert "2 of 2 jobs failed" in text and "tau=0" in text and "tau=-1" in text
   assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("passes, warned", [("pallas", True), ("auto", False), ("jnp", False)])
+def test_pallas_passes_off_gpus_are_warned_about(caplog, passes, warned):
+  """passes=pallas on a CPU interprets the kernels (~20x slower): said before anything is
+  built, not left to be found in the step time."""
+  with caplog.at_level("WARNING", logger="train"):
+    train.check(config("experiment=demo", "optimizer=ginger", f"passes={passes}"))
+  assert ("the Pallas kernels run in JAX's interpreter" in caplog.text) == warned
