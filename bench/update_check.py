@@ -25,7 +25,6 @@ step fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 
 import jax
@@ -76,9 +75,9 @@ def run_updates(shapes, data, tau: int, passes: str, dtype, device) -> list[np.n
     params = [jnp.zeros(s, dtype) for s in shapes]
     state = tx.init(params)
     update = jax.jit(lambda g, s, p, d: tx.update(g, s, p, fisher_grads=d), donate_argnums=(1,))
+    put = lambda xs: [jax.device_put(np.asarray(x, dtype), device) for x in xs]  # noqa: E731
     out = []
     for grads, fisher in data:
-      put = lambda xs: [jax.device_put(np.asarray(x, dtype), device) for x in xs]  # noqa: E731
       updates, state = update(put(grads), state, params, put(fisher))
       out.append(np.concatenate([np.asarray(u, np.float64).ravel() for u in updates]))
   return out
@@ -91,17 +90,6 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=10)
   args = parser.parse_args(argv)
   return check(args.size, args.taus, args.steps)
-
-
-@contextlib.contextmanager
-def float64():
-  """JAX's 64-bit mode for the reference only: the float32 paths run as a user runs them."""
-  x64 = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_x64", x64)
 
 
 def check(size: str, taus, steps: int) -> int:
@@ -118,7 +106,7 @@ def check(size: str, taus, steps: int) -> int:
   unit = float(jnp.finfo(jnp.float32).eps) / 2
   failed = 0
   for tau in taus:
-    with float64():
+    with jax.enable_x64(True):  # 64-bit mode for the reference only
       exact = run_updates(shapes, data, tau, "jnp", "float64", cpu)
     paths = {p: run_updates(shapes, data, tau, p, "float32", device) for p in ("pallas", "jnp")}
     for step, ref in enumerate(exact):
