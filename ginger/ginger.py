@@ -831,11 +831,12 @@ def _check_fits(name: str, template: _Stacked, tree) -> None:
       f"{name}: saved for params structured {jax.tree.structure(tree)}, this optimizer's "
       f"state for {layout.treedef} ({why})."
     )
-  for i, (where, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0]):
-    rank = layout.buckets[layout.where(i)[0]].rank
-    expected = {StackedSigma: (rank,), StackedRows: (layout.sizes[i],)}.get(
-      type(template), (layout.sizes[i], rank)
-    )
+  # The template's own per-leaf view, as shapes (its stacks may be abstract).
+  view = jax.eval_shape(lambda stacks: type(template)(stacks, layout).tree(), template.stacks)
+  for (where, leaf), like in zip(
+    jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(view), strict=True
+  ):
+    expected = tuple(like.shape)
     if tuple(jnp.shape(leaf)) != expected:
       raise ValueError(
         f"{name}{jax.tree_util.keystr(where)}: saved {tuple(jnp.shape(leaf))}, this "
