@@ -72,11 +72,17 @@ def random_inputs(seed: int, m: int, n: int, k: int, dtype=jnp.float32) -> dict:
     "rot": normal(m, k, k),
     "b": normal(m, k),
     "z": normal(m, k),
+    "ay": normal(m, k),
+    "beta": normal(m),
     "gamma": 10.0 ** rng.uniform(-3, 0, m),
     "sigma": sigma,
     "p1": normal(m, n),
   }
   return {key: jnp.asarray(x, dtype) for key, x in arrays.items()}
+
+
+# Operands of rotate_from_residual in order (``g`` stands for pass 2's ``q1``, ``z`` for ``a``).
+ROTATE_KEYS = ("u", "p1", "g", "a2", "inv_r", "rot", "b", "z", "beta", "gamma")
 
 
 def call(name: str, x: dict, **kw):
@@ -85,14 +91,13 @@ def call(name: str, x: dict, **kw):
     return fn(x["u"], x["g"], **kw)
   if name == "project_pair":
     return fn(x["u"], x["v"], x["g"], **kw)
-  if name == "residual_sums":  # with p1, the fifth output
-    return fn(x["u"], x["v"], x["g"], x["a1"], x["inv_l1"], with_p1=True, **kw)
+  if name == "residual_sums":  # with p1 and q1, the sixth and seventh outputs
+    return fn(x["u"], x["v"], x["g"], x["a1"], x["inv_l1"], x["ay"], with_p1=True, **kw)
   if name == "rotate_and_precondition":
-    keys = ("u", "v", "g", "a1", "inv_l1", "a2", "inv_r", "rot", "b", "z", "gamma")
+    keys = ROTATE_KEYS[:1] + ("v",) + ROTATE_KEYS[2:3] + ("a1", "inv_l1") + ROTATE_KEYS[3:]
     return fn(*(x[key] for key in keys), **kw)
   if name == "rotate_from_residual":
-    keys = ("u", "p1", "g", "a2", "inv_r", "rot", "b", "z", "gamma")
-    return fn(*(x[key] for key in keys), **kw)
+    return fn(*(x[key] for key in ROTATE_KEYS), **kw)
   return fn(x["u"], x["sigma"], x["g"], x["gamma"], **kw)
 
 
@@ -118,21 +123,28 @@ def bounds(name: str, x: dict, rows: int | None = None) -> list[tuple[np.ndarray
     p1, depth = (v + ua(f["a1"])) * f["inv_l1"][..., None], k + 2  # a sum of k products, -, *
   if name == "residual_sums":
     vs = v * f["inv_l1"][..., None]
+    q1 = g + ua(f["ay"])  # a sum of k products and a subtraction: depth k + 2
     return [
       (ut(p1), n + k + 3),
       ((p1 * p1).sum(-1), n + 2 * k + 5),
-      ((p1 * g).sum(-1), n + k + 4),
+      ((p1 * q1).sum(-1), n + 2 * k + 5),
       ((vs * vs).sum(-1), n + 3),
+      (ut(q1), n + k + 3),
       (p1, k + 3),
+      (q1, k + 3),
     ]
   gamma = f["gamma"][..., None]
   if name.startswith("rotate"):
     p = (p1 + ua(f["a2"])) * f["inv_r"][..., None]  # depth + k + 2
     u_new = np.matmul(u, f["rot"]) + p[..., None] * f["b"][..., None, :]
-    out = (g + np.einsum("...nk,...k->...n", u_new, f["z"])) / gamma
+    out = (g + ua(f["z"]) + p * f["beta"][..., None]) / gamma
     return [(u_new, depth + k + 4), (out, depth + 2 * k + 8)]
-  w = f["sigma"] / (gamma + f["sigma"])
-  return [((g + ua(w * ut(g))) / gamma, n + k + 6)]
+  # precondition: y = U^T g, q1 = g - U y, c = U^T q1, a = c - gamma / (gamma + sigma) (y + c),
+  # (q1 - U a) / gamma: |a| <= 2 |c| + |y|, each term rounded at most 2n + 2k + 12 times.
+  y = ut(g)
+  q1 = g + ua(y)
+  c = ut(q1)
+  return [((q1 + ua(2 * c + y)) / gamma, 2 * n + 2 * k + 12)]
 
 
 def kernel_rows_depth(rows: int, rank: int) -> int:

@@ -350,16 +350,26 @@ def scale_by_ginger(
         ("u", "rows"),
         ("small",),
       )
+      # Then the CGS2 coefficient of g's residual q1 = g - U y, and (q1 - U a) / gamma
+      # (kernels.complement_coefficient: no term of size |g| cancels).
+      second = _per_shard_sums(
+        lambda u, g, y: kernels.residual(u, g, y, **kw),
+        sharding,
+        impl[0],
+        [(u, g, y) for u, g, (y,) in zip(us, gs, ys, strict=True)],
+        ("u", "rows", "small"),
+        ("small", "rows"),
+      )
       outs = [
         _per_shard(
-          lambda u, s, g, y: kernels.precondition(u, s, g, gamma, uT_g=y, **kw),
+          lambda u, q1, a: kernels.correct(u, q1, a, gamma, **kw),
           sharding,
           impl[0],
-          (u, s, g, y),
-          ("u", "small", "rows", "small"),
+          (u, q1, kernels.complement_coefficient(s, gamma, y, c)),
+          ("u", "rows", "small"),
           "rows",
         )
-        for u, s, g, (y,) in zip(us, sigmas, gs, ys, strict=True)
+        for u, s, (y,), (c, q1) in zip(us, sigmas, ys, second, strict=True)
       ]
       new_state = state._replace(mu=mu, mu_count=mu_count)
       outs = debias(whole(outs))
@@ -457,16 +467,23 @@ def brand_step(
     sharding,
     impl,
     [
-      (u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype))
+      (u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype), s["ay"].astype(u.dtype))
       for u, v, g, s in zip(us, vs, gs, small, strict=True)
     ],
-    ("u", "rows", "rows", "small", "block"),
-    ("small", "block", "block", "block", "rows"),
+    ("u", "rows", "rows", "small", "block", "small"),
+    ("small", "block", "block", "block", "small", "rows", "rows"),
   )
-  p1s = [p1 for *_, p1 in second]
-  for s, (*sums, _), (q, sigma) in zip(small, second, factors, strict=True):
-    c2u, pp, pg, vv = up(*sums)
-    s.update(c2=_times(q, c2u, transpose=True), pp=pp, pg=pg, vv=vv, sigma=sigma)
+  residuals = [(p1, q1) for *_, p1, q1 in second]
+  for s, sums, (q, sigma) in zip(small, second, factors, strict=True):
+    c2u, pp, pq, vv, c3u = up(*sums[:5])
+    s.update(
+      c2=_times(q, c2u, transpose=True),
+      c3=_times(q, c3u, transpose=True),
+      pp=pp,
+      pq=pq,
+      vv=vv,
+      sigma=sigma,
+    )
   # Brand's cores of all blocks of one rank share one batched solve. Pass 3 reads each
   # bucket's coefficients from the joined arrays at the bucket's first block (``first``):
   # slices of them would each be a small copy kernel on a GPU.
@@ -485,29 +502,29 @@ def brand_step(
     for b, first, sigma in zip(members, starts, jnp.split(co["sigma"], starts[1:]), strict=True):
       coefs[b], new_sigmas[b] = (co, first), sigma
   new_us, outs = [], []
-  for u, p1, g, (co, first) in zip(us, p1s, gs, coefs, strict=True):
-    smalls = [co[key] for key in ("a2", "inv_r", "rot", "b", "z")]
-    u_new, out = _rotate(u, p1, g, smalls, gamma, first, sharding, kw)
+  for u, (p1, q1), (co, first) in zip(us, residuals, coefs, strict=True):
+    smalls = [co[key] for key in ("a2", "inv_r", "rot", "b", "a", "beta")]
+    u_new, out = _rotate(u, p1, q1, smalls, gamma, first, sharding, kw)
     new_us.append(u_new)
     outs.append(out)
   return new_us, outs, new_sigmas
 
 
-def _rotate(u, p1, g, smalls, gamma, first, sharding, kw):
+def _rotate(u, p1, q1, smalls, gamma, first, sharding, kw):
   """Pass 3 of one bucket (:func:`ginger.kernels.rotate_from_residual`): ``smalls`` are
-  ``(a2, inv_r, rot, b, z)``, joined over the buckets of one rank from ``first`` on. On a
+  ``(a2, inv_r, rot, b, a, beta)``, joined over the buckets of one rank from ``first`` on. On a
   split state the jnp pass rotates blocks of each device's rows; the kernel runs per device
   (row-local: no collective) on the bucket's own slice of them."""
   if not _shard_spec(sharding, kw["impl"], u):
     return kernels.rotate_from_residual(
-      u, p1, g, *smalls, gamma, first=first,
+      u, p1, q1, *smalls, gamma, first=first,
       row_shards=1 if sharding is None else sharding.row_shards(u.shape), **kw,
     )  # fmt: skip
   mine = [x[first : first + u.shape[0]] for x in smalls]
   gamma = jnp.broadcast_to(jnp.asarray(gamma, u.dtype), u.shape[:1])
   rotate = functools.partial(kernels.rotate_from_residual, **kw)
-  kinds = ("u", "rows", "rows", "small", "block", "square", "small", "small", "block")
-  return _per_shard(rotate, sharding, kw["impl"], (u, p1, g, *mine, gamma), kinds, ("u", "rows"))
+  kinds = ("u", "rows", "rows", "small", "block", "square", "small", "small", "block", "block")
+  return _per_shard(rotate, sharding, kw["impl"], (u, p1, q1, *mine, gamma), kinds, ("u", "rows"))
 
 
 def _shard_spec(sharding, impl: str, u) -> tuple:
@@ -628,6 +645,7 @@ def _before_residual(cu, yu, l1, q):
     "l1": l1,
     "inv_l1": inv_l1,
     "a1": _times(q, c),
+    "ay": _times(q, _times(q, yu, transpose=True)),
   }
 
 
@@ -639,8 +657,14 @@ def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=
   ``"pallas"``.
 
   With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``:
-  ``||p||^2 = ||p1||^2 - ||c2||^2``, ``r = l1 ||p||``, ``U^T v = c + l1 c2`` and
-  ``p^T g = p1^T g - c2^T y``. ``v`` counts as in ``span U`` when ``r <= 32 eps ||v||``.
+  ``||p||^2 = ||p1||^2 - ||c2||^2``, ``r = l1 ||p||``, ``U^T v = c + l1 c2``. ``v`` counts as
+  in ``span U`` when ``r <= 32 eps ||v||``. Likewise for the preconditioned ``g``: ``q1 = g -
+  U y``, ``c3 = U^T q1``, so ``g = U (y + c3) + p_hat beta + q_perp`` with ``beta = p_hat^T q1``
+  and ``q_perp`` outside ``B = [U p_hat]``. With Brand's eigenvectors ``V`` (``V_k`` kept) and
+  ``w = [y + c3; beta] = B^T g``, ``G'^{-1} g = (B s + q_perp) / gamma`` with ``s = w - V_k
+  diag(sigma' / (gamma + sigma')) V_k^T w``, formed as ``V_k diag(gamma / (gamma + sigma'))
+  V_k^T w + v_last v_last^T w`` (no cancellation), so pass 3 computes
+  ``(q1 - U (c3 - s_U) - p_hat (beta - s_p)) / gamma``: ``a = c3 - s_U``.
   """
   rank = s["c"].shape[-1]
   p_norm = jnp.sqrt(jnp.maximum(s["pp"] - jnp.sum(s["c2"] * s["c2"], -1), 0.0))
@@ -662,16 +686,21 @@ def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=
   )
   sigma = lowrank.rescale_sigma(w, scale, rank, lowrank.rank_after_update(s["sigma"]))
   top, b = vecs[..., :rank, :rank], vecs[..., rank, :rank]
-  p_g = (s["pg"] - jnp.sum(s["c2"] * s["y"], -1)) * inv_p  # p^T g with p of unit norm
-  y_new = lowrank.small_matvec(top, s["y"], transpose=True) + b * p_g[..., None]
-  weight = sigma / (gamma + sigma)
+  beta = (s["pq"] - jnp.sum(s["c2"] * s["c3"], -1)) * inv_p  # p_hat^T q1, p_hat of unit norm
+  coef = jnp.concatenate([s["y"] + s["c3"], beta[..., None]], -1)  # w = B^T g
+  y_new = lowrank.small_matvec(vecs[..., :rank], coef, transpose=True)  # U'^T g
+  last = vecs[..., rank]
+  damped = gamma / (gamma + sigma) * y_new
+  kept = lowrank.small_matvec(vecs[..., :rank], damped)
+  inside = kept + last * jnp.sum(last * coef, -1, keepdims=True)  # s
   return {
     "sigma": sigma,
     "a2": _times(s["q"], s["c2"]),
     "inv_r": inv_p,
     "rot": top if s["q"] is None else jnp.matmul(s["q"], top, precision=lowrank.HIGHEST),
     "b": b,
-    "z": weight * y_new,
+    "a": _times(s["q"], s["c3"] - inside[..., :rank]),
+    "beta": beta - inside[..., rank],
   }
 
 
@@ -738,7 +767,7 @@ def reorthonormalise(
       rows = jnp.zeros(u.shape[:-1], u.dtype)  # p1 and g: a zero residual and output
       small = jnp.zeros(u.shape[:-2] + u.shape[-1:], u.dtype)
       inv_r = jnp.zeros(u.shape[:1], u.dtype)
-      smalls = [small, inv_r, q.astype(u.dtype), small, small]  # U' = U Q
+      smalls = [small, inv_r, q.astype(u.dtype), small, small, inv_r]  # U' = U Q
       u_new, _ = _rotate(u, rows, rows, smalls, 1.0, 0, sharding, kw)
       new_us.append(u_new)
       new_sigmas.append(sigma.astype(u.dtype))

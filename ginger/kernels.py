@@ -248,28 +248,25 @@ def _project_pair_jnp(u, v, g):
   return cy[..., 0], cy[..., 1], jnp.sum(jnp.abs(v), axis=-1)
 
 
-def _residual_sums_jnp(u, v, g, a, inv_l1, with_p1=False):
+def _residual_sums_jnp(u, v, g, a, inv_l1, ay, with_p1=False):
   p1 = _first_residual(u, v, a, inv_l1)
+  q1 = g - _matvec(u, ay)
   vs = v * inv_l1[..., None]
-  sums = (
-    _row_sums(u, [p1])[..., 0],
-    _vdot(p1, p1),
-    _vdot(p1, g),
-    _vdot(vs, vs),
-  )
-  return sums + (p1,) if with_p1 else sums
+  sums = _row_sums(u, [p1, q1])
+  sums = (sums[..., 0], _vdot(p1, p1), _vdot(p1, q1), _vdot(vs, vs), sums[..., 1])
+  return sums + (p1, q1) if with_p1 else sums
 
 
-def _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma, *, out_rowdot=True):
-  """``out_rowdot``: ``U' z`` as ``k`` multiply-adds (:func:`_rowdot`, as
-  :func:`_precondition_jnp`), else as a reduction over the rank axis. XLA:CPU (jax 0.10)
-  turns that reduction into a YNNPACK reduce that runs at ~0.5 GB/s: 41 ms against 1.8 ms for
-  the multiply-adds on a (1, 2^20, 8) ``U``, ~84 ms of a ~375 ms ResNet-18 tau=8 step. With
-  row blocks (:func:`_jnp_row_blocks`: on GPUs, as before) the reduction stays."""
+def _rotate_from_residual_jnp(u, p1, q, a2, inv_r, rot, b, a, beta, gamma, *, out_rowdot=True):
+  """``out_rowdot``: ``U a`` as ``k`` multiply-adds (:func:`_rowdot`, as
+  :func:`_correct_jnp`), else as a reduction over the rank axis. XLA:CPU (jax 0.10)
+  turns that reduction into a YNNPACK reduce that runs at ~0.5 GB/s (41 ms against 1.8 ms for
+  the multiply-adds on a (1, 2^20, 8) ``U``). With row blocks (:func:`_jnp_row_blocks`: on
+  GPUs) the reduction stays."""
   p = (p1 - _rowdot(u, a2)) * inv_r[..., None]
   u_new = _rowmatmul(u, rot) + p[..., None] * b[..., None, :]
-  u_z = _rowdot(u_new, z) if out_rowdot else jnp.sum(u_new * z[..., None, :], axis=-1)
-  return u_new, (g - u_z) / gamma[..., None]
+  u_a = _rowdot(u, a) if out_rowdot else jnp.sum(u * a[..., None, :], axis=-1)
+  return u_new, (q - u_a - p * beta[..., None]) / gamma[..., None]
 
 
 def _jnp_row_blocks() -> bool:
@@ -294,7 +291,7 @@ def row_block(shape, rows_per_block: int | None = None) -> int:
 
 
 def _rotate_in_row_blocks(
-  u, p1, g, a2, inv_r, rot, b, z, gamma, *, rows_per_block=None, row_shards=1
+  u, p1, g, a2, inv_r, rot, b, z, beta, gamma, *, rows_per_block=None, row_shards=1
 ):
   """:func:`_rotate_from_residual_jnp` over blocks of rows, each written back into ``U``.
 
@@ -319,19 +316,21 @@ def _rotate_in_row_blocks(
       # One block per device. Blocks of the whole axis (below) would cut across the split:
       # ResNet-18 tau=8 on 4 GPUs all-gathered its largest bucket's U, p1, g and output,
       # 311 MB a step, where each device's quarter fits in one block.
-      return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma, out_rowdot=False)
+      return _rotate_from_residual_jnp(
+        u, p1, g, a2, inv_r, rot, b, z, beta, gamma, out_rowdot=False
+      )
     split = u.ndim - 2
     view = lambda x: x.reshape(
       x.shape[:split] + (row_shards, n // row_shards) + x.shape[split + 1 :]
     )
-    small = [jnp.expand_dims(x, split) for x in (a2, inv_r, rot, b, z, gamma)]
+    small = [jnp.expand_dims(x, split) for x in (a2, inv_r, rot, b, z, beta, gamma)]
     u_new, out = _rotate_in_row_blocks(view(u), view(p1), view(g), *small, rows_per_block=rows)
     return u_new.reshape(u.shape), out.reshape(g.shape)
   rows = row_block(u.shape, rows_per_block)
   if rows >= n:
-    return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, gamma, out_rowdot=False)
+    return _rotate_from_residual_jnp(u, p1, g, a2, inv_r, rot, b, z, beta, gamma, out_rowdot=False)
   row_axis = u.ndim - 2
-  small = (a2, inv_r, rot, b, z, gamma)
+  small = (a2, inv_r, rot, b, z, beta, gamma)
 
   def rotate(start, size, u, out):
     def rows_of(x, axis):
@@ -354,17 +353,15 @@ def _rotate_in_row_blocks(
   return u, out
 
 
-def _rotate_and_precondition_jnp(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
+def _rotate_and_precondition_jnp(u, v, q, a1, inv_l1, a2, inv_r, rot, b, a, beta, gamma):
   p1 = _first_residual(u, v, a1, inv_l1)
   return _rotate_from_residual_jnp(
-    u, p1, g, a2, inv_r, rot, b, z, gamma, out_rowdot=not _jnp_row_blocks()
+    u, p1, q, a2, inv_r, rot, b, a, beta, gamma, out_rowdot=not _jnp_row_blocks()
   )
 
 
-def _precondition_jnp(u, sigma, g, gamma, y=None):
-  y = _row_sums(u, [g])[..., 0] if y is None else y.astype(u.dtype)
-  z = sigma / (gamma[..., None] + sigma) * y
-  return (g - _rowdot(u, z)) / gamma[..., None]
+def _correct_jnp(u, q, a, gamma):
+  return (q - _rowdot(u, a)) / gamma[..., None]
 
 
 # ---- Pallas: tiling and masked tile access ----------------------------------------------------
@@ -568,56 +565,68 @@ def _first_residual_tile(t: _Tiles, u, v, a, inv_l1):
 
 
 def _residual_kernel(t: _Tiles, with_p1: bool):
-  def kernel(u_ref, v_ref, g_ref, a_ref, inv_l1_ref, out_ref, p1_ref=None):
-    a, inv_l1 = t.small(a_ref), t.scalar(inv_l1_ref)
+  def kernel(u_ref, v_ref, g_ref, a_ref, inv_l1_ref, ay_ref, out_ref, p1_ref=None, q1_ref=None):
+    a, inv_l1, ay = t.small(a_ref), t.scalar(inv_l1_ref), t.small(ay_ref)
     left = t.rows_left()
 
     def body(step, acc):
-      c2, pp, pg, vv = acc
+      c2, c3, pp, pq, vv = acc
       mask = t.row_mask(left, step)
       u = t.matrix(u_ref, step, mask)
       v, g = t.vector(v_ref, step, mask), t.vector(g_ref, step, mask)
       p1 = _first_residual_tile(t, u, v, a, inv_l1)
+      q1 = (g - jnp.sum(u * ay[None, :], axis=1)).astype(t.state_dtype).astype(t.dtype)
       if with_p1:
-        plgpu.store(p1_ref.at[pl.ds(step * t.tile, t.tile)], p1.astype(p1_ref.dtype), mask=mask)
+        rows = pl.ds(step * t.tile, t.tile)
+        plgpu.store(p1_ref.at[rows], p1.astype(p1_ref.dtype), mask=mask)
+        plgpu.store(q1_ref.at[rows], q1.astype(q1_ref.dtype), mask=mask)
       vs = v * inv_l1
-      return c2 + u * p1[:, None], pp + p1 * p1, pg + p1 * g, vv + vs * vs
+      return c2 + u * p1[:, None], c3 + u * q1[:, None], pp + p1 * p1, pq + p1 * q1, vv + vs * vs
 
     rows = jnp.zeros((t.tile,), t.dtype)
-    c2, pp, pg, vv = t.loop(body, (jnp.zeros((t.tile, t.kp), t.dtype), rows, rows, rows))
+    square = jnp.zeros((t.tile, t.kp), t.dtype)
+    c2, c3, pp, pq, vv = t.loop(body, (square, square, rows, rows, rows))
     out_ref[0, :] = jnp.sum(c2, axis=0)
+    out_ref[1, :] = jnp.sum(c3, axis=0)
     lane = jnp.arange(t.kp)
-    out_ref[1, :] = jnp.where(
+    out_ref[2, :] = jnp.where(
       lane == 0,
       jnp.sum(pp),
-      jnp.where(lane == 1, jnp.sum(pg), jnp.where(lane == 2, jnp.sum(vv), 0)),
+      jnp.where(lane == 1, jnp.sum(pq), jnp.where(lane == 2, jnp.sum(vv), 0)),
     )
 
   return kernel
 
 
-def _residual_sums_pallas(u, v, g, a, inv_l1, interpret, tile=None, steps=None, with_p1=False):
+def _residual_sums_pallas(u, v, g, a, inv_l1, ay, interpret, tile=None, steps=None, with_p1=False):
   m, n, k = u.shape
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
   grid = (m, pl.cdiv(n, chunk))
   s = _specs(kp, chunk)
-  out_specs = [_partial_spec(2, kp)]
-  out_shape = [jax.ShapeDtypeStruct(grid + (2, kp), t.dtype)]
+  out_specs = [_partial_spec(3, kp)]
+  out_shape = [jax.ShapeDtypeStruct(grid + (3, kp), t.dtype)]
   if with_p1:
-    out_specs.append(s["vector"])
-    out_shape.append(jax.ShapeDtypeStruct(v.shape, u.dtype))
-  partial, *p1 = _call(
+    out_specs += [s["vector"]] * 2
+    out_shape += [jax.ShapeDtypeStruct(v.shape, u.dtype)] * 2
+  partial, *vectors = _call(
     _residual_kernel(t, with_p1),
     grid,
-    [s["u"], s["vector"], s["vector"], s["small"], s["scalar"]],
+    [s["u"], s["vector"], s["vector"], s["small"], s["scalar"], s["small"]],
     out_specs,
     out_shape,
     interpret,
     "ginger_residual_sums",
-  )(u, v, g, a, inv_l1)
+  )(u, v, g, a, inv_l1, ay)
   total = jnp.sum(partial, axis=1)
-  return (total[:, 0, :k], total[:, 1, 0], total[:, 1, 1], total[:, 1, 2], *p1)
+  return (
+    total[:, 0, :k],
+    total[:, 2, 0],
+    total[:, 2, 1],
+    total[:, 2, 2],
+    total[:, 1, :k],
+    *vectors,
+  )
 
 
 # ---- Pallas: pass 3 (in place) and the preconditioning half of precondition -------------------
@@ -628,15 +637,13 @@ def _rotate_kernel(t: _Tiles, from_p1: bool):
 
   def kernel(u_ref, *refs):
     if from_p1:
-      p1_ref, g_ref, a2_ref, inv_r_ref, rot_ref, b_ref, z_ref, gamma_ref, u_out_ref, out_ref = refs
+      p1_ref, q_ref, *refs = refs
     else:
-      v_ref, g_ref, a1_ref, inv_l1_ref, a2_ref, inv_r_ref, rot_ref, b_ref, z_ref, gamma_ref = refs[
-        :10
-      ]
-      u_out_ref, out_ref = refs[10:]
+      v_ref, q_ref, a1_ref, inv_l1_ref, *refs = refs
       a1, inv_l1 = t.small(a1_ref), t.scalar(inv_l1_ref)
-    a2, b, z = t.small(a2_ref), t.small(b_ref), t.small(z_ref)
-    inv_r, gamma = t.scalar(inv_r_ref), t.scalar(gamma_ref)
+    a2_ref, inv_r_ref, rot_ref, b_ref, a_ref, beta_ref, gamma_ref, u_out_ref, out_ref = refs
+    a2, b, a = t.small(a2_ref), t.small(b_ref), t.small(a_ref)
+    inv_r, beta, gamma = t.scalar(inv_r_ref), t.scalar(beta_ref), t.scalar(gamma_ref)
     rot = t.square(rot_ref)
     rot_rows = None if t.kp >= 16 else [t.row(rot, j) for j in range(t.rank)]
     left = t.rows_left()
@@ -645,7 +652,7 @@ def _rotate_kernel(t: _Tiles, from_p1: bool):
     def _(step):
       mask = t.row_mask(left, step)
       u = t.matrix(u_ref, step, mask)
-      g = t.vector(g_ref, step, mask)
+      q = t.vector(q_ref, step, mask)
       if from_p1:
         p1 = t.vector(p1_ref, step, mask)
       else:
@@ -660,7 +667,7 @@ def _rotate_kernel(t: _Tiles, from_p1: bool):
         for j, row in enumerate(rot_rows):
           u_new = u_new + t.column(u, j)[:, None] * row[None, :]
       u_new = u_new + p[:, None] * b[None, :]
-      out = (g - jnp.sum(u_new * z[None, :], axis=1)) / gamma
+      out = (q - jnp.sum(u * a[None, :], axis=1) - p * beta) / gamma
       rows = pl.ds(step * t.tile, t.tile)
       full = mask[:, None] & t.col_mask()[None, :]
       plgpu.store(u_out_ref.at[rows, pl.ds(0, t.kp)], u_new.astype(u_out_ref.dtype), mask=full)
@@ -683,7 +690,7 @@ def _rotate_pallas(u, *arrays, from_p1: bool, interpret, tile=None, steps=None, 
     + residual[:1]
     + [s["vector"]]
     + residual[1:]
-    + [s["small"], s["scalar"], s["square"], s["small"], s["small"], s["scalar"]],
+    + [s["small"], s["scalar"], s["square"], s["small"], s["small"], s["scalar"], s["scalar"]],
     [s["u"], s["vector"]],
     [jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype)],
     interpret,
@@ -693,29 +700,23 @@ def _rotate_pallas(u, *arrays, from_p1: bool, interpret, tile=None, steps=None, 
 
 
 def _correct_kernel(t: _Tiles):
-  def kernel(u_ref, g_ref, z_ref, gamma_ref, out_ref):
-    z, gamma = t.small(z_ref), t.scalar(gamma_ref)
+  def kernel(u_ref, q_ref, a_ref, gamma_ref, out_ref):
+    a, gamma = t.small(a_ref), t.scalar(gamma_ref)
     left = t.rows_left()
 
     @pl.loop(0, t.steps)
     def _(step):
       mask = t.row_mask(left, step)
       u = t.matrix(u_ref, step, mask)
-      g = t.vector(g_ref, step, mask)
-      out = (g - jnp.sum(u * z[None, :], axis=1)) / gamma
+      q = t.vector(q_ref, step, mask)
+      out = (q - jnp.sum(u * a[None, :], axis=1)) / gamma
       plgpu.store(out_ref.at[pl.ds(step * t.tile, t.tile)], out.astype(out_ref.dtype), mask=mask)
 
   return kernel
 
 
-def _precondition_pallas(u, sigma, g, gamma, y=None, *, interpret, tile=None, steps=None):
+def _correct_pallas(u, q, a, gamma, *, interpret, tile=None, steps=None):
   m, n, k = u.shape
-  if y is None:
-    (y,), _ = _row_sums_pallas(u, [g], False, interpret, tile, steps)
-  dtype = compute_dtype(u.dtype)
-  z = (sigma.astype(dtype) / (gamma.astype(dtype)[:, None] + sigma.astype(dtype)) * y).astype(
-    u.dtype
-  )
   tile, chunk, kp = tiling(n, k, tile, steps)
   t = _Tiles(n, k, tile, chunk, kp, u.dtype)
   s = _specs(kp, chunk)
@@ -724,10 +725,10 @@ def _precondition_pallas(u, sigma, g, gamma, y=None, *, interpret, tile=None, st
     (m, pl.cdiv(n, chunk)),
     [s["u"], s["vector"], s["small"], s["scalar"]],
     s["vector"],
-    jax.ShapeDtypeStruct(g.shape, g.dtype),
+    jax.ShapeDtypeStruct(q.shape, q.dtype),
     interpret,
-    "ginger_precondition",
-  )(u, g, z, gamma)
+    "ginger_correct",
+  )(u, q, a, gamma)
 
 
 # ---- public API -------------------------------------------------------------------------------
@@ -761,22 +762,25 @@ def project_pair(u, v, g, *, impl="auto", interpret=None, tile=None, steps=None)
 
 
 def residual_sums(
-  u, v, g, a, inv_l1, *, with_p1=False, impl="auto", interpret=None, tile=None, steps=None
+  u, v, g, a, inv_l1, ay, *, with_p1=False, impl="auto", interpret=None, tile=None, steps=None
 ):
-  """Pass 2 (reads ``U``): with ``p1 = (v - U a) inv_l1``, ``(U^T p1, ||p1||^2, p1 . g,
-  ||v inv_l1||^2)`` per block. ``a``: ``(..., k)``; ``inv_l1``: ``(...)`` or a scalar.
+  """Pass 2 (reads ``U``): the residuals ``p1 = (v - U a) inv_l1`` and ``q1 = g - U ay``, and
+  ``(U^T p1, ||p1||^2, p1 . q1, ||v inv_l1||^2, U^T q1)`` per block. ``a``, ``ay``: ``(..., k)``
+  (``U``'s coefficients of ``v`` and ``g`` from pass 1); ``inv_l1``: ``(...)`` or a scalar.
 
-  ``with_p1``: also return ``p1`` itself (``(..., n)``, one more vector written) for
-  :func:`rotate_from_residual`, so that pass 3 subtracts ``U c2`` from the very ``p1`` whose
-  ``c2 = U^T p1`` was measured here by construction, not by two kernels compiling alike.
+  ``U^T p1`` and ``U^T q1`` are the re-orthogonalisation coefficients of CGS2 (classical
+  Gram-Schmidt with a second pass) for ``v`` and ``g``. ``with_p1``: also return ``p1`` and
+  ``q1`` themselves (``(..., n)`` each) for :func:`rotate_from_residual`, so that pass 3
+  subtracts ``U c`` from the very residual whose ``c = U^T p1`` (or ``U^T q1``) was measured
+  here, by construction, not by two kernels compiling alike.
   """
-  _check(u, {"v": v, "g": g}, {"a": a})
+  _check(u, {"v": v, "g": g}, {"a": a, "ay": ay})
   inv_l1 = _scalar("inv_l1", inv_l1, u)
   return _dispatch(
     functools.partial(_residual_sums_jnp, with_p1=with_p1),
     functools.partial(_residual_sums_pallas, with_p1=with_p1),
     u,
-    (v, g, a, inv_l1),
+    (v, g, a, inv_l1, ay),
     impl,
     interpret,
     tile,
@@ -785,20 +789,20 @@ def residual_sums(
 
 
 def rotate_and_precondition(
-  u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma, *, impl="auto", interpret=None, tile=None,
-  steps=None,
+  u, v, q, a1, inv_l1, a2, inv_r, rot, b, a, beta, gamma, *, impl="auto", interpret=None,
+  tile=None, steps=None,
 ):  # fmt: skip
   """Pass 3 (reads ``U``, writes ``U'``): ``p = ((v - U a1) inv_l1 - U a2) inv_r``,
-  ``U' = U rot + p b^T`` and ``(g - U' z) / gamma``. Returns ``(U', out)``.
+  ``U' = U rot + p b^T`` and ``(q - U a - p beta) / gamma``. Returns ``(U', out)``.
 
-  ``a1, a2, b, z``: ``(..., k)``; ``rot``: ``(..., k, k)``; ``inv_l1, inv_r, gamma``: ``(...)``
-  or scalars. The pallas kernel writes ``U'`` into ``U``'s buffer (donate ``U`` to the jitted
-  caller, or XLA copies it first to keep the input alive).
+  ``a1, a2, b, a``: ``(..., k)``; ``rot``: ``(..., k, k)``; ``inv_l1, inv_r, beta, gamma``:
+  ``(...)`` or scalars. The pallas kernel writes ``U'`` into ``U``'s buffer (donate ``U`` to the
+  jitted caller, or XLA copies it first to keep the input alive).
   """
-  _check(u, {"v": v, "g": g}, {"a1": a1, "a2": a2, "b": b, "z": z}, {"rot": rot})
+  _check(u, {"v": v, "q": q}, {"a1": a1, "a2": a2, "b": b, "a": a}, {"rot": rot})
   scalars = [_scalar(n, x, u) for n, x in (("inv_l1", inv_l1), ("inv_r", inv_r))]
-  gamma = _scalar("gamma", gamma, u)
-  arrays = (v, g, a1, scalars[0], a2, scalars[1], rot, b, z, gamma)
+  beta, gamma = _scalar("beta", beta, u), _scalar("gamma", gamma, u)
+  arrays = (v, q, a1, scalars[0], a2, scalars[1], rot, b, a, beta, gamma)
   return _dispatch(
     _rotate_and_precondition_jnp,
     functools.partial(_rotate_pallas, from_p1=False),
@@ -812,28 +816,30 @@ def rotate_and_precondition(
 
 
 def rotate_from_residual(
-  u, p1, g, a2, inv_r, rot, b, z, gamma, *, first=0, impl="auto", interpret=None, tile=None,
-  steps=None, rows_per_block=None, row_shards=1,
+  u, p1, q, a2, inv_r, rot, b, a, beta, gamma, *, first=0, impl="auto", interpret=None,
+  tile=None, steps=None, rows_per_block=None, row_shards=1,
 ):  # fmt: skip
-  """Pass 3 from pass 2's ``p1`` (``residual_sums(..., with_p1=True)``): ``p = (p1 - U a2)
-  inv_r``, ``U' = U rot + p b^T`` and ``(g - U' z) / gamma``. Same as
-  :func:`rotate_and_precondition` with ``p1 = (v - U a1) inv_l1``; reads ``p1`` instead of
-  ``v``. ``U'`` is written into ``U``'s buffer as there: by the kernel (pallas), or block of
-  rows by block of rows in a loop (jnp on GPUs, see :data:`JNP_ROW_BLOCKS`, for a ``U`` of
-  more than :data:`ROW_BLOCK_ELEMENTS`; ``rows_per_block`` overrides the rows of a block, see
+  """Pass 3 from pass 2's residuals (``residual_sums(..., with_p1=True)``): ``p = (p1 - U a2)
+  inv_r``, ``U' = U rot + p b^T`` and ``(q - U a - p beta) / gamma`` (``q``: pass 2's ``q1``,
+  the residual of the vector being preconditioned). Same as :func:`rotate_and_precondition`
+  with ``p1 = (v - U a1) inv_l1``; reads ``p1`` instead of ``v``. ``U'`` is written into
+  ``U``'s buffer as there: by the kernel (pallas), or block of rows by block of rows in a loop
+  (jnp on GPUs, see :data:`JNP_ROW_BLOCKS`, for a ``U`` of more than
+  :data:`ROW_BLOCK_ELEMENTS`; ``rows_per_block`` overrides the rows of a block, see
   :func:`row_block`, and forces the blocked path). The jnp path off GPUs rotates the whole
   ``U`` at once, with the output as ``k`` multiply-adds (faster on the CPU, one more ``U``
   of memory). ``row_shards``: the number of devices ``U``'s rows are split over (a sharded
   state), so that the row blocks are blocks of each device's own rows.
 
-  ``first``: the small operands (``a2, inv_r, rot, b, z``, and ``gamma`` unless a scalar) may
-  be those of several calls joined along their first axis (one batched solve of Brand's cores
-  for several buckets): ``u`` (``(blocks, n, k)``) then uses their blocks ``first`` to
-  ``first + blocks``. The kernel reads them there (an offset in its block index maps): slices
-  cut out for it would each be one more small copy kernel on a GPU."""
+  ``first``: the small operands (``a2, inv_r, rot, b, a, beta``, and ``gamma`` unless a
+  scalar) may be those of several calls joined along their first axis (one batched solve of
+  Brand's cores for several buckets): ``u`` (``(blocks, n, k)``) then uses their blocks
+  ``first`` to ``first + blocks``. The kernel reads them there (an offset in its block index
+  maps): slices cut out for it would each be one more small copy kernel on a GPU."""
   blocks = _joined_blocks(u, first, a2)
-  _check(u, {"p1": p1, "g": g}, {"a2": a2, "b": b, "z": z}, {"rot": rot}, blocks)
+  _check(u, {"p1": p1, "q": q}, {"a2": a2, "b": b, "a": a}, {"rot": rot}, blocks)
   inv_r, gamma = _scalar("inv_r", inv_r, u, blocks), _scalar("gamma", gamma, u, blocks)
+  beta = _scalar("beta", beta, u, blocks)
   rows = row_block(u.shape, rows_per_block)  # checks rows_per_block before anything is traced
   if rows_per_block is not None or _jnp_row_blocks():
     jnp_fn = functools.partial(
@@ -846,14 +852,14 @@ def rotate_from_residual(
   if blocks is not None:
     m, joined_fn = u.shape[0], jnp_fn
 
-    def jnp_fn(u, p1, g, *smalls):
-      return joined_fn(u, p1, g, *(x[first : first + m] for x in smalls))
+    def jnp_fn(u, p1, q, *smalls):
+      return joined_fn(u, p1, q, *(x[first : first + m] for x in smalls))
 
   return _dispatch(
     jnp_fn,
     functools.partial(_rotate_pallas, from_p1=True, first=first),
     u,
-    (p1, g, a2, inv_r, rot, b, z, gamma),
+    (p1, q, a2, inv_r, rot, b, a, beta, gamma),
     impl,
     interpret,
     tile,
@@ -863,11 +869,11 @@ def rotate_from_residual(
 
 def project(u, g, *, impl="auto", interpret=None, tile=None, steps=None):
   """``U^T g`` per block (one read of ``U``), in the compute dtype (:func:`compute_dtype`):
-  :func:`precondition`'s first half, for callers that add it over devices themselves.
+  :func:`precondition`'s first pass, for callers that add it over devices themselves.
   ``u``: ``(..., n, k)``; ``g``: ``(..., n)``; returns ``(..., k)``."""
   _check(u, {"g": g})
   impl, interpret = resolve_impl(impl, interpret)
-  # Widened exactly from U's dtype, which _precondition_jnp rounds back to.
+  # Widened exactly from U's dtype, which the passes round back to.
   if impl == "jnp" or u.size == 0:
     return _row_sums(u, [g])[..., 0].astype(compute_dtype(u.dtype))
   lead = u.shape[:-2]
@@ -877,31 +883,62 @@ def project(u, g, *, impl="auto", interpret=None, tile=None, steps=None):
   return y.reshape(lead + y.shape[1:])
 
 
+def residual(u, g, y, *, impl="auto", interpret=None, tile=None, steps=None):
+  """``(U^T q1, q1)`` with ``q1 = g - U y`` (one read of ``U``): :func:`precondition`'s second
+  pass, the CGS2 coefficient of ``g``'s residual. ``y``: ``(..., k)``, ``U^T g`` as
+  :func:`project` returns it. ``U^T q1`` in the compute dtype, ``q1`` in ``U``'s."""
+  _check(u, {"g": g})
+  y = y.astype(u.dtype)
+  sums = residual_sums(
+    u, g, g, y, jnp.ones(u.shape[:-2], u.dtype), y, with_p1=True, impl=impl,
+    interpret=interpret, tile=tile, steps=steps,
+  )  # fmt: skip
+  return sums[4].astype(compute_dtype(u.dtype)), sums[6]
+
+
+def correct(u, q, a, gamma, *, impl="auto", interpret=None, tile=None, steps=None):
+  """``(q - U a) / gamma`` per block (one read of ``U``): :func:`precondition`'s last pass.
+  ``a``: ``(..., k)``; ``gamma``: ``(...)`` or a scalar."""
+  a = a.astype(u.dtype)
+  _check(u, {"q": q}, {"a": a})
+  gamma = _scalar("gamma", gamma, u)
+  return _dispatch(_correct_jnp, _correct_pallas, u, (q, a, gamma), impl, interpret, tile, steps)
+
+
+def complement_coefficient(sigma, gamma, y, c):
+  """``a`` of :func:`correct` that makes ``(q1 - U a) / gamma`` the preconditioned ``g``:
+  ``a = c - gamma / (gamma + sigma) * (y + c)`` with ``y = U^T g``, ``c = U^T q1`` (in the
+  compute dtype). ``G^{-1} g = (q + U s) / gamma`` with ``q = q1 - U c`` the part of ``g``
+  outside ``span U`` (CGS2: orthogonal to ``U`` to working precision whatever ``g``) and
+  ``s = gamma / (gamma + sigma) * (y + c)`` its part inside, scaled by ``1 / (gamma + sigma)``.
+  Formed this way no term of size ``|g|`` cancels, so ``U^T`` of the result is accurate to
+  rounding relative to ``|q1|``, not ``|g|`` (docs/ginger-math.md, section 6)."""
+  dtype = compute_dtype(y.dtype)
+  sigma, y, c = sigma.astype(dtype), y.astype(dtype), c.astype(dtype)
+  gamma = jnp.asarray(gamma, dtype)
+  gamma = gamma[..., None] if gamma.ndim else gamma
+  return c - gamma / (gamma + sigma) * (y + c)
+
+
 def precondition(
   u, sigma, g, gamma, *, uT_g=None, impl="auto", interpret=None, tile=None, steps=None
 ):
   """``G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma`` with ``U`` as it is
-  (a step without a curvature update): two reads of ``U``. ``sigma``: ``(..., k)``.
-  ``uT_g``: ``U^T g`` where the caller has it (:func:`project`, e.g. added over devices):
-  then one read."""
+  (a step without a curvature update), computed as :func:`complement_coefficient` says:
+  three reads of ``U`` (:func:`project`, :func:`residual`, :func:`correct`). ``sigma``:
+  ``(..., k)``. ``uT_g``: ``U^T g`` where the caller has it (:func:`project`, e.g. added over
+  devices): then two."""
   _check(u, {"g": g}, {"sigma": sigma})
-  extra = () if uT_g is None else (uT_g,)
+  kw = dict(impl=impl, interpret=interpret, tile=tile, steps=steps)
   if uT_g is not None and (uT_g.shape != sigma.shape or uT_g.dtype != compute_dtype(u.dtype)):
     raise ValueError(
       f"uT_g must have shape {sigma.shape} and dtype {compute_dtype(u.dtype)} (as project "
       f"returns it; u is {u.shape} {u.dtype}), got {uT_g.shape} {uT_g.dtype}."
     )
   gamma = _scalar("gamma", gamma, u)
-  return _dispatch(
-    _precondition_jnp,
-    _precondition_pallas,
-    u,
-    (sigma, g, gamma, *extra),
-    impl,
-    interpret,
-    tile,
-    steps,
-  )
+  y = project(u, g, **kw) if uT_g is None else uT_g
+  c, q1 = residual(u, g, y, **kw)
+  return correct(u, q1, complement_coefficient(sigma, gamma, y, c), gamma, **kw)
 
 
 __all__ = [
@@ -912,9 +949,12 @@ __all__ = [
   "ROTATE_MIN_PADDED_RANK",
   "ROTATE_TILE_ROWS",
   "ROW_BLOCK_ELEMENTS",
+  "complement_coefficient",
+  "correct",
   "precondition",
   "project",
   "project_pair",
+  "residual",
   "residual_sums",
   "resolve_impl",
   "rotate_and_precondition",

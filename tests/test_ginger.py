@@ -605,19 +605,17 @@ def test_reorthonormalise_restores_orthonormality_and_keeps_the_curvature(x64, b
 def test_update_without_reorthonormalisation_multiplies_by_no_identity():
   """With ``reorthonormalise_every=0`` the step's ``Q`` is ``I``, known while tracing: the
   small algebra takes no products with it (on a GPU each was one more small kernel per bucket:
-  ResNet-18 tau 8, 7 of them). Of the products with a ``k x k`` operand only Brand's
-  eigenvectors applied to ``U^T g`` remain (one per rank); with the ``Q = I`` products there
-  were 7 here."""
+  ResNet-18 tau 8, 7 of them). No product has a ``k x k`` operand; Brand's kept eigenvectors
+  (``(k+1) x k``) are applied twice per rank (``V_k^T w`` and ``V_k`` of its damped part);
+  with the ``Q = I`` products there were 7 more."""
   k = 3
   params = {"w": jnp.zeros((6, 4)), "b": jnp.zeros(5)}
   tx = ginger.scale_by_ginger(k, reorthonormalise_every=0)
   jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), fisher_grads=params)
-  square = [
-    e
-    for e in jaxpr.jaxpr.eqns
-    if e.primitive.name == "dot_general" and any(v.aval.shape[-2:] == (k, k) for v in e.invars)
-  ]
-  assert len(square) == 1, [tuple(v.aval.shape for v in e.invars) for e in square]
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+  shapes = [tuple(v.aval.shape[-2:] for v in e.invars) for e in dots]
+  assert not [s for s in shapes if (k, k) in s], shapes
+  assert len([s for s in shapes if (k + 1, k) in s]) == 2, shapes
 
 
 @pytest.mark.parametrize("block", ["per_tensor", "global"])

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from bench.kernels_check import PASSES, bounds, call, gamma_n, random_inputs
+from bench.kernels_check import PASSES, ROTATE_KEYS, bounds, call, gamma_n, random_inputs
 from ginger import kernels
 
 
@@ -90,7 +90,7 @@ def test_eight_lane_padding_matches_reference(monkeypatch, k):
 
 def _pass_three_jaxpr(k: int) -> str:
   x = random_inputs(0, 1, 40, k)
-  args = [x[n] for n in ("u", "p1", "g", "a2", "inv_r", "rot", "b", "z", "gamma")]
+  args = [x[n] for n in ROTATE_KEYS]
   fn = lambda *a: kernels.rotate_from_residual(*a, impl="pallas", interpret=True, tile=16)  # noqa: E731
   return str(jax.make_jaxpr(fn)(*args))
 
@@ -198,10 +198,11 @@ def test_passes_two_and_three_agree_on_p1():
   def cgs2(u, v):
     c, _, l1 = kernels.project_pair(u, v, g, **kw)
     inv_l1 = 1.0 / l1
-    c2, pp, _, _, p1 = kernels.residual_sums(u, v, g, c, inv_l1, with_p1=True, **kw)
+    c2, pp, _, _, _, p1, _ = kernels.residual_sums(u, v, g, c, inv_l1, c, with_p1=True, **kw)
     inv_r = 1.0 / jnp.sqrt(pp - jnp.sum(c2 * c2, -1))
     e1 = jnp.zeros_like(c).at[:, 0].set(1.0)
-    rest = (c2, inv_r, jnp.zeros(u.shape[:1] + (k, k), u.dtype), e1, jnp.zeros_like(c), 1.0)
+    zero = jnp.zeros_like(c)
+    rest = (c2, inv_r, jnp.zeros(u.shape[:1] + (k, k), u.dtype), e1, zero, 0.0, 1.0)
     recomputed, _ = kernels.rotate_and_precondition(u, v, g, c, inv_l1, *rest, **kw)
     stored, _ = kernels.rotate_from_residual(u, p1, g, *rest, **kw)
     return recomputed[..., 0], stored[..., 0], c, inv_l1, c2, inv_r
@@ -238,7 +239,7 @@ def test_jnp_rotation_in_row_blocks(m, n, k, rows):
   products, rounded alike up to fused multiply-adds, so the bound above holds (rows a multiple
   of the block or not, one block larger than the rows)."""
   x = random_inputs(11, m, n, k)
-  keys = ("u", "p1", "g", "a2", "inv_r", "rot", "b", "z", "gamma")
+  keys = ROTATE_KEYS
 
   @jax.jit
   def run(x):
@@ -260,7 +261,7 @@ def test_rotation_reads_joined_small_operands_at_first(impl):
   (XLA:CPU with `make test`'s flags does)."""
   m, before, after = 2, 3, 1
   x = random_inputs(5, m, 40, 8)
-  smalls = ("a2", "inv_r", "rot", "b", "z", "gamma")
+  smalls = ROTATE_KEYS[3:]
 
   def joined(a):
     pad = lambda rows: jnp.full((rows,) + a.shape[1:], jnp.nan, a.dtype)
@@ -327,12 +328,13 @@ def test_defaults_off_gpu():
 
 
 def test_cpu_pass_two_products_are_dots():
-  """Off GPUs the jnp pass 2's vector products (``p1.p1``, ``p1.g``, ``vs.vs``) are dots, not
+  """Off GPUs the jnp pass 2's vector products (``p1.p1``, ``p1.q1``, ``vs.vs``) are dots, not
   sums of products: XLA:CPU turns such a sum over the row axis into a YNNPACK reduce at ~0.6
   GB/s (33 ms for ``p1.g`` of one of ResNet-18's 2359296-row tensors, three of them a third of
   the whole tau=8 step)."""
   m, n, k = 2, 64, 4
   args = (jnp.ones((m, n, k)), jnp.ones((m, n)), jnp.ones((m, n)), jnp.ones((m, k)), jnp.ones(m))
+  args += (jnp.ones((m, k)),)
   jaxpr = jax.make_jaxpr(lambda *x: kernels.residual_sums(*x, impl="jnp"))(*args)
   row_reductions = [
     e
@@ -340,7 +342,8 @@ def test_cpu_pass_two_products_are_dots():
     if e.primitive.name == "reduce_sum" and e.invars[0].aval.shape[-1:] == (n,)
   ]
   assert not row_reductions, row_reductions
-  assert sum(e.primitive.name == "dot_general" for e in jaxpr.eqns) >= 4  # U a, U^T p1, 3 sums
+  # U a, U ay, U^T [p1 q1] (two products off GPUs), the three vector sums
+  assert sum(e.primitive.name == "dot_general" for e in jaxpr.eqns) >= 7
 
 
 def _triton_lowering():
@@ -378,6 +381,6 @@ def test_lowers_to_triton(monkeypatch, m, n, k, dtype, lanes):
     fn = jax.jit(functools.partial(call, name, impl="pallas", interpret=False))
     text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     calls = text.count("__gpu$xla.gpu.triton")
-    assert calls == (2 if name == "precondition" else 1), (name, calls)
+    assert calls == (3 if name == "precondition" else 1), (name, calls)
     if name.startswith("rotate"):
       assert "output_operand_aliases" in text

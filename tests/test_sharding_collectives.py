@@ -142,7 +142,7 @@ def test_row_blocks_of_each_devices_rows_rotate_as_the_whole():
   m, n, k = 2, 96, 3
   u, p1, g = normal(m, n, k), normal(m, n), normal(m, n)
   small = (normal(m, k), 1.0 + jnp.abs(normal(m)), normal(m, k, k), normal(m, k), normal(m, k))
-  args = (u, p1, g, *small, 0.5)
+  args = (u, p1, g, *small, normal(m), 0.5)
   whole = ginger.kernels.rotate_from_residual(*args, impl="jnp", rows_per_block=n)
   for shards, rows in ((4, 5), (4, 24), (3, 7), (5, 10)):  # 5 does not divide 96: unsplit
     got = ginger.kernels.rotate_from_residual(
