@@ -83,10 +83,11 @@ def make_optimizer(
   passes: str = "jnp",
   state_dtype="float32",
   reorthonormalise_every: int | None = None,
+  curvature_every: int = 1,
 ):
   """``name`` is an optimizer, or ``ginger/<eigensolver>`` for a non-default Ginger solver;
-  ``passes``, ``state_dtype`` (of ``U``, sigma and the momentum) and
-  ``reorthonormalise_every`` (None: the library's default, in the update) are Ginger's."""
+  ``passes``, ``state_dtype`` (of ``U``, sigma and the momentum), ``reorthonormalise_every``
+  (None: the library's default, in the update) and ``curvature_every`` are Ginger's."""
   if name == "adam":
     return optax.adam(1e-3)
   if name == "momentum":
@@ -102,6 +103,7 @@ def make_optimizer(
     passes=passes,
     state_dtype=state_dtype,
     reorthonormalise_every=reorthonormalise_every,
+    curvature_every=curvature_every,
   )
 
 
@@ -120,13 +122,15 @@ def solo_buckets(rows: int):
 
 
 def time_update(
-  tx, shapes, scan_steps: int, repeats: int, kernels: int = 0
+  tx, shapes, scan_steps: int, repeats: int, kernels: int = 0, curvature: bool = True
 ) -> tuple[float, float, str]:
-  """(median seconds per update, seconds to compile, per-kernel report or "")."""
+  """(median seconds per update, seconds to compile, per-kernel report or ""). ``curvature``
+  False: updates without ``fisher_grads`` (with ``curvature_every > 1``: no curvature
+  update)."""
   keys = jax.random.split(jax.random.key(0), len(shapes))
   params = [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
   grads = [0.01 * p for p in params]
-  fisher = [0.02 * p for p in params]
+  fisher = [0.02 * p for p in params] if curvature else None
 
   # The state and params donated, as train.py's step donates them: the loop then updates them
   # in place instead of first copying them into its carry (U: 358 MB at ResNet-18 tau 8).
@@ -246,6 +250,14 @@ def main(argv=None) -> None:
     "of >= N rows a bucket of its own (_common.SOLO_BUCKETS, SOLO_ROWS = N): its g and d are "
     "read where they are instead of copied into a stack",
   )
+  parser.add_argument(
+    "--curvature-every",
+    type=int,
+    default=1,
+    metavar="K",
+    help="Ginger's curvature_every; K > 1 times its steps without a curvature update (no "
+    "fisher_grads: preconditioning with U as it is)",
+  )
   parser.add_argument("--scan", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument(
@@ -267,6 +279,7 @@ def main(argv=None) -> None:
     + (f" copy_bandwidth={bandwidth / 1e12:.2f}TB/s" if bandwidth else "")
     + (f" datasheet_peak={peak / 1e12:.2f}TB/s" if peak else "")
     + f" reorthonormalise_every={args.reorthonormalise_every}"
+    + f" curvature_every={args.curvature_every}"
   )
   print(
     "| size | d | optimizer | tau | block | passes | state | ms/update | x Adam | floor ms "
@@ -298,12 +311,19 @@ def main(argv=None) -> None:
       with solo_buckets(solo):
         seconds, compile_s, report = time_update(
           make_optimizer(
-            name, tau, block, passes or "jnp", state or "float32", args.reorthonormalise_every
+            name,
+            tau,
+            block,
+            passes or "jnp",
+            state or "float32",
+            args.reorthonormalise_every,
+            args.curvature_every,
           ),
           shapes,
           args.scan,
           args.repeats,
           args.kernels if name.startswith("ginger") else 0,
+          curvature=args.curvature_every == 1 or not name.startswith("ginger"),
         )
       if solo and block == "per_tensor":
         block = f"{block} solo>={solo}"

@@ -6,6 +6,9 @@ state = tx.init(params)
 (loss, _), grads, d = ginger.fisher.value_grad_and_fisher(logits_fn, params, y, rng)
 updates, state = tx.update(grads, state, params, fisher_grads=d)
 params = optax.apply_updates(params, updates)
+
+# Hyperparameters as state (tau fixes array shapes, so it stays static):
+tx = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(learning_rate=1e-3, tau=8)
 """
 
 from ginger import fisher, lowrank, sharding

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
+from optax.tree_utils import _state_utils
 
 from ginger import _common, kernels, lowrank
 from ginger import sharding as gsharding
@@ -275,6 +276,19 @@ def scale_by_ginger(
   in_update = every is None or every > 0
 
   def init_fn(params):
+    if isinstance(params, _state_utils._ParamsPlaceholder):  # noqa: SLF001
+      # optax.tree.map_params looks for params-shaped trees by initialising with a placeholder
+      # (as optax.masked, Ginger detects it): the stacked U, sigma and momentum are no such
+      # tree, so each is one leaf here and map_params leaves them to transform_non_params.
+      leaf = jnp.zeros([], state_dtype)
+      counter = jnp.zeros([], jnp.int32)
+      return ScaleByGingerState(
+        count=counter,
+        u=leaf,
+        sigma=leaf,
+        mu=None if b1 is None else leaf,
+        mu_count=None if b1 is None else counter,
+      )
     vectors, treedef = _common.flat_vectors(params, state_dtype)
     layout = _common.plan_layout([v.size for v in vectors], tau, block, treedef)
     u = StackedBasis(
