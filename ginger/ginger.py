@@ -672,7 +672,7 @@ def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=
 
   With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``:
   ``||p||^2 = ||p1||^2 - ||c2||^2``, ``r = l1 ||p||``, ``U^T v = c + l1 c2``. ``v`` counts as
-  in ``span U`` when ``r <= 32 eps ||v||``. Likewise for the preconditioned ``g``: ``q1 = g -
+  in ``span U`` when ``r <= max(32 eps ||v||, l1 ||c2||)``. Likewise for the preconditioned ``g``: ``q1 = g -
   U y``, ``c3 = U^T q1``, so ``g = U (y + c3) + p_hat beta + q_perp`` with ``beta = p_hat^T q1``
   and ``q_perp`` outside ``B = [U p_hat]``. With Brand's eigenvectors ``V`` (``V_k`` kept) and
   ``w = [y + c3; beta] = B^T g``, ``G'^{-1} g = (B s + q_perp) / gamma`` with ``s = w - V_k
@@ -683,7 +683,10 @@ def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=
   rank = s["c"].shape[-1]
   p_norm = jnp.sqrt(jnp.maximum(s["pp"] - jnp.sum(s["c2"] * s["c2"], -1), 0.0))
   v_norm_l1 = jnp.sqrt(s["vv"])  # ||v|| / l1
-  in_span = p_norm <= 32 * eps * v_norm_l1
+  # In span also when the second projection removed more than is left (|c2| >= |p|): the
+  # residual is then below U's own defect, ||p||^2 = ||p1||^2 - ||c2||^2 assumed U^T U = I,
+  # and the new column's defect would be that of U times (|c2| / |p|)^2.
+  in_span = p_norm <= jnp.maximum(32 * eps * v_norm_l1, jnp.sqrt(jnp.sum(s["c2"] * s["c2"], -1)))
   p_norm = jnp.where(in_span, 0.0, p_norm)
   inv_p = jnp.where(in_span, 0.0, 1.0 / jnp.where(in_span, 1.0, p_norm))
   c = s["c"] + s["l1"][..., None] * s["c2"]

@@ -259,12 +259,14 @@ def test_optimizer_step_rows_match_the_header_with_state_dtypes(monkeypatch, cap
 
   built = []
 
-  def fake_make(name, tau, block, passes="jnp", state_dtype="float32", reorthonormalise_every=None):
+  def fake_make(
+    name, tau, block, passes="jnp", state_dtype="float32", reorthonormalise_every=None, every=1
+  ):
     built.append((name, state_dtype))
     return name
 
   monkeypatch.setattr(optimizer_step, "make_optimizer", fake_make)
-  monkeypatch.setattr(optimizer_step, "time_update", lambda *a: (1e-3, 0.1, ""))
+  monkeypatch.setattr(optimizer_step, "time_update", lambda *a, **kw: (1e-3, 0.1, ""))
   optimizer_step.main(
     ["--sizes", "1M", "--optimizers", "adam", "ginger", "--taus", "8", "--blocks", "global"]
     + ["--state-dtypes", "float32", "bfloat16"]
@@ -282,7 +284,7 @@ def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypa
 
   seen = []
 
-  def fake_time(tx, shapes, *a):
+  def fake_time(tx, shapes, *a, **kw):
     state = tx.init([jnp.zeros(s) for s in shapes])[0]
     seen.append(len(state.u.layout.buckets) if hasattr(state, "u") else None)
     return 1e-3, 0.1, ""

@@ -11,7 +11,9 @@ exact ``G^{-1} g`` of its own state by
 ``kappa = sigma_max / gamma``, ``||x||_G = sqrt(x^T G x)``, ``delta = max |U^T U - I|``,
 ``theta = ||g - U U^T g|| / ||g||`` (the part of ``g`` outside ``span U`` when the step starts:
 0 for leaves of at most ``tau`` entries, small for the empirical Fisher once ``U`` has learned
-its directions), ``C`` a modest multiple of the rank (16 here). The G-norm weighs an error by
+its directions), ``C = (k + 3) / sqrt(1 - alpha^2) <= 64`` here: ``k + 3`` roundings in
+forming the complement (Higham's gamma_{k+3}), times the rounding the float32 state accumulates
+against the float64 one, each step's decaying with ``alpha`` (``sqrt(sum alpha^(2t))``). The G-norm weighs an error by
 the curvature it steps along, which is what decides whether a step goes uphill. The former
 preconditioning ``(g - U' z) / gamma`` had ``(delta + eps) kappa`` in place of the last two
 terms: at ``kappa = 5e6`` with ``g`` in ``span U`` it pointed uphill.
@@ -92,20 +94,24 @@ def _gram_defect(u):
 
 def test_float32_direction_within_the_bound_over_30000_steps(x64):
   """The same gradients, ``d = g``, into a float32 and a float64 state for 30,000 steps: leaves
-  of 3 and 4 entries at tau 4 (``U`` spans them) and one of 12 entries; gradient scales over 4
-  decades and ``gamma`` such that ``sigma_max / gamma`` reaches 1e9. Each step's float32
+  of 3 and 4 entries at tau 4 (``U`` spans them), one of 12 entries whose gradients lie in a
+  3-dimensional subspace (``g`` in ``span U``, and ``U``'s fourth column rotated through noise
+  every step) and one of 12 with gradients everywhere; gradient scales over 4 decades and
+  ``gamma`` such that ``sigma_max / gamma`` reaches 1e9. Each step's float32
   direction is compared with the float64 state's in that state's G-norm, against the bound of
-  the module docstring with ``C = 16``, ``delta`` the float32 ``U``'s own defect and ``theta``
+  the module docstring with ``C = 64``, ``delta`` the float32 ``U``'s own defect and ``theta``
   the part of ``g`` outside ``span U`` when the step starts."""
   tau, alpha, gamma, steps = 4, 0.99, 1e-6, 30000
-  sizes = {"a": 3, "b": 4, "d": 12}
+  basis = np.linalg.qr(np.random.default_rng(0).standard_normal((12, 3)))[0]
+  sizes = {"a": 3, "b": 4, "c": 12, "d": 12}
 
   def grads(key):
-    ka, kb, kd, ks = jax.random.split(key, 4)
+    ka, kb, kc, kd, ks = jax.random.split(key, 5)
     scale = 10.0 ** jax.random.uniform(ks, (), minval=-2.0, maxval=2.0)
     return {
       "a": scale * jax.random.normal(ka, (3,)),
       "b": scale * jax.random.normal(kb, (4,)),
+      "c": scale * jnp.asarray(basis) @ jax.random.normal(kc, (3,)),
       "d": scale * jax.random.normal(kd, (12,)),
     }
 
@@ -132,7 +138,7 @@ def test_float32_direction_within_the_bound_over_30000_steps(x64):
       err = norm(u32[k].astype(jnp.float64) - u64[k]) / norm(u64[k])
       kappa = jnp.max(sigma) / gamma
       delta = _gram_defect(s32.u[k].astype(jnp.float64))
-      bound = 16 * (
+      bound = 64 * (
         EPS32 * jnp.sqrt(kappa) + (delta + EPS32) ** 2 * kappa + EPS32 * theta[k] * kappa
       )
       out[k] = (err, bound, kappa, delta)
@@ -147,6 +153,9 @@ def test_float32_direction_within_the_bound_over_30000_steps(x64):
     assert np.max(np.asarray(kappa)) > 1e8, (k, np.max(np.asarray(kappa)))  # the hard regime
     worst = int(np.argmax(err / bound))
     assert np.all(err <= bound), (k, worst, err[worst], bound[worst], float(delta[worst]))
+    # U's defect stays at the drift the periodic re-orthonormalisation removes (every 1,000
+    # updates, ~3e-8 a step here): a residual below U's own defect is not a new column.
+    assert np.max(np.asarray(delta)) < 1e-4, (k, float(np.max(np.asarray(delta))))
 
 
 @pytest.mark.parametrize(
