@@ -13,8 +13,9 @@ exact ``G^{-1} g`` of its own state by
 0 for leaves of at most ``tau`` entries, small for the empirical Fisher once ``U`` has learned
 its directions), ``C = (k + 3) / sqrt(1 - alpha^2) <= 64`` here: ``k + 3`` roundings in
 forming the complement (Higham's gamma_{k+3}), times the rounding the float32 state accumulates
-against the float64 one, each step's decaying with ``alpha`` (``sqrt(sum alpha^(2t))``). The G-norm weighs an error by
-the curvature it steps along, which is what decides whether a step goes uphill. The former
+against the float64 one, each step's decaying with ``alpha`` (``sqrt(sum alpha^(2t))``). The
+G-norm weighs an error by the curvature it steps along, which is what decides whether a step
+goes uphill. The former
 preconditioning ``(g - U' z) / gamma`` had ``(delta + eps) kappa`` in place of the last two
 terms: at ``kappa = 5e6`` with ``g`` in ``span U`` it pointed uphill.
 """
