@@ -670,15 +670,15 @@ def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=
   (:func:`ginger.secular.eigh_diag_plus_rank_one`), as the passes do: one Pallas kernel with
   ``"pallas"``.
 
-  With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``:
-  ``||p||^2 = ||p1||^2 - ||c2||^2``, ``r = l1 ||p||``, ``U^T v = c + l1 c2``. ``v`` counts as
-  in ``span U`` when ``r <= max(32 eps ||v||, l1 ||c2||)``. Likewise for the preconditioned
-  ``g``: ``q1 = g - U y``, ``c3 = U^T q1``, so ``g = U (y + c3) + p_hat beta + q_perp`` with
-  ``beta = p_hat^T q1`` and ``q_perp`` outside ``B = [U p_hat]``. With Brand's eigenvectors ``V`` (``V_k`` kept) and
-  ``w = [y + c3; beta] = B^T g``, ``G'^{-1} g = (B s + q_perp) / gamma`` with ``s = w - V_k
-  diag(sigma' / (gamma + sigma')) V_k^T w``, formed as ``V_k diag(gamma / (gamma + sigma'))
-  V_k^T w + v_last v_last^T w`` (no cancellation), so pass 3 computes
-  ``(q1 - U (c3 - s_U) - p_hat (beta - s_p)) / gamma``: ``a = c3 - s_U``.
+  With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``: ``||p||^2 = ||p1||^2 -
+  ||c2||^2``, ``r = l1 ||p||``, ``U^T v = c + l1 c2``. ``v`` counts as in ``span U`` when ``r <=
+  max(32 eps ||v||, l1 ||c2||)``. Likewise for the preconditioned ``g``: ``q1 = g - U y``, ``c3 =
+  U^T q1``, so ``g = U (y + c3) + p_hat beta + q_perp`` with ``beta = p_hat^T q1`` and ``q_perp``
+  outside ``B = [U p_hat]``. With Brand's eigenvectors ``V`` (``V_k`` kept) and ``w = [y + c3;
+  beta] = B^T g``, ``G'^{-1} g = (B s + q_perp) / gamma`` with ``s = w - V_k diag(sigma' / (gamma
+  + sigma')) V_k^T w``, formed as ``V_k diag(gamma / (gamma + sigma')) V_k^T w + v_last v_last^T
+  w`` (no cancellation), so pass 3 computes ``(q1 - U (c3 - s_U) - p_hat (beta - s_p)) / gamma``:
+  ``a = c3 - s_U``.
   """
   rank = s["c"].shape[-1]
   p_norm = jnp.sqrt(jnp.maximum(s["pp"] - jnp.sum(s["c2"] * s["c2"], -1), 0.0))
