@@ -140,8 +140,12 @@ class ScaleByGingerState(NamedTuple):
 
 
 # Curvature updates between re-orthonormalisations of U (scale_by_ginger's default): for a 32-
-# or 64-bit state, and for a 16-bit one (bf16, float16), whose U drifts ~1000x faster.
-REORTHONORMALISE_EVERY = 1000
+# or 64-bit state, and for a 16-bit one (bf16, float16), whose U drifts ~1000x faster. A float32
+# U drifts by ~3e-8 a step; the direction's error grows with the drift times sqrt(sigma_max /
+# gamma) (docs/ginger-math.md, section 6): every 100 keeps the drift below 1e-5, a G-norm error
+# of ~0.03 at sigma_max / gamma = 1e9 (every 1000: 4e-5 and ~2), for a Gram pass and a rotation
+# of U every 100 updates.
+REORTHONORMALISE_EVERY = 100
 REORTHONORMALISE_EVERY_NARROW = 10
 
 
@@ -197,7 +201,7 @@ def scale_by_ginger(
     reorthonormalise_every: every this many curvature updates ``U`` is re-orthonormalised
       (Cholesky-QR, ``S`` unchanged) before the update, to remove the drift of ``U^T U``
       from ``I``. None: :data:`REORTHONORMALISE_EVERY` for a 32- or 64-bit state (float32's
-      drift is ~1e-5 after 400 steps), :data:`REORTHONORMALISE_EVERY_NARROW` for bfloat16 and
+      drift is ~3e-8 a step), :data:`REORTHONORMALISE_EVERY_NARROW` for bfloat16 and
       float16, whose ``U`` is rounded to its few digits every step (``U^T U - I`` grows by
       about half their unit roundoff a step: 0.12 after 400 bf16 steps; every 10 it stays
       within about 6 roundoffs, for one more read of ``U`` every 10 updates). The choice is

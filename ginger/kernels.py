@@ -21,13 +21,16 @@ The passes (``a``, ``rot``, ``b``, ``z`` are per-block small operands, ``(blocks
 ``(blocks, k, k)``; ``inv_l1``, ``inv_r``, ``gamma`` per-block scalars)::
 
     project_pair:             U^T v, U^T g, sum |v|                       (reads U)
-    residual_sums:            p1 = (v - U a) inv_l1;
-                              U^T p1, ||p1||^2, p1 . g, ||v inv_l1||^2      (reads U)
-                              [and p1 itself, with_p1=True]
+    residual_sums:            p1 = (v - U a) inv_l1,  q1 = g - U ay;
+                              U^T p1, ||p1||^2, p1 . q1, ||v inv_l1||^2,
+                              U^T q1                                        (reads U)
+                              [and p1, q1 themselves, with_p1=True]
     rotate_and_precondition:  p = (p1 - U a2) inv_r;  U' = U rot + p b^T;
-                              (g - U' z) / gamma                            (reads U, writes U')
+                              (q - U a - p beta) / gamma                    (reads U, writes U')
     rotate_from_residual:     the same from a stored p1 instead of v
-    precondition:             (g - U diag(w) U^T g) / gamma                 (reads U twice)
+    precondition:             G^{-1} g with U as it is: project, residual
+                              (q1 = g - U y, U^T q1), correct               (reads U 3 times)
+    correct:                  (q - U a) / gamma                             (reads U)
 
 Pass 3 is row-local: its ``pallas`` kernel writes ``U'`` over ``U`` (``input_output_aliases``),
 so with the state donated to the jitted step no second ``U`` is allocated. The ``jnp``
@@ -40,13 +43,12 @@ CPU it rotates the whole ``U`` at once, which is faster there): on a ``U`` of mo
 independent, so every entry is computed by the same operations as on the whole array (equal
 up to fused multiply-adds, which XLA forms per fusion).
 
-Passes 2 and 3 must see the same rounded ``p1``: pass 2 measures its rounding along ``U``
-(``c2 = U^T p1``) and pass 3 removes it (``p1 - U c2``; CGS2). ``rotate_and_precondition``
-recomputes ``p1`` with the expression pass 2 used (the reference relies on XLA's CSE for
-this, the kernels on Triton compiling one expression alike in two kernels);
-``residual_sums(..., with_p1=True)`` followed by ``rotate_from_residual`` guarantees it by
-construction, for one more ``(rows,)`` vector written. Never mix implementations between the
-two passes.
+Passes 2 and 3 must see the same rounded ``p1`` (and ``q1``): pass 2 measures its rounding along
+``U`` (``c2 = U^T p1``) and pass 3 removes it (``p1 - U c2``; CGS2). ``rotate_and_precondition``
+recomputes ``p1`` with the expression pass 2 used (the reference relies on XLA's CSE for this, the
+kernels on Triton compiling one expression alike in two kernels); ``residual_sums(...,
+with_p1=True)`` followed by ``rotate_from_residual`` guarantees it by construction, for one more
+``(rows,)`` vector written. Never mix implementations between the two passes.
 
 Results of the two implementations differ by float summation order only; bounds are in
 tests/test_kernels.py. Inputs may have extra leading axes (flattened into ``blocks``); all

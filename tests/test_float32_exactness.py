@@ -154,9 +154,9 @@ def test_float32_direction_within_the_bound_over_30000_steps(x64):
     assert np.max(np.asarray(kappa)) > 1e8, (k, np.max(np.asarray(kappa)))  # the hard regime
     worst = int(np.argmax(err / bound))
     assert np.all(err <= bound), (k, worst, err[worst], bound[worst], float(delta[worst]))
-    # U's defect stays at the drift the periodic re-orthonormalisation removes (every 1,000
+    # U's defect stays at the drift the periodic re-orthonormalisation removes (every 100
     # updates, ~3e-8 a step here): a residual below U's own defect is not a new column.
-    assert np.max(np.asarray(delta)) < 1e-4, (k, float(np.max(np.asarray(delta))))
+    assert np.max(np.asarray(delta)) < 1e-5, (k, float(np.max(np.asarray(delta))))
 
 
 @pytest.mark.parametrize(
