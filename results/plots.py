@@ -107,6 +107,11 @@ def read_series(run_dir: str | Path, *, spectrum: bool = True) -> Series:
   return series
 
 
+def _shared(info: RunInfo) -> bool:
+  """Whether the run shared its device: its wall-clock seconds are not its own."""
+  return bool(info.summary and tables.is_shared(info.summary))
+
+
 def load_runs(roots: Iterable[str | Path]) -> list[RunInfo]:
   """Every run dir under `roots`, with its summary where there is one."""
   infos = []
@@ -153,10 +158,13 @@ def _plot_xy(ax: Any, x: np.ndarray, y: np.ndarray, **style: Any) -> bool:
   return True
 
 
-def _draw_run(axes: np.ndarray, series: Series, color: Any, label: str | None) -> str | None:
-  """Draw one run's four curves; returns the eval metric's name."""
+def _draw_run(
+  axes: np.ndarray, series: Series, color: Any, label: str | None, shared: bool = False
+) -> str | None:
+  """Draw one run's four curves (two, against steps only, for a run that shared its device:
+  its wall-clock is not its own); returns the eval metric's name."""
   style = {"color": color, "lw": 1.0, "alpha": 0.85}
-  for col, xkey in enumerate(("step", "wall")):
+  for col, xkey in enumerate(("step",) if shared else ("step", "wall")):
     if series.eval:
       _plot_xy(
         axes[0, col],
@@ -214,7 +222,8 @@ def _plot_group(name: str, members: Sequence[RunInfo], out: Path) -> Path | None
     series = read_series(info.path, spectrum=False)
     if not (series.train["step"].size or series.eval["step"].size):
       continue
-    metric = _draw_run(axes, series, colors[label], None if label in seen else label) or metric
+    first = None if label in seen else label
+    metric = _draw_run(axes, series, colors[label], first, _shared(info)) or metric
     seen.add(label)
     drawn = True
   if not drawn:
@@ -389,7 +398,12 @@ def time_to_accuracy(
   seeds that reached each level, and how many did)."""
   groups: dict[str, list[RunInfo]] = {}
   for info in infos:
-    if info.meta.get("sweep") in TABLE_SWEEPS and info.summary and tables.is_done(info.summary):
+    if (
+      info.meta.get("sweep") in TABLE_SWEEPS
+      and info.summary
+      and tables.is_done(info.summary)
+      and not _shared(info)  # wall-clock seconds: a run alone on its device
+    ):
       groups.setdefault(group_name(info), []).append(info)
   report = {}
   for name, members in sorted(groups.items()):
@@ -424,7 +438,7 @@ def plot_time_to_accuracy(
   for name, rows in time_to_accuracy(infos, levels).items():
     grid = np.arange(50.0, 100.0, 0.5)
     fig, ax = plt.subplots(figsize=(8, 5))
-    members = [i for i in infos if group_name(i) == name]
+    members = [i for i in infos if group_name(i) == name and not _shared(i)]
     labels = config_labels([m.meta for m in members])
     for k, row in enumerate(rows):
       runs = [m for m, lab in zip(members, labels, strict=True) if lab == row["config"]]

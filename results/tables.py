@@ -408,6 +408,18 @@ def _get(key: str, scale: float = 1.0) -> Callable[[Run], float | None]:
   return get
 
 
+def is_shared(run: Run) -> bool:
+  """Whether the run shared its device (summary.json's ``device_shared``): its accuracy counts,
+  its times and memory do not."""
+  return bool(run.get("device_shared"))
+
+
+def _alone(key: str, scale: float = 1.0) -> Callable[[Run], float | None]:
+  """:func:`_get` for a time or memory figure: None for a run that shared its device."""
+  get = _get(key, scale)
+  return lambda run: None if is_shared(run) else get(run)
+
+
 def _flops(source: str) -> Callable[[Run], float | None]:
   """Getter for flops_per_iter[source] ("analytic" or "xla")."""
 
@@ -453,7 +465,7 @@ MEMORY_CAPTION = (
   "memory in GB (bytes/1e9): Mem = the process's peak (compilation and autotuning included), "
   "Step = the training step's own (XLA's memory analysis)."
 )
-STEP_MEMORY = Metric("Step GB", _get("step_memory_bytes", 1e-9), None, "f2", paired=False)
+STEP_MEMORY = Metric("Step GB", _alone("step_memory_bytes", 1e-9), None, "f2", paired=False)
 
 
 def image_metrics(flops: str = "analytic") -> list[Metric]:
@@ -463,7 +475,7 @@ def image_metrics(flops: str = "analytic") -> list[Metric]:
     Metric("Val loss", _get("val_loss_at_best"), "val_loss", "f3"),
     Metric("Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2"),
     Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci"),
-    Metric("Mem GB", _get("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
+    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
     STEP_MEMORY,
   ]
 
@@ -476,7 +488,7 @@ def xsum_metrics(flops: str = "analytic") -> list[Metric]:
     Metric("RL", _get("rougeL"), "rougeL", "f2"),
     Metric("Train ppl", _get("train_perplexity"), "train_ppl", "f3"),
     Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci"),
-    Metric("Mem GB", _get("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
+    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
     STEP_MEMORY,
   ]
 
@@ -839,8 +851,8 @@ def ablation_metrics(dataset: Any) -> list[Metric]:
     Metric(
       "Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6" if image else None, "f2"
     ),
-    Metric("Step s", _get("step_time_s"), None, "f3", paired=False),
-    Metric("Mem GB", _get("peak_memory_bytes", 1e-9), None, "f2", paired=False),
+    Metric("Step s", _alone("step_time_s"), None, "f3", paired=False),
+    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), None, "f2", paired=False),
     STEP_MEMORY,
   ]
 
@@ -1009,8 +1021,12 @@ def build_curvature_every(
     model, optimizer, tau, every = key
     crit = {**protocol, **dict(zip(CURVATURE_EVERY_ROW, key, strict=True))}
     sel = select_runs(mine, crit, (CURVATURE_EVERY_SWEEP,))
-    times = [_accuracy_times(r, (level,)) or {} for r in sel.runs]
-    ms = aggregate(1e3 * r["step_time_s"] for r in sel.runs if is_number(r.get("step_time_s")))
+    times = [{} if is_shared(r) else _accuracy_times(r, (level,)) or {} for r in sel.runs]
+    ms = aggregate(
+      1e3 * r["step_time_s"]
+      for r in sel.runs
+      if is_number(r.get("step_time_s")) and not is_shared(r)
+    )
     if optimizer == "adam":
       adam_ms[model] = ms.mean
     ratio = ms.mean / adam_ms[model] if ms.mean and adam_ms.get(model) else None

@@ -226,3 +226,15 @@ def test_default_spectrum_runs_prefer_table1_and_one_seed_per_arm(tmp_path: Path
     "table1/exp/ginger_tau2/seed=0",
     "table1/exp/ginger_tau8/seed=0",
   ]
+
+
+def test_time_to_accuracy_leaves_out_runs_that_shared_their_device(tmp_path):
+  """Wall-clock seconds are a run's own only alone on its device: a run with
+  ``device_shared`` is not in the time-to-accuracy report."""
+  evals = [{"event": "eval", "step": 10, "wall_time_s": 5.0, "val_accuracy": 90.0}]
+  for seed, shared in ((0, False), (1, True)):
+    run = {"optimizer": "adam", "seed": seed, "sweep": "table1"}
+    write_run(tmp_path, str(seed), run, evals, device_shared=shared)
+  report = plots.time_to_accuracy(plots.load_runs([tmp_path]))
+  (rows,) = report.values()
+  assert [len(row["best"]) for row in rows] == [1]

@@ -606,3 +606,28 @@ def test_a_missing_root_is_an_error(tmp_path: Path, capsys) -> None:
   assert tables.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
   assert f"no such run root(s): {tmp_path / 'missing'}" in capsys.readouterr().err
   assert not out.exists()
+
+
+def test_a_run_that_shared_its_device_counts_for_accuracy_not_memory(tmp_path: Path) -> None:
+  """A third Adam seed run beside others on one GPU (``device_shared``): it joins the mean
+  accuracy (n = 3), while the memory column stays the two runs alone (3.25, not ~5)."""
+  root = tmp_path / "table1"
+  make_run(root, "0", {"seed": 0}, **image(72.0, 1.2, 1e-5, 2.4e9, 3_200_000_000))
+  make_run(root, "1", {"seed": 1}, **image(73.0, 1.3, 2e-5, 2.4e9, 3_300_000_000))
+  shared = image(75.0, 1.25, 1.5e-5, 2.4e9, 9_900_000_000)
+  make_run(root, "2", {"seed": 2}, device_shared=True, **shared)
+  md = tables.to_markdown(tables.build_table1(tables.collect_runs([root])))
+  adam = next(line for line in md.splitlines() if line.startswith("| Adam |"))
+  assert adam.startswith("| Adam | 3 | 73.33 ± 1.53 |"), adam
+  assert "| 3.25 ± 0.07 | 3.16 |" in adam, adam
+
+
+def test_train_records_whether_the_device_was_shared(monkeypatch) -> None:
+  from training import loop
+
+  monkeypatch.delenv("GINGER_DEVICE_SHARED", raising=False)
+  assert loop.device_shared() is False
+  monkeypatch.setenv("GINGER_DEVICE_SHARED", "1")
+  assert loop.device_shared() is True
+  monkeypatch.setenv("GINGER_DEVICE_SHARED", "0")
+  assert loop.device_shared() is False

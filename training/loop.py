@@ -111,6 +111,13 @@ def fisher_backward(cfg, plan: sharding.Plan, model: nnx.Module | None = None) -
   return "sequential"
 
 
+def device_shared() -> bool:
+  """Whether this run shares its device with other processes (``GINGER_DEVICE_SHARED=1``, set
+  by whoever starts several runs on one GPU): its step times, wall-clock and memory are then
+  not its own."""
+  return os.environ.get("GINGER_DEVICE_SHARED", "") not in ("", "0")
+
+
 def shared_d_pass(cfg) -> bool:
   """Whether the training step's d-pass reuses its forward (a curvature optimizer with
   ``fisher_forward=shared``), the only case ``fisher_backward`` applies to."""
@@ -1092,6 +1099,9 @@ def _run(
       "peak_memory_method": "device memory_stats()['peak_bytes_in_use'] of this process "
       "(includes compilation/autotuning; see step_memory_bytes for the step's own); null where "
       "not reported",
+      # Runs whose accuracy alone counts may share a GPU with others (GINGER_DEVICE_SHARED=1):
+      # their times and memory are not the optimizer's, and results/ leaves them out of those.
+      "device_shared": device_shared(),
     }
     | task.best_of(evals)
     | task.train_summary(mean_loss)
