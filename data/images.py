@@ -295,13 +295,41 @@ def _find_pickle_dir(name: str, root: Path) -> Path | None:
   return None
 
 
+# What CIFAR python batches hold: dicts of bytes, lists, ints and numpy arrays.
+# Anything else in a local file (a tampered pickle can name any callable) is refused.
+_PICKLE_GLOBALS = {
+  (f"numpy.{core}.{module}", name)
+  for core in ("core", "_core")
+  for module, name in (
+    ("multiarray", "_reconstruct"),
+    ("multiarray", "scalar"),
+    ("numeric", "_frombuffer"),
+  )
+} | {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}  # bytes at protocol 2
+
+
+class _BatchUnpickler(pickle.Unpickler):
+  """An unpickler that builds only what :data:`_PICKLE_GLOBALS` admits."""
+
+  def find_class(self, module: str, name: str):
+    if (module, name) not in _PICKLE_GLOBALS:
+      raise pickle.UnpicklingError(
+        f"global {module}.{name} is not allowed in a CIFAR batch (only numpy arrays)"
+      )
+    return super().find_class(module, name)
+
+
+def _loads(data: bytes):
+  return _BatchUnpickler(io.BytesIO(data), encoding="bytes").load()
+
+
 def _read_pickle_splits(name: str, read: Callable[[str], bytes], where: Path) -> _Splits:
   """Reads the official pickle format: dicts with b"data" (N, 3072) in CHW order."""
   _, train_files, test_files, label_key = PICKLE_LAYOUT[name]
 
   def unpickle(file: str) -> dict:
     try:
-      batch = pickle.loads(read(file), encoding="bytes")
+      batch = _loads(read(file))
       if not (isinstance(batch, dict) and b"data" in batch and label_key in batch):
         raise ValueError(f"no {b'data'!r} and {label_key!r} entries")
       return batch

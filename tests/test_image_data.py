@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import pickle
 import sys
 import tarfile
@@ -187,6 +188,26 @@ def test_corrupt_pickle_names_the_file(tmp_path):
   _write_pickle(folder / "test", {b"labels": [1]})  # a CIFAR-10 batch in a CIFAR-100 folder
   with pytest.raises(DatasetUnavailableError, match=r"test is not a cifar100 python pickle"):
     load_image_dataset("cifar100", "local", folder)
+
+
+class _Payload:
+  """What a tampered pickle holds: a call of any function on load."""
+
+  def __reduce__(self):
+    return (os.system, ("touch pwned",))
+
+
+def test_a_pickle_naming_other_globals_is_refused_not_run(tmp_path, monkeypatch):
+  """CIFAR batches are read with an unpickler that admits only numpy arrays: a pickle that
+  calls a function on load (here os.system) is refused, naming the file, and nothing runs."""
+  monkeypatch.chdir(tmp_path)
+  folder = tmp_path / "cifar-100-python"
+  folder.mkdir()
+  _write_pickle(folder / "train", _cifar_pickle(5, b"fine_labels", 0))
+  _write_pickle(folder / "test", {**_cifar_pickle(3, b"fine_labels", 1), b"x": _Payload()})
+  with pytest.raises(DatasetUnavailableError, match=r"test is not a cifar100 python pickle.*os"):
+    load_image_dataset("cifar100", "local", folder)
+  assert not (tmp_path / "pwned").exists()
 
 
 # The repo's shared/ folder, or the one beside the checkout (not part of the product).

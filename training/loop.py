@@ -820,6 +820,14 @@ def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) ->
   run_dir = Path(run_dir)
   plan = check(cfg)
   run_dir.mkdir(parents=True, exist_ok=True)
+  if jax.process_index() != 0:  # process 0 holds the dir for a multi-host run
+    return _train(cfg, run_dir, plan, stop)
+  with run_record.exclusive(run_dir):
+    return _train(cfg, run_dir, plan, stop)
+
+
+def _train(cfg: DictConfig, run_dir: Path, plan, stop: StopRequest) -> dict[str, Any]:
+  """:func:`train` once the run dir is this process's."""
   claim_run_dir(run_dir, cfg)
   began = time.perf_counter()
   setup = build(cfg, plan, materialize=False)  # the optimizer state after compiling (_run)

@@ -26,12 +26,15 @@ part of it. A different fingerprint refuses before anything is loaded or compile
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gzip
 import hashlib
 import json
 import logging
 import math
 import os
+import socket
 import sys
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -41,6 +44,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from training.errors import TrainingError
+
+log = logging.getLogger(__name__)
 
 RECORD = "run.json"
 SUMMARY = "summary.json"
@@ -241,6 +246,46 @@ def differences(old: Mapping, new: Mapping, prefix: str = "") -> list[str]:
     elif _canonical(a) != _canonical(b):
       out.append(f"{prefix}{key}: {a!r} -> {b!r}")
   return out
+
+
+LOCK = ".lock"
+
+
+class RunDirBusy(TrainingError):
+  """Another live process holds the run dir."""
+
+
+@contextlib.contextmanager
+def exclusive(run_dir: str | Path) -> Iterator[None]:
+  """Holds ``run_dir`` for this process: an OS lock (``flock``) on ``run_dir/.lock`` for the
+  life of the block, released by the kernel however the process ends (``kill -9`` included),
+  so a dead holder never blocks. A second process is refused at once with the holder's host
+  and PID, before it writes anything in the dir (the ``.hydra/`` files Hydra wrote for it are
+  put back as the holder recorded them). On a filesystem without locks
+  (some network mounts) it warns and goes on unlocked."""
+  path = Path(run_dir) / LOCK
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+      record = read_record(run_dir) or {}
+      if (Path(run_dir) / HYDRA_DIR).is_dir():  # undo what Hydra wrote for this attempt
+        for name, text in (record.get("hydra") or {}).items():
+          (Path(run_dir) / HYDRA_DIR / name).write_text(text)
+      raise RunDirBusy(
+        f"{run_dir} is in use by another process ({holder}): one process per run dir. Wait "
+        "for it, stop it, or give this run another hydra.run.dir."
+      ) from None
+    except OSError as e:
+      log.warning("%s: cannot lock the run dir (%s); two processes could share it", run_dir, e)
+    else:
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}".encode(), 0)
+    yield
+  finally:
+    os.close(fd)  # releases the lock
 
 
 def read_record(run_dir: str | Path) -> dict[str, Any] | None:
