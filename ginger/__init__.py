@@ -9,6 +9,9 @@ params = optax.apply_updates(params, updates)
 
 # Hyperparameters as state (tau fixes array shapes, so it stays static):
 tx = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(learning_rate=1e-3, tau=8)
+
+# A NaN or Inf gradient would enter U and sigma for good (as any optax state): skip such steps.
+tx = optax.apply_if_finite(ginger.ginger(1e-3, tau=8), max_consecutive_errors=5)
 """
 
 from ginger import fisher, lowrank, sharding

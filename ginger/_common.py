@@ -114,6 +114,21 @@ def check_dtype(name) -> jnp.dtype:
   return dtype
 
 
+def check_float_params(params) -> None:
+  """Every leaf of ``params`` is a floating array: the curvature of an integer (or boolean)
+  parameter means nothing, and its update could not come back in its dtype."""
+  bad = [
+    f"{jax.tree_util.keystr(path)} ({jnp.result_type(x)})"
+    for path, x in jax.tree_util.tree_leaves_with_path(params)
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating)
+  ]
+  if bad:
+    raise ValueError(
+      f"params must be floating-point arrays; not so: {', '.join(bad)}. Keep integer leaves "
+      "out of the optimizer (optax.masked, or a partition of the params)."
+    )
+
+
 def flat_vectors(tree, dtype) -> tuple[list[jax.Array], Any]:
   """Leaves of ``tree`` flattened to 1-D vectors in ``dtype`` (reshape is free under jit)."""
   leaves, treedef = jax.tree.flatten(tree)

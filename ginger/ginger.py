@@ -293,6 +293,7 @@ def scale_by_ginger(
         mu=None if b1 is None else leaf,
         mu_count=None if b1 is None else counter,
       )
+    _common.check_float_params(params)
     vectors, treedef = _common.flat_vectors(params, state_dtype)
     layout = _common.plan_layout([v.size for v in vectors], tau, block, treedef)
     u = StackedBasis(

@@ -80,6 +80,7 @@ def scale_by_qng(
   state_dtype = _common.check_dtype(state_dtype)
 
   def init_fn(params):
+    _common.check_float_params(params)
     vectors, treedef = _common.flat_vectors(params, state_dtype)
     qhat = jax.tree.unflatten(treedef, [jnp.zeros((v.size, tau), state_dtype) for v in vectors])
     n_blocks = len(_common.blocks_of(len(vectors), block))

@@ -195,3 +195,28 @@ def test_optax_tree_utilities_on_the_state(make, name):
 def test_inject_hyperparams_needs_tau_static():
   with pytest.raises(ValueError, match=r"static_args=\('tau',\)"):
     optax.inject_hyperparams(ginger.ginger)(0.1, tau=2).init({"w": jnp.ones(3)})
+
+
+@pytest.mark.parametrize(
+  "make", [lambda: ginger.ginger(0.1, tau=2), lambda: ginger.qng(0.1, tau=2)]
+)
+def test_integer_params_are_refused_naming_the_leaf(make):
+  params = {"w": jnp.ones(3), "steps": jnp.zeros(2, jnp.int32)}
+  with pytest.raises(ValueError, match=r"\['steps'\] \(int32\).*optax.masked"):
+    make().init(params)
+
+
+def test_apply_if_finite_keeps_a_nan_gradient_out_of_the_state():
+  """A NaN gradient would poison U and sigma for good (as any optax state); wrapped in
+  optax.apply_if_finite the step is skipped and the state stays finite and unchanged."""
+  params = {"w": jnp.ones(4)}
+  tx = optax.apply_if_finite(ginger.ginger(0.1, tau=2), max_consecutive_errors=5)
+  state = tx.init(params)
+  _, state = tx.update({"w": jnp.arange(4.0)}, state, params)
+  before = jax.tree.leaves(state.inner_state)
+  updates, state = tx.update({"w": jnp.array([1.0, jnp.nan, 0.0, 0.0])}, state, params)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  after = jax.tree.leaves(state.inner_state)
+  for a, b in zip(before, after, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(state.notfinite_count) == 1
