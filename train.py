@@ -64,7 +64,8 @@ def main(cfg: DictConfig) -> None:
     sys.exit(e.exit_code)
   except user_errors() as e:  # the message is all the user needs; the other jobs go on
     log.error("%s: %s", type(e).__name__, e)
-    failed.append(f"{run_dir}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    why = "\n    ".join(str(e).splitlines())  # the whole message, its lines indented
+    failed.append(f"{run_dir}: {type(e).__name__}: {why}")
     return
   except Exception:  # a bug: Hydra shows its traceback; the list below names the job too
     failed.append(f"{run_dir}: raised an unexpected error (traceback above)")

@@ -550,6 +550,9 @@ def test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list(tmp_path):
   text = out.stdout + out.stderr
   assert out.returncode == 1, text[-3000:]
   assert "2 of 2 jobs failed" in text and "tau=0" in text and "tau=-1" in text
+  listed = text[text.index("2 of 2 jobs failed") :]  # the list itself says why, line by line
+  assert "tau=0: must be an integer >= 1" in listed, listed
+  assert "tau=-1: must be an integer >= 1" in listed, listed
   assert "Traceback" not in text
 
 
