@@ -248,13 +248,18 @@ def _load_digits() -> _Splits:
 # ------------------------------------------------------------------------------------ local
 
 
-def _how_to_get(name: str) -> str:
+def _how_to_get(name: str, failed: str | None = None) -> str:
+  """How to get ``name``'s data, suggesting every source but the one that just ``failed``."""
+  others = {
+    "hf": "data.source=hf (Hugging Face datasets, pinned)",
+    "tfds": "data.source=tfds (pip install tensorflow-datasets tensorflow)",
+  }
+  others = [text for source, text in others.items() if source != failed]
   return (
     f"Download the official tarball from {OFFICIAL_URLS[name]} and pass "
     f"data.source=local data.path=/path/to/{Path(OFFICIAL_URLS[name]).name} (or its "
     "extracted folder, or a train/<class>/*.jpg + test/<class>/*.jpg folder or .tar.xz of "
-    "one), or use data.source=hf (Hugging Face datasets, pinned) or data.source=tfds "
-    "(pip install tensorflow-datasets tensorflow) on a machine with network access."
+    f"one), or use {' or '.join(others)} on a machine with network access."
   )
 
 
@@ -541,7 +546,7 @@ def _load_hf(name: str, cache_dir: str | os.PathLike | None) -> _Splits:
   try:
     dataset = hub.load_dataset(repo, cache_dir)
   except hub.HubLoadError as e:
-    raise DatasetUnavailableError(f"{e}. {_how_to_get(name)}") from e
+    raise DatasetUnavailableError(f"{e}. {_how_to_get(name, failed='hf')}") from e
 
   def split(s: str) -> tuple[np.ndarray, np.ndarray]:
     ds = dataset[s]
@@ -561,7 +566,7 @@ def _load_tfds(name: str, data_dir: str | os.PathLike | None) -> _Splits:
   except ImportError as e:
     raise DatasetUnavailableError(
       "data.source=tfds needs TensorFlow Datasets and TensorFlow, which are not pinned here "
-      f"(`pip install tensorflow-datasets tensorflow`). {_how_to_get(name)}"
+      f"(`pip install tensorflow-datasets tensorflow`). {_how_to_get(name, failed='tfds')}"
     ) from e
 
   def split(s: str) -> tuple[np.ndarray, np.ndarray]:
@@ -579,7 +584,9 @@ def _load_tfds(name: str, data_dir: str | os.PathLike | None) -> _Splits:
   try:
     return _Splits(*split("train"), *split("test"), NUM_CLASSES[name])
   except Exception as e:  # download/preparation errors of many types
-    raise DatasetUnavailableError(f"tfds could not load {name}: {e}. {_how_to_get(name)}") from e
+    raise DatasetUnavailableError(
+      f"tfds could not load {name}: {e}. {_how_to_get(name, failed='tfds')}"
+    ) from e
 
 
 # ----------------------------------------------------------------------- augmentation (JAX)

@@ -67,3 +67,19 @@ def test_other_errors_are_bugs_and_raise_at_once():
 
 def test_everything_available_returns_every_result():
   assert xsum.load_inputs({"a": lambda: 1, "b": lambda: None}) == {"a": 1, "b": None}
+
+
+def test_a_failed_hub_load_does_not_suggest_the_hub_again(monkeypatch):
+  """Offline, CIFAR-100 from Hugging Face fails fast; the message names the local route and
+  tfds, not data.source=hf, the source that just failed."""
+  from data import hub, images
+
+  def offline(repo, cache_dir):
+    raise hub.HubLoadError(f"{repo} is not in the cache and the Hub is offline")
+
+  monkeypatch.setattr(hub, "load_dataset", offline)
+  with pytest.raises(DatasetUnavailableError) as info:
+    images.load_image_dataset("cifar100", "hf")
+  message = str(info.value)
+  assert "data.source=local data.path=" in message and "data.source=tfds" in message
+  assert "data.source=hf" not in message

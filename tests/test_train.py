@@ -307,7 +307,7 @@ def _files(run_dir):
   return {
     p.relative_to(run_dir): p.read_bytes()
     for p in sorted(run_dir.rglob("*"))
-    if p.is_file() and "checkpoints" not in p.parts
+    if p.is_file() and "checkpoints" not in p.parts and p.name != run_record.LOCK
   }
 
 
@@ -358,10 +358,11 @@ def test_rerun_with_another_config_is_refused_and_changes_nothing(
   assert _files(tmp_path) == before  # .hydra/config.yaml restored; summary, evals, log kept
 
 
-def test_rerun_after_an_attempt_that_left_nothing_says_so(tmp_path, monkeypatch):
-  """An attempt that stopped before its first log (here: its data could not be built)
-  leaves only run.json; a corrected rerun in the dir is refused as any other config is, and
-  the error says the old run left nothing to lose."""
+def test_rerun_after_an_attempt_that_left_nothing_takes_the_dir_over(tmp_path, monkeypatch, caplog):
+  """An attempt that stopped before its first log (here: its data could not be built, as
+  offline data fails) leaves only run.json: nothing to protect. The corrected rerun (another
+  config) takes the dir over, saying so, and records its own fingerprint; no process can still
+  be running the old one (it would hold the dir's lock)."""
 
   def no_data(*args, **kwargs):
     raise RuntimeError("no data")
@@ -369,10 +370,15 @@ def test_rerun_after_an_attempt_that_left_nothing_says_so(tmp_path, monkeypatch)
   monkeypatch.setattr(train, "build", no_data)
   with pytest.raises(RuntimeError, match="no data"):
     train.train(config(*RERUN_BASE), tmp_path)
-  assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
-  with pytest.raises(run_record.RunDirError, match="lr: 0.0002 -> 0.01") as e:
-    train.train(config(*RERUN_BASE, "lr=0.01"), tmp_path)
-  assert "left no checkpoint, metrics or summary" in str(e.value)
+  assert sorted(p.name for p in tmp_path.iterdir()) == [run_record.LOCK, "run.json"]
+  fixed = config(*RERUN_BASE, "lr=0.01")
+  with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="no data"):
+    train.train(fixed, tmp_path)  # got past the claim: to the build again
+  assert "left no checkpoint, metrics or summary" in caplog.text and "lr: 0.0002 -> 0.01" in (
+    caplog.text
+  )
+  record = json.loads((tmp_path / "run.json").read_text())
+  assert record["fingerprint"] == run_record.fingerprint(fixed)
 
 
 def test_rerun_with_other_logging_continues(adam_run, tmp_path):

@@ -315,7 +315,9 @@ def claim(run_dir: str | Path, config: Mapping | DictConfig, *, fresh: bool, wri
 
   Returns what happened: "new" (an empty dir), "same" (the recorded fingerprint matches),
   "adopted" (a run dir from before fingerprints: its summary.json's config matches, or it has
-  none), or "fresh" (``fresh=True``: the caller discards the old run). On a mismatch it raises
+  none), "taken over" (another config's attempt left no checkpoint, metrics or summary: the
+  caller holds the dir's lock, so nothing runs it), or "fresh" (``fresh=True``: the caller
+  discards the old run). On a mismatch it raises
   :class:`RunDirError` naming the keys that differ, after putting back the ``.hydra/`` files
   that Hydra overwrote for this attempt, so the dir is as the run left it. Only the process
   that writes (``write``) touches files.
@@ -328,7 +330,18 @@ def claim(run_dir: str | Path, config: Mapping | DictConfig, *, fresh: bool, wri
   elif record is not None:
     if record.get("fingerprint") == fingerprint(config):
       return "same"
-    _refuse(run_dir, record.get("config") or {}, config, record.get("hydra") or {}, write)
+    if has_run(run_dir):
+      _refuse(run_dir, record.get("config") or {}, config, record.get("hydra") or {}, write)
+    # The earlier attempt stopped before its first log (bad data, say): nothing to protect,
+    # and nothing runs it (the caller holds the dir's lock).
+    changed = differences(record.get("config") or {}, fingerprinted(config))
+    log.warning(
+      "%s: its earlier attempt (another configuration: %s) left no checkpoint, metrics or "
+      "summary; this run takes the dir over",
+      run_dir,
+      "; ".join(changed) or "the fingerprint",
+    )
+    outcome = "taken over"
   elif not has_run(run_dir):
     outcome = "new"
   else:
@@ -358,18 +371,11 @@ def _refuse(run_dir: Path, old: Mapping, config: Mapping, hydra: Mapping, write:
     for name, text in hydra.items():  # undo what Hydra wrote before this attempt started
       (run_dir / HYDRA_DIR / name).write_text(text)
   changed = differences(old, fingerprinted(config))
-  nothing = (
-    ""
-    if has_run(run_dir)
-    else " (That run left no checkpoint, metrics or summary: it stopped before its first log, "
-    "e.g. on bad data, or is still starting; resume=false loses nothing of it if it is not "
-    "running.)"
-  )
   raise RunDirError(
     f"{run_dir} holds another run; rerunning there would mix two runs. Its configuration differs "
     f"in: {'; '.join(changed) or 'the fingerprint'}. Nothing in the dir was changed. To start "
     "a new run, give it its own dir (hydra.run.dir=<new dir>, or a new name=...), or pass "
-    f"resume=false to discard this run and start over in this dir.{nothing}"
+    "resume=false to discard this run and start over in this dir."
   )
 
 
