@@ -183,10 +183,53 @@ def settings_of(config: Any) -> dict[str, Any]:
   return flat(run_record.fingerprinted(config))
 
 
+# summary.json's numbers: a present value of another type is a damaged record, not a blank.
+NUMBER_KEYS = (
+  "best_val_accuracy",
+  "val_loss_at_best",
+  "min_train_loss",
+  "final_train_loss",
+  "step_time_s",
+  "peak_memory_bytes",
+  "step_memory_bytes",
+  "rouge1",
+  "rouge2",
+  "rougeL",
+  "train_perplexity",
+)
+
+
+class DamagedRecordError(ValueError):
+  """A summary.json whose value has the wrong type (a table would show it as a blank)."""
+
+
+def check_numbers(run: Run) -> None:
+  """Every :data:`NUMBER_KEYS` value of ``run`` is a number or null, else
+  :class:`DamagedRecordError` naming the file and the key."""
+  for key in NUMBER_KEYS:
+    value = run.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+      where = Path(run["path"]) / run_record.SUMMARY
+      raise DamagedRecordError(f"{where}: {key} is {value!r}, not a number")
+
+
+def skip_reason(run_dir: str | Path) -> str:
+  """Why a run dir has no usable summary.json."""
+  path = Path(run_dir) / run_record.SUMMARY
+  if not path.exists():
+    return "no summary.json (a run still going, or killed)"
+  if run_record.read_summary(run_dir) is None:
+    return "summary.json is not a readable JSON object"
+  return 'summary.json has no "run" block'
+
+
 def collect_runs(roots: Iterable[str | Path]) -> list[Run]:
-  """Summaries of all run dirs under `roots`; dirs without a usable summary.json are skipped."""
-  runs = (load_summary(d) for d in find_run_dirs(roots))
-  return [r for r in runs if r is not None]
+  """Summaries of all run dirs under `roots`; dirs without a usable summary.json are skipped
+  (:func:`run_report` names them); a damaged value raises :class:`DamagedRecordError`."""
+  runs = [r for r in (load_summary(d) for d in find_run_dirs(roots)) if r is not None]
+  for run in runs:
+    check_numbers(run)
+  return runs
 
 
 def rfield(run: Run, key: str) -> Any:
@@ -1312,7 +1355,9 @@ def run_report(roots: Sequence[str], runs: Sequence[Run]) -> str:
     status[key] = status.get(key, 0) + 1
   parts = [f"{n} {k}" for k, n in sorted(status.items())]
   parts.append(f"{len(dirs) - len(runs)} without a usable summary.json (skipped)")
-  return f"{len(dirs)} run dirs under {', '.join(roots)}: " + ", ".join(parts)
+  used = {str(run.get("path")) for run in runs}
+  skipped = [f"\n  skipped {d}: {skip_reason(d)}" for d in dirs if str(d) not in used]
+  return f"{len(dirs)} run dirs under {', '.join(roots)}: " + ", ".join(parts) + "".join(skipped)
 
 
 def tables_to_write(args: argparse.Namespace, runs: Sequence[Run]) -> list[tuple[str, Table]]:
@@ -1347,7 +1392,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {error}", file=sys.stderr)
     return 2
   roots = args.roots or list(DEFAULT_ROOTS)
-  runs = collect_runs(roots)
+  try:
+    runs = collect_runs(roots)
+  except DamagedRecordError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   print(run_report(roots, runs), file=sys.stderr)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

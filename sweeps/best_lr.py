@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 
 from results.tables import (
   DEFAULT_ROOTS,
+  DamagedRecordError,
   Run,
   collect_runs,
   is_done,
@@ -322,7 +323,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   roots = args.roots or list(DEFAULT_ROOTS)
   notes: list[str] = []
-  runs = collect_runs(roots)
+  try:
+    runs = collect_runs(roots)
+  except DamagedRecordError as e:  # a damaged value would read as a diverged lr
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   results = best_lrs(runs, args.seq2seq_metric, notes)
   n = sum(1 for r in runs if rfield(r, "sweep") == SWEEP)
   print(f"{n} lr_tune run dirs with a summary.json under {', '.join(map(str, roots))}")

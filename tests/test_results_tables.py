@@ -631,3 +631,18 @@ def test_train_records_whether_the_device_was_shared(monkeypatch) -> None:
   assert loop.device_shared() is True
   monkeypatch.setenv("GINGER_DEVICE_SHARED", "0")
   assert loop.device_shared() is False
+
+
+def test_damaged_records_are_named(tmp_path: Path, capsys) -> None:
+  """A truncated summary.json is skipped and named with why; a value of the wrong type is an
+  error naming the file and the key (it used to count as a run with a blank cell)."""
+  root = tmp_path / "runs"
+  make_run(root, "good", {"seed": 0}, **image(72.0, 1.2, 1e-5, 2.4e9, 3_200_000_000))
+  torn = make_run(root, "torn", {"seed": 1}, **image(73.0, 1.3, 2e-5, 2.4e9, 3_300_000_000))
+  (torn / "summary.json").write_text((torn / "summary.json").read_text()[:40])
+  assert tables.main([str(root), "--out", str(tmp_path / "out")]) == 0
+  assert f"skipped {torn}: summary.json is not a readable JSON object" in capsys.readouterr().err
+  make_run(root, "oops", {"seed": 2}, **{**image(1.0, 1.0, 1.0, 1.0, 1), "best_val_accuracy": "x"})
+  assert tables.main([str(root), "--out", str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err
+  assert str(root / "oops" / "summary.json") in err and "best_val_accuracy is 'x'" in err
