@@ -9,7 +9,9 @@ Each run writes to its own dir (outputs/<name>/<overrides>/): ``.hydra/config.ya
 ``run.json`` (the run's fingerprint), ``metrics.jsonl``, ``spectrum.jsonl.gz`` (Ginger's
 curvature spectrum), ``summary.json`` and orbax ``checkpoints/``. Rerunning the same command
 continues from the last checkpoint; a rerun with another configuration in the same dir is
-refused. SIGTERM/SIGINT save a checkpoint and stop.
+refused. SIGTERM/SIGINT save a checkpoint and stop. A ``+key=value`` that adds a key nothing
+reads (a typo: ``+tua=8``) is refused, naming the nearest keys; ``+group=option`` (``+sweep=``)
+adds a config group as usual.
 Exit status: 0, 1 (a failed run: the message says why; with -m, after every job ran, with a
 list of the failed ones), or 128 + the signal number (stopped by SIGTERM or SIGINT).
 
@@ -27,7 +29,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from training import loop
+from training import config_check, loop
 from training.errors import Interrupted, NonFiniteLossError, user_errors
 from training.loop import TrainState, build, evaluate, initial_stats, train
 
@@ -58,6 +60,7 @@ def main(cfg: DictConfig) -> None:
   run_dir = Path(HydraConfig.get().runtime.output_dir)
   jobs.append(str(run_dir))
   try:
+    config_check.check_added_keys(HydraConfig.get().overrides.task, cfg)
     summary = loop.train(cfg, run_dir)
   except Interrupted as e:  # preempted: stop, also a multirun's remaining jobs
     log.error("%s", e)

@@ -198,3 +198,24 @@ def test_float16_state_is_refused_for_ginger_with_the_reason():
     message
   )
   check_config(config("optimizer=qng", "optimizer.state_dtype=float16"), overrides=())
+
+
+def test_keys_added_with_plus_that_nothing_reads_are_refused():
+  """``+tua=8`` composes silently in Hydra and trains without tau; refused, naming the nearest
+  key. Config groups added with ``+`` (the sweeps) pass."""
+  from pathlib import Path
+
+  from hydra import compose, initialize_config_dir
+
+  from training import config_check
+
+  configs = Path(__file__).resolve().parents[1] / "configs"
+  overrides = ["experiment=demo", "+tua=8", "+model.widht=2"]
+  with initialize_config_dir(config_dir=str(configs), version_base=None):
+    cfg = compose(config_name="config", overrides=overrides)
+  with pytest.raises(config_check.ConfigError, match=r"2 unknown") as e:
+    config_check.check_added_keys(overrides, cfg)
+  assert "+tua=8: tua is not a config key" in str(e.value) and "did you mean tau?" in str(e.value)
+  assert "model.widht is not a config key" in str(e.value)
+  groups = ["+sweep=table1", "+sweep/exp=standin/cifar100_resnet18", "+sweep/arm=adam"]
+  config_check.check_added_keys([*groups, "tau=8", "++lr=0.1"], cfg)

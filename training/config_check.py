@@ -11,9 +11,11 @@ It reads only the config: no JAX, no devices, no files, so it answers in millise
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -66,6 +68,36 @@ class ConfigError(ValueError):
 
 
 _MISSING = object()
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def check_added_keys(overrides: Sequence[str], cfg: Mapping, config_dir: Path = CONFIG_DIR):
+  """Refuses ``+key=value`` overrides that add a key no code reads (a typo, say ``+tua=8``):
+  Hydra composes them silently. ``+group=option`` (a config group, e.g. ``+sweep=table1``)
+  passes; an existing key cannot be added (Hydra refuses), so every other ``+`` key is new.
+  The message names the keys nearest to it."""
+  bad = []
+  for override in overrides:
+    if not override.startswith("+") or override.startswith("++") or "=" not in override:
+      continue
+    key = override[1:].split("=", 1)[0]
+    if (config_dir / key.split("@")[0]).is_dir():
+      continue  # a config group
+    *parents, name = key.split(".")
+    node: Any = cfg
+    for part in parents:
+      node = node.get(part, {}) if isinstance(node, Mapping) else {}
+    known = [k for k in (node.keys() if isinstance(node, Mapping) else []) if k != name]
+    near = difflib.get_close_matches(name, known, n=3)
+    hint = (
+      f"did you mean {', '.join('.'.join([*parents, k]) for k in near)}?"
+      if near
+      else (f"the keys there: {', '.join(sorted(map(str, known)))}")
+    )
+    bad.append(f"  {override}: {key} is not a config key, so nothing would read it; {hint}")
+  if bad:
+    raise ConfigError(f"{len(bad)} unknown config key(s) added with +:\n" + "\n".join(bad))
 
 
 def _show(value: Any) -> str:
