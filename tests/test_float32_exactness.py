@@ -63,9 +63,15 @@ def _final_losses(loss, p0, tx, dtype, steps):
   return loss(p)
 
 
-# (lr, rho, block): the authors' clipped per-tensor variant at the paper's lr grid's top, and
-# the paper's text (global, unclipped) at the lr where its float64 state converges.
-VARIANTS = [(0.1, 1.0, "per_tensor"), (1e-2, None, "global")]
+# (lr, rho, block): per-tensor and global blocks, with the clip (the authors' variant) at the
+# paper's lr grid's top, without it (the paper's text) at the lr where the float64 state
+# converges.
+VARIANTS = [
+  (0.1, 1.0, "per_tensor"),
+  (1e-2, None, "per_tensor"),
+  (0.1, 1.0, "global"),
+  (1e-2, None, "global"),
+]
 
 
 @pytest.mark.parametrize(("lr", "rho", "block"), VARIANTS)
