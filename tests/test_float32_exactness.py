@@ -15,9 +15,9 @@ its directions), ``C = (k + 3) / sqrt(1 - alpha^2) <= 64`` here: ``k + 3`` round
 forming the complement (Higham's gamma_{k+3}), times the rounding the float32 state accumulates
 against the float64 one, each step's decaying with ``alpha`` (``sqrt(sum alpha^(2t))``). The
 G-norm weighs an error by the curvature it steps along, which is what decides whether a step
-goes uphill. The former
-preconditioning ``(g - U' z) / gamma`` had ``(delta + eps) kappa`` in place of the last two
-terms: at ``kappa = 5e6`` with ``g`` in ``span U`` it pointed uphill.
+goes uphill. The plain
+preconditioning ``(g - U' z) / gamma`` has ``(delta + eps) kappa`` in place of the last two
+terms: at ``kappa = 5e6`` with ``g`` in ``span U`` it points uphill.
 """
 
 import jax
