@@ -631,7 +631,14 @@ def provenance_note(runs: Iterable[Run]) -> str | None:
   parts = [
     f"{k}: " + ", ".join(f"{v} ({n})" for v, n in sorted(c.items())) for k, c in counts.items()
   ]
-  return "From summary.json of the runs used - " + "; ".join(parts) + "."
+  note = "From summary.json of the runs used - " + "; ".join(parts) + "."
+  shared = sum(is_shared(r) for r in {r["path"]: r for r in runs}.values())
+  if shared:
+    note += (
+      f" {shared} of them shared a GPU with other runs (device_shared): they count in the "
+      "accuracy and loss columns, not in the time and memory ones (n there is the runs alone)."
+    )
+  return note
 
 
 def _device(run: Run) -> str:

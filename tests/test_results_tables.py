@@ -620,6 +620,7 @@ def test_a_run_that_shared_its_device_counts_for_accuracy_not_memory(tmp_path: P
   adam = next(line for line in md.splitlines() if line.startswith("| Adam |"))
   assert adam.startswith("| Adam | 3 | 73.33 ± 1.53 |"), adam
   assert "| 3.25 ± 0.07 | 3.16 |" in adam, adam
+  assert "1 of them shared a GPU with other runs" in md
 
 
 def test_train_records_whether_the_device_was_shared(monkeypatch) -> None:
