@@ -100,7 +100,7 @@ ifeq ($(filter $(SCALE),full smoke standin),)
 $(error SCALE=$(SCALE): allowed are full, standin, smoke)
 endif
 
-.PHONY: lr_tune ablation curvature_every
+.PHONY: lr_tune ablation curvature_every qng_control
 
 lr_tune: $(STAMP)
 	$(SWEEP_RUN) +sweep=lr_tune $(LR_TUNE_$(SCALE)) $(SWEEP_OVERRIDES)
@@ -123,6 +123,13 @@ table3 table4: $(STAMP)
 ablation: $(STAMP)
 	$(BEST_LR) $(R18_$(SCALE))
 	$(SWEEP_RUN) +sweep=ablation $(SWEEP_OVERRIDES)
+
+# The clip control: QNG with Ginger's authors' clip (rho=1) and per-tensor blocks, its lr tuned
+# by the paper's protocol (lr_tune's qng_clip arm), then tau 4 and 8 (table_qng_control_*.md).
+qng_control: $(STAMP)
+	$(SWEEP_RUN) +sweep=lr_tune $(LR_TUNE_$(SCALE)) +sweep/arm=qng_clip $(SWEEP_OVERRIDES)
+	$(PY) -m sweeps.best_lr
+	$(SWEEP_RUN) +sweep=qng_control $(SWEEP_OVERRIDES)
 
 # Ginger tau=8 with the curvature updated every K in {1, 2, 4, 8} steps, and Adam, on ResNet-18
 # (10 epochs at SCALE=standin): the accuracy and time cost of K (curvature_every_*.md).

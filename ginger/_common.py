@@ -54,6 +54,13 @@ def check_b1(b1) -> None:
     raise ValueError(f"b1 must lie in [0, 1) (the momentum), got {value}.")
 
 
+def check_rho(rho) -> None:
+  """The element-wise clip's bound: ``> 0``, or None for no clip."""
+  value = None if rho is None else _concrete(rho)
+  if value is not None and not value > 0.0:
+    raise ValueError(f"rho must be > 0 or None (no clip), got {value}.")
+
+
 def check_gamma(gamma) -> None:
   value = _concrete(gamma)
   if value is not None and not (value > 0.0 and math.isfinite(value)):

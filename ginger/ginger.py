@@ -933,8 +933,7 @@ def ginger(
     rho: if set, clip every update entry to ``[-rho, rho]`` before the learning rate.
   """
   every = _common.check_every("curvature_every", curvature_every)
-  if rho is not None and _common._concrete(rho) is not None and not float(rho) > 0:
-    raise ValueError(f"rho must be > 0 or None (no clip), got {rho}.")
+  _common.check_rho(rho)
   chain = optax.chain(
     scale_by_ginger(
       tau,

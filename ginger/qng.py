@@ -193,16 +193,21 @@ def qng(
   alpha: float = 0.99,
   b1: float = 0.9,
   block: str = "global",
+  rho: float | None = None,
   *,
   state_dtype: str = "float32",
 ) -> optax.GradientTransformationExtraArgs:
   """QNG composed like :func:`ginger.ginger` (bias-corrected momentum -> curvature update ->
-  precondition -> ``-lr``), so the two differ only in the curvature model."""
+  precondition -> optional element-wise clip to ``[-rho, rho]`` -> ``-lr``), so the two differ
+  only in the curvature model. He et al. do not clip (``rho=None``, the default); ``rho=1``
+  with ``block="per_tensor"`` is Ginger's authors' variant applied to QNG."""
   _common.check_b1(b1)
+  _common.check_rho(rho)
   return _common.default_fisher_to_gradient(
     optax.chain(
       optax.ema(b1, debias=True),
       scale_by_qng(tau, alpha, block, state_dtype=state_dtype),
+      optax.clip(rho) if rho is not None else optax.identity(),
       optax.scale_by_learning_rate(learning_rate),
     )
   )

@@ -48,7 +48,10 @@ EXCLUDED_SWEEPS = frozenset({"lr_tune", "curvature_every"})
 # The variant an optimizer's cells in Tables 1-4 stand for: Ginger's config defaults, as the
 # authors' code runs it (clip rho=1, one (U, sigma) per tensor). The other variants (sweep
 # ablation) share tau and alpha with it and belong to the ablation table.
-DEFAULT_VARIANT = {"ginger": {"rho": 1.0, "block": "per_tensor"}}
+DEFAULT_VARIANT = {
+  "ginger": {"rho": 1.0, "block": "per_tensor"},
+  "qng": {"rho": None, "block": "global"},
+}
 DONE_STATUSES = ("completed", None)  # a summary without "status" counts as completed
 SKIP_DIRS = frozenset({"checkpoints", "wandb"})
 CONFIG_KEYS = (

@@ -122,7 +122,7 @@ def test_group_values_are_checked(overrides, named):
     (("optimizer=momentum", "alpha=0.5"), "alpha=0.5 (float) is ignored: optimizer=momentum"),
     (("optimizer=momentum", "block=global"), "block='global' is ignored"),
     (("optimizer=qng", "gamma=1e-3"), "gamma=0.001 (float) is ignored: optimizer=qng has no gamma"),
-    (("optimizer=qng", "rho=1"), "rho=1 is ignored: optimizer=qng"),
+    (("optimizer=adam", "rho=1"), "rho=1 is ignored: optimizer=adam"),
     (("optimizer=adam", "fisher=empirical"), "fisher='empirical' is ignored"),
     (("optimizer=adam", "fisher_backward=sequential"), "fisher_backward='sequential' is ignored"),
     (

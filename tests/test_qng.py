@@ -125,6 +125,24 @@ def test_qng_optimizer_and_errors():
 
 
 @pytest.mark.parametrize("block", ["global", "per_tensor"])
+def test_qng_clip_bounds_every_entry_and_leaves_the_rest(block):
+  """``rho`` clips the preconditioned update element-wise before ``-lr``: entries of
+  ``G^{-1} m`` beyond ``rho`` come back as ``-lr * rho * sign``, the others unchanged."""
+  rng = np.random.default_rng(3)
+  params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(5)}
+  grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 3.0, jnp.float32), params)
+  fisher = jax.tree.map(lambda g: 0.5 * g, grads)
+  free, clipped = (ginger.qng(0.1, tau=2, block=block, rho=r) for r in (None, 1.0))
+  u_free, _ = free.update(grads, free.init(params), params, fisher_grads=fisher)
+  u_clip, _ = clipped.update(grads, clipped.init(params), params, fisher_grads=fisher)
+  for f, c in zip(jax.tree.leaves(u_free), jax.tree.leaves(u_clip)):
+    assert float(jnp.max(jnp.abs(f))) > 0.1  # some entries beyond the clip
+    np.testing.assert_allclose(c, jnp.clip(f, -0.1, 0.1), rtol=1e-6, atol=0)
+  with pytest.raises(ValueError, match="rho must be > 0 or None"):
+    ginger.qng(0.1, rho=0.0)
+
+
+@pytest.mark.parametrize("block", ["global", "per_tensor"])
 def test_zero_size_leaves_change_nothing(block):
   """A leaf with no entries (a (0, n) weight) is an empty piece of its block: the update of
   the other leaves is the one without it (before: the norm of a block took the max of an empty

@@ -148,6 +148,29 @@ def test_lr_tune_protocol(cfg_dir):
   assert smoke.config["data"]["holdout"] == 300 and smoke.run["dataset"] == "digits"
 
 
+def test_qng_control_is_clipped_per_tensor_qng_with_its_own_lr(cfg_dir, tmp_path):
+  tune = job_overrides(["+sweep=lr_tune", "+sweep/arm=qng_clip"], cfg_dir)
+  assert len(tune) == 4 * 8  # experiments x lrs, the one arm
+  jobs = expand(["+sweep=qng_control"], cfg_dir)
+  assert len(jobs) == 6 and len({j.run_dir for j in jobs}) == 6
+  assert sorted((j.run["tau"], j.run["seed"]) for j in jobs) == [
+    (t, s) for t in (4, 8) for s in (0, 1, 2)
+  ]
+  for job in jobs:
+    assert job.run["optimizer"] == "qng" and job.run["sweep"] == "qng_control"
+    assert (job.run["rho"], job.run["block"]) == (1.0, "per_tensor")
+    assert job.run["lr"] == _default_lr("qng")  # nothing tuned in cfg_dir
+  own = tmp_path / "configs"
+  shutil.copytree(cfg_dir, own)
+  (own / "best_lr" / "cifar100_resnet18.yaml").write_text(
+    "qng: {lr: 0.1}\nqng_clipped: {lr: 0.002, source: test}\n"
+  )
+  job = compose_job(
+    ["+sweep=qng_control", "+sweep/exp=full/cifar100_resnet18", "+sweep/arm=qng_clip_tau8"], own
+  )
+  assert job.run["lr"] == 0.002  # the clipped variant's own entry, not unclipped QNG's
+
+
 def test_seeds_are_a_sweep_axis(cfg_dir):
   jobs = expand(["+sweep=table34", "seed=0,1,2", "tau=4", "alpha=0.9"], cfg_dir)
   assert sorted(j.run["seed"] for j in jobs) == [0, 1, 2]

@@ -112,6 +112,12 @@ def test_image_experiments_smoke(request, tmp_path, experiment, optimizer):
   assert on_disk["run"]["optimizer"] == optimizer
   events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert {"train", "eval"} <= {e["event"] for e in events}
+  # The curvature optimizers log the share of update entries their clip changes (or would).
+  fractions = [e.get("clip_fraction") for e in events if e["event"] == "train"]
+  if optimizer in ("ginger", "qng"):
+    assert all(0.0 <= f <= 1.0 for f in fractions), fractions
+  else:
+    assert fractions == [None] * len(fractions)
 
 
 @pytest.mark.parametrize(

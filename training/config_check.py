@@ -51,7 +51,7 @@ SEED_LIMIT = 2**32  # jax.random.key keeps only the low 32 bits of larger seeds
 # config sets these to null, so a value here was asked for (command line or experiment).
 IGNORED = {
   "ginger": (),
-  "qng": ("gamma", "rho"),
+  "qng": ("gamma",),
   "adam": ("tau", "alpha", "gamma", "rho", "block"),
   "momentum": ("tau", "alpha", "gamma", "rho", "block"),
 }
@@ -290,6 +290,7 @@ def _check_optimizer(c: _Checker) -> str | None:
     c.choice("block", BLOCKS)
   if name == "ginger":
     c.number("gamma", 0, closed=(False, True))
+  if name in CURVATURE:
     c.number("rho", 0, closed=(False, True), optional=True)
   if name in CURVATURE:
     _check_curvature_every(c, name)

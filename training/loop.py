@@ -48,6 +48,7 @@ from training.errors import Interrupted, NonFiniteLossError
 from training.optimizers import (
   CURVATURE,
   build_optimizer,
+  clip_bound,
   curvature_every,
   divergence_advice,
   learning_rate,
@@ -75,8 +76,10 @@ class TrainState(NamedTuple):
 # ----------------------------------------------------------------------------- steps
 
 
-def initial_stats():
-  return {
+def initial_stats(bound: float | None = None):
+  """The running statistics the step keeps; ``clip_fraction`` where ``clip_bound`` is set
+  (``bound``: :func:`training.optimizers.clip_bound`)."""
+  stats = {
     "loss_min": jnp.asarray(jnp.inf, jnp.float32),
     "loss_sum": jnp.zeros([], jnp.float32),
     "loss_count": jnp.zeros([], jnp.int32),
@@ -84,6 +87,24 @@ def initial_stats():
     "last_loss": jnp.zeros([], jnp.float32),
     "grad_norm": jnp.zeros([], jnp.float32),
   }
+  if bound is not None:
+    stats["clip_fraction"] = jnp.zeros([], jnp.float32)
+  return stats
+
+
+def clip_fraction(updates, lr: jax.Array, rho: float) -> jax.Array:
+  """The fraction of the entries of the preconditioned update ``u = updates / -lr`` with
+  ``|u| >= rho``: those an element-wise clip to ``[-rho, rho]`` changed, or would change in a
+  run without the clip. A clipped entry leaves the optimizer as exactly ``-lr * rho * sign``,
+  so the test reads ``updates`` (the cut sits 1e-6 below, under the product's rounding).
+  0 while the learning rate is 0."""
+  leaves = jax.tree.leaves(updates)
+  total = sum(x.size for x in leaves)
+  if not total:
+    return jnp.zeros([], jnp.float32)
+  cut = jnp.abs(lr).astype(jnp.float32) * (rho * (1.0 - 1e-6))
+  count = sum(jnp.sum(jnp.abs(x.astype(jnp.float32)) >= cut, dtype=jnp.int32) for x in leaves)
+  return jnp.where(lr != 0, count.astype(jnp.float32) / total, 0.0)
 
 
 def fisher_backward(cfg, plan: sharding.Plan, model: nnx.Module | None = None) -> str:
@@ -134,6 +155,7 @@ def make_steps(
   state_shardings,
   backward: str | None = None,
   graphdef_per_shard=None,
+  schedule: optax.Schedule | None = None,
 ):
   """The jitted training and evaluation steps, written once for any number of devices: the
   batch indices are split along the mesh's ``data`` axis, the state is placed as
@@ -160,7 +182,9 @@ def make_steps(
   ``backward``: the shared d-pass's backward as :func:`fisher_backward` resolved it for this
   mesh and model (``build`` resolves it once); None where the step has no shared d-pass.
   ``graphdef_per_shard``: the training model for one device's shard
-  (``models.tasks.per_shard_model``), for ``backward="local"``.
+  (``models.tasks.per_shard_model``), for ``backward="local"``. ``schedule``: the learning
+  rate, for the ``clip_fraction`` statistic (:func:`clip_fraction`; kept where
+  ``optimizers.clip_bound(cfg)`` is set and ``schedule`` given).
   """
   from ginger.fisher import (
     cross_entropy,
@@ -170,6 +194,7 @@ def make_steps(
   )
 
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
+  rho = clip_bound(cfg) if schedule is not None else None
   separate_d_pass = cfg.fisher_forward == "eval"
   per_shard = backward == "local"
   if per_shard and graphdef_per_shard is None:
@@ -246,6 +271,8 @@ def make_steps(
       "last_loss": loss,
       "grad_norm": grad_norm,
     }
+    if rho is not None:
+      stats["clip_fraction"] = clip_fraction(updates, schedule(state.step), rho)
     return TrainState(state.step + 1, trainable, rest, opt_state, rng, stats)
 
   def eval_step(trainable, frozen, rest, arrays, idx):
@@ -637,7 +664,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     rest,
     jax.eval_shape(tx.init, trainable),  # shapes only: built by init_state
     jax.random.key(int(cfg.seed)),
-    initial_stats(),
+    initial_stats(clip_bound(cfg)),
   )
   state_shardings = plan.state(state)
   # Everything but the optimizer state on the devices now (small next to it).
@@ -672,6 +699,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     state_shardings,
     backward,
     graphdef_per_shard,
+    schedule,
   )
   return Setup(
     task,
@@ -1039,6 +1067,7 @@ def _run(
           train_loss=stats["last_loss"],
           min_train_loss=stats["loss_min"],
           grad_norm=stats["grad_norm"],
+          **{k: stats[k] for k in ("clip_fraction",) if k in stats},
           lr=schedule(done - 1),
           epoch=done / steps_per_epoch,
           step_time_s=elapsed / max(interval_steps, 1),

@@ -11,6 +11,15 @@ SCHEDULES = ("constant", "warmup_constant", "cosine")
 CURVATURE = ("ginger", "qng")  # the optimizers that take a sampled-Fisher vector
 
 
+def clip_bound(cfg) -> float | None:
+  """The bound whose exceedances the training log counts (metric ``clip_fraction``): a
+  curvature optimizer's element-wise clip ``rho``, or 1 where it runs unclipped (the share the
+  authors' clip would change); None for the others."""
+  if cfg.optimizer.name not in CURVATURE:
+    return None
+  return 1.0 if cfg.rho is None else float(cfg.rho)
+
+
 def curvature_every(cfg) -> int:
   """Steps between curvature updates (``curvature_every``; 1 = every step, the paper).
 
@@ -90,6 +99,7 @@ def build_optimizer(
       alpha=float(cfg.alpha),
       b1=float(opt.b1),
       block=cfg.block,
+      rho=None if cfg.rho is None else float(cfg.rho),
       state_dtype=opt.state_dtype,
     )
   elif name == "adam":

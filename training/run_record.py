@@ -84,7 +84,7 @@ IMPLIED = {"curvature_every": 1, "batchnorm": "sync"}
 # The paper-notation hyperparameters each optimizer reads (the others are not its identity).
 OPTIMIZER_KEYS = {
   "ginger": ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward"),
-  "qng": ("tau", "alpha", "block", "fisher", "fisher_forward"),
+  "qng": ("tau", "alpha", "rho", "block", "fisher", "fisher_forward"),
   "adam": (),
   "momentum": (),
 }
@@ -104,13 +104,18 @@ def _run_name(overrides: str) -> str:
 
 def lr_key(optimizer: str, rho: float | None) -> str:
   """The optimizer's entry in configs/best_lr/: "ginger_unclipped" for Ginger without the
-  element-wise clip (rho=null), else the optimizer's name.
+  element-wise clip (rho=null), "qng_clipped" for QNG with it, else the optimizer's name.
 
   Unclipped, Ginger's update moves each direction outside span U by lr/gamma times the momentum
-  (gamma = 1e-5 by default); clipped, no entry moves by more than lr * rho. The two variants'
-  good lrs are therefore ~1e4-1e5 apart and are tuned, and looked up, separately.
+  (gamma = 1e-5 by default); clipped, no entry moves by more than lr * rho. A clipped and an
+  unclipped variant's good lrs are therefore orders of magnitude apart and are tuned, and looked
+  up, separately.
   """
-  return f"{optimizer}_unclipped" if optimizer == "ginger" and rho is None else str(optimizer)
+  if optimizer == "ginger" and rho is None:
+    return "ginger_unclipped"
+  if optimizer == "qng" and rho is not None:
+    return "qng_clipped"
+  return str(optimizer)
 
 
 def register_resolvers() -> None:
