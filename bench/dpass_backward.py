@@ -25,8 +25,8 @@ the collectives of the compiled program (:func:`bench.collectives.collectives`: 
 and the largest difference of ``g``, ``d`` and the updated BatchNorm running statistics from
 ``sequential`` relative to their largest entry. The Fisher labels are the true ones
 (``fisher="empirical"``) so that the three compute the same vectors; sampling them is the same
-small work in each. The question this answers for issue 14's scale-out target: does the 4-GPU
-step lose its time in the second backward?
+small work in each. The question this answers for data-parallel scaling: does the multi-GPU
+step lose its time in the d-pass's backward?
 """
 
 from __future__ import annotations
@@ -120,8 +120,7 @@ def rel_diff(xs, ys) -> float:
 def inputs(mesh, params, rest, per_device_batch: int):
   """``(params, rest, images, labels)`` placed where the steps take them (the model
   replicated, the batch split over ``data``): an argument left on one device would be copied
-  to the others inside every timed call (session 23 on 4 H200s: 28-39 ms a call against the
-  whole training step's 8.5)."""
+  to the others inside every timed call, and the copies would be timed."""
   devices = mesh.shape["data"]
   kx, ky = jax.random.split(jax.random.key(1))
   images = jax.random.normal(kx, (devices * per_device_batch, 32, 32, 3))

@@ -1,9 +1,10 @@
 """The wall-clock race: how long each run took to reach a validation accuracy, from its records.
 
-    python -m bench.race bench/results/race_h200x4_session12 [--target 85]
+    python -m bench.race multirun/curvature_every [--target 85]
+    python -m bench.race races/cold races/warm      # run dirs collected into folders by kind
 
 Every folder below the given ones that holds a run's ``summary.json`` and ``metrics.jsonl`` is
-one row, grouped by the folder above it (e.g. ``1_cold``, ``2_warm``: whether the compilation
+one row, grouped by the folder above it (e.g. ``cold`` and ``warm``: whether the compilation
 cache held the run's programs): optimizer, Ginger's K (``curvature_every``) and d-pass forward,
 seed, the seconds its programs took to lower and compile (or to read from the cache) and how
 they were lowered (read back from the programs an earlier run kept, exported, traced), the
@@ -36,7 +37,7 @@ class Race(NamedTuple):
   seed: int
   compile_s: float
   # How its programs were lowered (summary.json's startup_s.per_program: "read" back from the
-  # programs an earlier run kept, "exported", "traced"; "" in records from before)
+  # programs an earlier run kept, "exported", "traced"; "" where the record lacks it)
   programs: str
   epochs_to_target: int | None
   s_to_target: float | None
@@ -47,8 +48,8 @@ class Race(NamedTuple):
 
 def run_label(summary: dict) -> str:
   """``adam``, ``ginger tau=8 K=8`` (``, shared forward`` where not the default eval one), then
-  the numerics where not float32: ``, bfloat16 state``, ``, bfloat16 compute``. Summaries from
-  before these were recorded say them in their config."""
+  the numerics where not float32: ``, bfloat16 state``, ``, bfloat16 compute``. Summaries
+  without these fields say them in their config."""
   run = summary["run"]
   label = run["optimizer"]
   if run["optimizer"] == "ginger":

@@ -13,9 +13,9 @@ high-water mark, the optimizer state). ``--batchnorm per_device`` runs with
 all-reduce; at 1 device the same as ``sync``). ``--profile N`` traces N steps of every run
 and prints where each device's time goes (:mod:`bench.profile_summary`: kernels, collectives
 hidden behind them or exposed, idle gaps). ``--extra`` passes more overrides to every run (e.g.
-``curvature_every=16``, the race's Ginger). ``--repeat R`` runs the whole set R times, round
-after round (so that a host's drift between calls reaches every configuration alike: Adam's
-4-GPU step on one 4x H200 host took 5.5 to 7.0 ms from one call to the next), prints each
+``curvature_every=8``, the race's Ginger). ``--repeat R`` runs the whole set R times, round
+after round (so that a host's drift over time reaches every configuration alike: multi-GPU
+step times drift from one command to the next on one host, docs/benchmarks.md), prints each
 run's row as it finishes (efficiency against the same round's 1-device run) and then a table
 of the medians over the rounds, with every round's step time.
 """

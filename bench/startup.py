@@ -13,9 +13,9 @@ the device) and lowers and compiles every program the loop compiles before its f
 curvature update, the evaluation step; not ``loop.LATER``'s, which the loop compiles while it
 trains), in one of two modes:
 
-* ``one-by-one``: each program lowered and compiled in turn (the loop before it compiled
-  concurrently, plus the evaluation step it then compiled at the first evaluation);
-* ``concurrent``: ``loop.compile_all``, what the loop does now (the first of
+* ``one-by-one``: each program lowered and compiled in turn (the baseline: no overlap between
+  programs);
+* ``concurrent``: ``loop.compile_all``, what the training loop does (the first of
   ``loop.programs`` alone: with K > 1 the step without the curvature update, else the training
   step; then the others at once).
 

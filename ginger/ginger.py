@@ -180,7 +180,7 @@ def scale_by_ginger(
 
   Cost per step: written as three passes over ``U`` (two reads, one read-and-write; see
   :mod:`ginger.lowrank`), each one kernel per bucket of equal-rank blocks, plus one batched
-  ``(k+1) x (k+1)`` eigenproblem per rank (``eigensolver``); bench/RESULTS.md has what a
+  ``(k+1) x (k+1)`` eigenproblem per rank (``eigensolver``); docs/benchmarks.md has what a
   GPU actually runs.
 
   Args:
@@ -320,8 +320,8 @@ def scale_by_ginger(
     divides the preconditioned ``m_t`` by the bias correction ``1 - b1^t`` (``optax.ema(b1,
     debias=True)``'s, after ``G^{-1}`` rather than before: ``G^{-1}`` is linear, and the
     division then fuses into the per-leaf ops after the update instead of writing a corrected
-    copy of every bucket's ``m``: ResNet-18 tau 8 on an H200, 0.92 -> 0.85 ms an update,
-    bench/RESULTS.md, session 25); plus the new ``mu_count``. Without ``b1``: ``gs``, the
+    copy of every bucket's ``m``: ResNet-18 tau 8 on an H200, 0.85 against 0.92 ms an update,
+    docs/benchmarks.md); plus the new ``mu_count``. Without ``b1``: ``gs``, the
     identity and the state's ``mu`` and ``mu_count``."""
     if b1 is None:
       return gs, lambda outs: outs, state.mu, state.mu_count

@@ -70,15 +70,15 @@ IMPLS = ("auto", "jnp", "pallas")
 HIGHEST = jax.lax.Precision.HIGHEST
 # Rows of one tile of U by padded rank (other ranks: TILE_ELEMENTS / padded rank rows, at most
 # MAX_TILE_ROWS), and the tiles a program streams through (its rows are STEPS * tile). Chosen by
-# bench.kernel_tiling on an H200 (ResNet-18 shapes, per_tensor; bench/RESULTS.md, session 11):
-# one tile a program, 512 rows at rank <= 16 (tau 8: 1.52 ms an update; the earlier 256 rows x
-# 4 tiles: 1.66), 64 rows at rank 32 (tau 32: 3.01 ms; 128 x 4: 3.97). Larger tiles at rank 32
-# spill registers (256 rows x 2 tiles: 42 ms).
+# bench.kernel_tiling on an H200 (ResNet-18 shapes, per_tensor; docs/benchmarks.md): one tile
+# a program, 512 rows at rank <= 16 (tau 8: 1.52 ms an update; 256 rows x 4 tiles: 1.66), 64
+# rows at rank 32 (tau 32: 3.01 ms; 128 x 4: 3.97). Larger tiles at rank 32 spill registers
+# (256 rows x 2 tiles: 42 ms).
 TILE_ROWS = {16: 512, 32: 64}
 # Pass 3's rows per tile where they differ from TILE_ROWS (a tuning knob of bench.kernel_tiling,
-# empty). At rank 32 its dot alone ran faster on 128-row tiles in one session (largest ResNet-18
-# bucket: 724-730 against 800-812 us at 64 rows), slower in the next (1050 against 802 us), and
-# the whole tau 32 update lost with them: 3.04 against 2.72 ms (H200, session 19).
+# empty). At rank 32 its dot alone ran faster on 128-row tiles in one measurement (largest
+# ResNet-18 bucket: 724-730 against 800-812 us at 64 rows), slower in another (1050 against 802
+# us), and the whole tau 32 update lost with them: 3.04 against 2.72 ms (H200).
 ROTATE_TILE_ROWS: dict[int, int] = {}
 TILE_ELEMENTS = 2048
 MAX_TILE_ROWS = 512

@@ -13,7 +13,7 @@ products are written as ``k`` multiply-adds (:func:`rowdot`, :func:`rowmatmul`) 
 dots so that XLA can fuse them into the pass that needs them, and so that no float32 product
 of ``U`` runs in TF32 on GPUs (a dot's default precision there), which would break
 ``U^T U = I``. What XLA makes of this on a GPU (it does not fuse everything) is measured in
-bench/RESULTS.md. Ginger's step runs these passes through :mod:`ginger.kernels`, which holds
+docs/benchmarks.md. Ginger's step runs these passes through :mod:`ginger.kernels`, which holds
 the same formulas (``passes="jnp"``) next to fused Pallas kernels (``passes="pallas"``).
 """
 
@@ -84,7 +84,7 @@ def row_sums(u: jax.Array, xs: Sequence[jax.Array]) -> jax.Array:
   """``U^T [x_1 ... x_j]`` per block: ``(..., n, k), j x (..., n) -> (..., k, j)``.
 
   A dot at full float32 precision (``HIGHEST``: a default float32 dot may run in TF32 on
-  GPUs). On an H200 (bench/RESULTS.md) it ran within 5% of a fused two-stage reduction over
+  GPUs). On an H200 (docs/benchmarks.md) it ran within 5% of a fused two-stage reduction over
   the rows, and it is several times faster on CPUs.
   """
   return jnp.einsum("...nk,...nj->...kj", u, jnp.stack(xs, -1), precision=HIGHEST)

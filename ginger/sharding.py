@@ -12,7 +12,7 @@ stacked ``g`` and ``d`` are pinned to the rows of ``U`` each device holds, and s
 as the passes make it; then it is gathered whole, stack by stack, before the leaves are sliced
 out of it. Without the first, XLA's partitioner sees params-shaped vectors meet row-split bases
 and re-lays them out with all-gathers and collective-permutes (about twice the bytes of a
-replicated state per step, bench/RESULTS.md); without the second, slicing a leaf that ends
+replicated state per step, docs/benchmarks.md); without the second, slicing a leaf that ends
 inside a device's rows out of the split update sends its edges between neighbours (a
 collective-permute per slice, one after the other).
 

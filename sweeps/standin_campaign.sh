@@ -14,7 +14,7 @@ set -u
 PY=${PY:-python3}
 SEEDS=${SEEDS:-0}
 EXTRA=${CAMPAIGN_ARGS:-logger=none}
-# Longest jobs first (ms/step measured in bench/RESULTS.md), so that the pool finishes sooner.
+# Longest jobs first (their step costs: docs/benchmarks.md), so that the pool finishes sooner.
 ARMS="qng_tau32,qng_tau16,ginger_tau32,qng_tau8,ginger_tau16,qng_tau4,qng_tau2,ginger_tau8"
 ARMS="$ARMS,qng_tau1,ginger_tau4,ginger_tau2,ginger_tau1,adam,momentum"
 # Unclipped Ginger's lr grid: the paper's {1, 5} x 10^{-1..-4} times 1e-4. Without the clip a

@@ -358,7 +358,7 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
   step without the curvature update, which lowers in a quarter of the training step's time and
   autotunes the convolutions both share; the training step, lowered meanwhile, then compiles
   reading them (one H200, Ginger K=8: 12.9-14.0 s for all programs against 14.5-15.0 s with
-  the training step first; bench/RESULTS.md, session 21)."""
+  the training step first; docs/benchmarks.md)."""
   steps = {False: setup.precondition_step} if setup.curvature_every > 1 else {}
   steps[True] = setup.train_step
   jobs = {key: (fn, (state, frozen, train_arrays, indices), (0,)) for key, fn in steps.items()}

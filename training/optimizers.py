@@ -48,7 +48,7 @@ def passes(cfg) -> str:
   (``ginger.kernels.resolve_impl``: the Pallas kernels on GPUs, the jnp passes elsewhere), also
   on an optimizer state split over several devices, where the kernels run per device under
   ``shard_map`` on each device's rows (2x H200: 9.39 ms a step against the jnp passes' 10.36,
-  bench/RESULTS.md, session 21)."""
+  docs/benchmarks.md)."""
   return cfg.get("passes") or "jnp"
 
 
