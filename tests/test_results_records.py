@@ -15,6 +15,8 @@ import pytest
 from results import compare, plots, records, tables
 from training import run_record
 
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "results" / "cifar10" / "runs"
 EXPERIMENT = "cifar10_resnet18_30ep"
 
 
@@ -248,3 +250,15 @@ def test_command_line(campaign: Path, tmp_path: Path, capsys: pytest.CaptureFixt
   assert not (out / EXPERIMENT / "ginger").exists()
   assert records.main(["add", str(archive), str(tmp_path / "missing")]) == 2
   assert "not a run dir" in capsys.readouterr().err
+
+
+def test_committed_records_are_archives() -> None:
+  """results/cifar10/runs/ holds archives only (the tables and plots read them:
+  tests/test_results_tables.py), a few per campaign, each run dir once."""
+  files = sorted(p for p in COMMITTED.rglob("*") if p.is_file())
+  assert files and all(records.is_archive(p) for p in files)
+  for campaign in COMMITTED.iterdir():
+    assert len(list(campaign.iterdir())) <= 20
+  dirs = tables.find_run_dirs([COMMITTED])
+  assert len(dirs) == len(set(dirs)) >= 161
+  assert all(records.read_summary(d)["status"] == "completed" for d in dirs)
