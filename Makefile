@@ -138,8 +138,8 @@ curvature_every: $(STAMP)
 	$(SWEEP_RUN) +sweep=curvature_every $(SWEEP_OVERRIDES)
 
 # Every table and plot: your runs (outputs/, multirun/: the paper's tables, and stand-in tables
-# for any other set of runs), and the committed stand-in campaign (results/cifar10/runs/),
-# regenerated from run records alone, offline.
+# for any other set of runs), and the committed stand-in campaign (results/cifar10/runs/: run
+# records packed by `python -m results.records add`), regenerated from run records alone, offline.
 tables: $(STAMP)
 	$(PY) -m results.tables
 	$(PY) -m results.tables results/cifar10/runs --out results/cifar10 --standin-only

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from results import records
 from training import run_record
 
 COLUMNS = [
@@ -43,11 +44,12 @@ def _shown(key: str, run: dict) -> bool:
 
 
 def rows(root: Path) -> list[dict]:
+  """One row per run dir under ``root`` (archived runs too: results/records.py) with a summary."""
   out = []
-  for path in sorted(root.rglob(run_record.SUMMARY)):
-    summary = run_record.read_summary(path.parent)
+  for run_dir in records.find_run_dirs([root]):
+    summary = records.read_summary(run_dir)
     if summary is not None:  # a torn or foreign file is skipped, not a crash
-      out.append(summary.get("run", {}) | summary | {"dir": str(path.parent)})
+      out.append(summary.get("run", {}) | summary | {"dir": str(run_dir)})
   return out
 
 

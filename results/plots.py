@@ -36,8 +36,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from results import tables  # noqa: E402
-from training import run_record  # noqa: E402
+from results import records, tables  # noqa: E402
 
 DEFAULT_OUT = "results/plots"
 LABEL_KEYS = ("optimizer", "tau", "alpha", "rho", "block", "gamma", "lr", "curvature_every")
@@ -72,8 +71,8 @@ def slug(text: str) -> str:
 
 
 def read_events(run_dir: str | Path) -> Iterable[dict[str, Any]]:
-  """metrics.jsonl's events (lenient: a run killed mid-write still plots)."""
-  return run_record.read_events(run_dir)
+  """metrics.jsonl's events (lenient: a run killed mid-write still plots); archived runs too."""
+  return records.read_events(run_dir)
 
 
 def _num(x: Any) -> float:
@@ -97,7 +96,7 @@ def read_series(run_dir: str | Path, *, spectrum: bool = True) -> Series:
       series.eval_metric = series.eval_metric or next((m for m in VAL_METRICS if m in event), None)
       value = _num(event.get(series.eval_metric)) if series.eval_metric else math.nan
       evals.append((step, _num(event.get("wall_time_s")), value))
-  for event in run_record.read_spectrum(run_dir) if spectrum else ():
+  for event in records.read_spectrum(run_dir) if spectrum else ():
     if isinstance(event.get("sigma"), dict):
       step = _num(event.get("step"))
       series.spectrum_steps.append(int(step) if math.isfinite(step) else len(series.spectrum))
@@ -606,7 +605,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   roots = args.roots or list(tables.DEFAULT_ROOTS)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  infos = load_runs(roots)
+  try:
+    infos = load_runs(roots)
+  except records.ArchiveError as e:  # a damaged archive
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   written = plot_curves(infos, out)
   written += plot_final_vs_tau([i.summary for i in infos if i.summary], out)
   written += plot_time_to_accuracy(infos, out)

@@ -1,7 +1,8 @@
 """Our runs beside the Ginger paper's Tables 1-4, plus a Ginger ablation table.
 
 Reads the `summary.json` of every run dir under the given roots (Hydra output dirs written by
-train.py) and writes `table1.md/.tex` ... `table4.md/.tex` and `table_ablation.md/.tex`::
+train.py, plain or packed into archives by results/records.py) and writes `table1.md/.tex` ...
+`table4.md/.tex` and `table_ablation.md/.tex`::
 
     python -m results.tables [roots...] --out results/ [--dataset cifar10] [--flops xla]
     python -m results.tables multirun --dataset digits --models resnet_tiny   # smoke sweeps
@@ -25,7 +26,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from results import records
 from training import run_record
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
@@ -53,7 +54,6 @@ DEFAULT_VARIANT = {
   "qng": {"rho": None, "block": "global"},
 }
 DONE_STATUSES = ("completed", None)  # a summary without "status" counts as completed
-SKIP_DIRS = frozenset({"checkpoints", "wandb"})
 CONFIG_KEYS = (
   "experiment",
   "model",
@@ -115,16 +115,9 @@ Run = dict[str, Any]
 
 
 def find_run_dirs(roots: Iterable[str | Path]) -> list[Path]:
-  """Every dir under `roots` holding a summary.json or a metrics.jsonl, sorted."""
-  found: set[Path] = set()
-  for root in map(Path, roots):
-    if not root.is_dir():
-      continue
-    for dirpath, dirnames, filenames in os.walk(root):
-      dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
-      if "summary.json" in filenames or "metrics.jsonl" in filenames:
-        found.add(Path(dirpath))
-  return sorted(found)
+  """Every dir under `roots` holding a summary.json or a metrics.jsonl, and every run of the
+  archives there (results/records.py), sorted."""
+  return records.find_run_dirs(roots)
 
 
 def run_length(summary: dict[str, Any]) -> str | None:
@@ -149,11 +142,11 @@ def length_text(length: str | None) -> str:
 def load_summary(run_dir: str | Path) -> Run | None:
   """The run's summary.json plus "path", "mtime" and the derived ``run["length"]``; None if
   absent, unreadable or without a "run" block."""
-  data = run_record.read_summary(run_dir)
+  data = records.read_summary(run_dir)
   if data is None or not isinstance(data.get("run"), dict):
     return None
   data["path"] = str(run_dir)
-  data["mtime"] = (Path(run_dir) / run_record.SUMMARY).stat().st_mtime
+  data["mtime"] = records.summary_mtime(run_dir)
   data["run"]["length"] = run_length(data)
   if data["run"].get("optimizer") == "ginger":  # recorded since curvature_every exists
     data["run"].setdefault("curvature_every", 1)
@@ -218,10 +211,9 @@ def check_numbers(run: Run) -> None:
 
 def skip_reason(run_dir: str | Path) -> str:
   """Why a run dir has no usable summary.json."""
-  path = Path(run_dir) / run_record.SUMMARY
-  if not path.exists():
+  if not records.has_summary(run_dir):
     return "no summary.json (a run still going, or killed)"
-  if run_record.read_summary(run_dir) is None:
+  if records.read_summary(run_dir) is None:
     return "summary.json is not a readable JSON object"
   return 'summary.json has no "run" block'
 
@@ -1404,7 +1396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   roots = args.roots or list(DEFAULT_ROOTS)
   try:
     runs = collect_runs(roots)
-  except DamagedRecordError as e:
+  except (DamagedRecordError, records.ArchiveError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(run_report(roots, runs), file=sys.stderr)

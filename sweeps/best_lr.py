@@ -3,8 +3,9 @@
     python -m sweeps.best_lr [roots...] [--experiments NAME ...] [--dry-run]
 
 Reads the summary.json of every run with ``run.sweep == "lr_tune"`` under the roots (default
-outputs and multirun) and writes ``configs/best_lr/<experiment>.yaml`` for each experiment that
-has such runs: per optimizer, the lr with the best mean score over seeds, where the score is
+outputs and multirun; run dirs, plain or packed into archives by results/records.py) and
+writes ``configs/best_lr/<experiment>.yaml`` for each experiment that has such runs: per
+optimizer, the lr with the best mean score over seeds, where the score is
 
 - image classification: ``best_val_accuracy`` on the held-out training images (higher is
   better); runs that validated on the test split (``data.holdout`` 0) are refused;
@@ -34,6 +35,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
+from results.records import ArchiveError
 from results.tables import (
   DEFAULT_ROOTS,
   DamagedRecordError,
@@ -325,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   notes: list[str] = []
   try:
     runs = collect_runs(roots)
-  except DamagedRecordError as e:  # a damaged value would read as a diverged lr
+  except (DamagedRecordError, ArchiveError) as e:  # a damaged value would read as a diverged lr
     print(f"error: {e}", file=sys.stderr)
     return 2
   results = best_lrs(runs, args.seq2seq_metric, notes)

@@ -374,8 +374,10 @@ def test_runs_of_different_lengths_never_share_a_cell(tmp_path: Path) -> None:
 
 
 def test_committed_standin_tables_regenerate_from_committed_records(tmp_path: Path) -> None:
-  """results/cifar10/'s tables are exactly what its committed run records give (make tables)."""
+  """results/cifar10/'s tables are exactly what its committed run records give (make tables):
+  archives (results/records.py), tests/test_results_records.py checks that they are all."""
   committed = Path(__file__).resolve().parents[1] / "results" / "cifar10"
+  assert any(p.name.endswith(".runs.jsonl.gz") for p in (committed / "runs").rglob("*"))
   assert tables.main([str(committed / "runs"), "--out", str(tmp_path), "--standin-only"]) == 0
   regenerated = sorted(p.name for p in tmp_path.iterdir())
   assert regenerated, "no tables from the committed records"

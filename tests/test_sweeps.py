@@ -11,7 +11,7 @@ import pytest
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from results import tables
+from results import records, tables
 from sweeps import best_lr, gpu_pool
 from sweeps.expand import compose_job, expand, hydra_context, job_overrides
 
@@ -553,3 +553,31 @@ def test_best_lr_refuses_a_missing_root(tmp_path: Path, capsys) -> None:
   out = tmp_path / "best"
   assert best_lr.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
   assert "no such run root(s)" in capsys.readouterr().err and not out.exists()
+
+
+def test_best_lr_reads_archived_lr_tune_runs(tmp_path: Path) -> None:
+  """lr_tune runs packed into an archive (results/records.py) pick what their run dirs pick,
+  diverged and newer reruns included."""
+  runs = tmp_path / "runs" / "lr_tune"
+  c18 = dict(experiment="cifar100_resnet18")
+  for lr, accuracy in ((0.01, 50.0), (0.001, 60.0)):
+    for seed in (0, 1):
+      name = f"cifar100_resnet18/adam,lr={lr}/seed={seed}"
+      _summary(runs, name, optimizer="adam", lr=lr, seed=seed, best_val_accuracy=accuracy, **c18)
+  _summary(
+    runs, "cifar100_resnet18/adam,lr=0.5/seed=0", optimizer="adam", lr=0.5, status="failed", **c18
+  )
+  plain = best_lr.best_lrs(tables.collect_runs([tmp_path / "runs"]))
+  assert plain["cifar100_resnet18"]["adam"]["lr"] == 0.001
+  archive = runs / ("cifar100_resnet18" + records.SUFFIX)
+  records.add(archive, tables.find_run_dirs([runs]))
+  shutil.rmtree(runs / "cifar100_resnet18")
+  assert best_lr.best_lrs(tables.collect_runs([tmp_path / "runs"])) == plain
+
+
+def test_best_lr_of_the_committed_lr_tune_runs_is_the_committed_file(tmp_path: Path) -> None:
+  """configs/best_lr/cifar10_resnet18_30ep.yaml is what the committed lr_tune archive gives."""
+  committed = ROOT / "results" / "cifar10" / "runs" / "lr_tune"
+  assert best_lr.main([str(committed), "--out", str(tmp_path)]) == 0
+  name = "cifar10_resnet18_30ep.yaml"
+  assert (tmp_path / name).read_text() == (ROOT / "configs" / "best_lr" / name).read_text()

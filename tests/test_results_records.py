@@ -1,0 +1,264 @@
+"""Run records packed into archives (results/records.py): an archived run reads back as the run
+dir it was packed from, re-adding replaces by path, packing is byte-stable, and every reader
+(tables, plots, compare) takes archives as it takes run dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from results import compare, plots, records, tables
+from training import run_record
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "results" / "cifar10" / "runs"
+EXPERIMENT = "cifar10_resnet18_30ep"
+
+
+def spectrum(step: int) -> dict:
+  return {"event": "spectrum", "step": step, "sigma": {"conv/kernel": [3.0 / step, 1.0 / step]}}
+
+
+def make_run(root: Path, name: str, seed: int = 0, accuracy: float = 80.0, **fields) -> Path:
+  """A run dir with every file a finished run has: summary.json (its mtime set), run.json,
+  metrics.jsonl (with one spectrum event, as records before spectrum.jsonl.gz keep them),
+  spectrum.jsonl.gz (two gzip members), .hydra/{config,overrides}.yaml and train.log."""
+  run_dir = root / name
+  (run_dir / ".hydra").mkdir(parents=True)
+  run = {"experiment": EXPERIMENT, "optimizer": "ginger", "tau": 4, "alpha": 0.99, "lr": 5e-4}
+  run |= {"seed": seed, "model": "resnet18", "dataset": "cifar10", "sweep": "table1"} | fields
+  config = {"seed": seed, "epochs": 30, "max_steps": None, "optimizer": {"name": "ginger"}}
+  summary = {"run": run, "config": config, "status": "completed", "best_val_accuracy": accuracy}
+  summary |= {"min_train_loss": 0.01, "device": {"kind": "NVIDIA H200"}, "git_commit": "abc"}
+  (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+  os.utime(run_dir / "summary.json", (1.7e9 + seed, 1.7e9 + seed))
+  (run_dir / "run.json").write_text(json.dumps({"version": 1, "fingerprint": "f", "config": {}}))
+  events = [
+    {"event": "train", "step": 10, "wall_time_s": 1.5, "train_loss": 2.0},
+    spectrum(1),
+    {"event": "eval", "step": 20, "wall_time_s": 3.0, "val_accuracy": accuracy, "val_loss": 0.5},
+  ]
+  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+  run_record.append_spectrum(run_dir, [spectrum(2), spectrum(3)])
+  run_record.append_spectrum(run_dir, [spectrum(4)])
+  (run_dir / ".hydra" / "config.yaml").write_text("seed: 0\nlr: ${best_lr.lr}\n")
+  (run_dir / ".hydra" / "overrides.yaml").write_text(f"- seed={seed}\n- +sweep=table1\n")
+  (run_dir / "train.log").write_text("step 20/20 val_accuracy=80.0\n")
+  return run_dir
+
+
+@pytest.fixture
+def campaign(tmp_path: Path) -> Path:
+  """runs/table1/cifar10_resnet18_30ep/{ginger,adam}/seed=N: three run dirs."""
+  folder = tmp_path / "runs" / "table1" / EXPERIMENT
+  make_run(folder, "ginger/seed=0")
+  make_run(folder, "ginger/seed=1", seed=1, accuracy=82.0)
+  make_run(folder, "adam/seed=0", accuracy=78.0, optimizer="adam", tau=None, alpha=None)
+  return tmp_path / "runs"
+
+
+def archive_of(runs: Path) -> Path:
+  return runs / "table1" / (EXPERIMENT + records.SUFFIX)
+
+
+def pack(runs: Path) -> Path:
+  """Packs runs/table1/<experiment>/'s run dirs into its archive and deletes them."""
+  folder = runs / "table1" / EXPERIMENT
+  records.add(archive_of(runs), tables.find_run_dirs([folder]))
+  shutil.rmtree(folder)
+  return archive_of(runs)
+
+
+def everything(runs: Path) -> dict:
+  """What every reader takes from the run dirs under ``runs``."""
+  dirs = tables.find_run_dirs([runs])
+  series = {str(d): plots.read_series(d) for d in dirs}
+  return {
+    "dirs": dirs,
+    "summaries": [records.read_summary(d) for d in dirs],
+    "events": [list(records.read_events(d)) for d in dirs],
+    "spectra": [list(records.read_spectrum(d)) for d in dirs],
+    "runs": tables.collect_runs([runs]),
+    "series": {
+      k: (s.train, s.eval, s.eval_metric, s.spectrum_steps, s.spectrum) for k, s in series.items()
+    },
+    "compare": compare.rows(runs),
+  }
+
+
+def assert_same(a: dict, b: dict) -> None:
+  for key in a:
+    if key == "series":
+      for name, (train, evals, *rest) in a[key].items():
+        other = b[key][name]
+        for mine, theirs in ((train, other[0]), (evals, other[1])):
+          assert mine.keys() == theirs.keys()
+          assert all(np.array_equal(mine[k], theirs[k], equal_nan=True) for k in mine)
+        assert rest == list(other[2:])
+    else:
+      assert a[key] == b[key], key
+
+
+def test_an_archived_run_reads_as_its_run_dir(campaign: Path) -> None:
+  """summary, resolved config, metrics, spectrum (both files, in order), mtime, and what the
+  tables, plots and compare make of them: the same objects, at the same paths."""
+  plain = everything(campaign)
+  ginger = campaign / "table1" / EXPERIMENT / "ginger" / "seed=0"
+  assert [e["step"] for e in plain["spectra"][1]] == [1, 2, 3, 4]
+  archive = pack(campaign)
+  assert sorted(p.name for p in archive.parent.iterdir()) == [archive.name]
+  archived = everything(campaign)
+  assert_same(plain, archived)
+  assert archived["dirs"] == [
+    campaign / "table1" / EXPERIMENT / name
+    for name in ("adam/seed=0", "ginger/seed=0", "ginger/seed=1")
+  ]
+  assert [r["mtime"] for r in archived["runs"]] == [1.7e9, 1.7e9, 1.7e9 + 1]
+  assert records.read_summary(ginger)["config"]["optimizer"] == {"name": "ginger"}
+  line = records.read_run(ginger)
+  assert list(line) == list(records.KEYS)
+  assert line["path"] == f"{EXPERIMENT}/ginger/seed=0"
+  assert line["hydra"] == {
+    "config.yaml": "seed: 0\nlr: ${best_lr.lr}\n",
+    "overrides.yaml": "- seed=0\n- +sweep=table1\n",
+  }
+  assert line["record"]["fingerprint"] == "f" and line["train_log"].startswith("step 20/20")
+  assert [e["step"] for e in line["spectrum"]] == [2, 3, 4]  # metrics.jsonl keeps step 1
+  # The archive itself as a root, and as the plots' run list.
+  assert tables.find_run_dirs([archive]) == archived["dirs"]
+  assert [i.path for i in plots.load_runs([archive])] == archived["dirs"]
+
+
+def test_a_plain_run_dir_wins_over_its_archived_copy(campaign: Path) -> None:
+  archive = pack(campaign)
+  ginger = campaign / "table1" / EXPERIMENT / "ginger" / "seed=0"
+  records.extract(archive, archive.parent, [f"{EXPERIMENT}/ginger/seed=0"])
+  summary = json.loads((ginger / "summary.json").read_text())
+  (ginger / "summary.json").write_text(json.dumps(summary | {"best_val_accuracy": 99.0}))
+  dirs = tables.find_run_dirs([campaign])
+  assert len(dirs) == 3 and records.locate(ginger) is None
+  assert records.read_summary(ginger)["best_val_accuracy"] == 99.0
+  assert records.locate(campaign / "table1" / EXPERIMENT / "ginger" / "seed=1") == (
+    archive,
+    f"{EXPERIMENT}/ginger/seed=1",
+  )
+  assert records.locate(campaign / "table1" / EXPERIMENT / "ginger" / "seed=7") is None
+
+
+def test_re_adding_a_run_replaces_it(campaign: Path) -> None:
+  folder = campaign / "table1" / EXPERIMENT
+  archive = archive_of(campaign)
+  assert records.add(archive, [folder / "ginger" / "seed=0"]) == [
+    (f"{EXPERIMENT}/ginger/seed=0", False)
+  ]
+  first = archive.read_bytes()
+  shutil.rmtree(folder / "ginger" / "seed=0")
+  make_run(folder, "ginger/seed=0", accuracy=90.0)  # a rerun
+  added = records.add(archive, [folder / "ginger" / "seed=0", folder / "adam" / "seed=0"])
+  assert added == [(f"{EXPERIMENT}/ginger/seed=0", True), (f"{EXPERIMENT}/adam/seed=0", False)]
+  assert archive.read_bytes() != first
+  runs = list(records.read_archive(archive))
+  assert [r["path"] for r in runs] == [f"{EXPERIMENT}/adam/seed=0", f"{EXPERIMENT}/ginger/seed=0"]
+  assert runs[1]["summary"]["best_val_accuracy"] == 90.0
+  shutil.rmtree(folder)
+  ginger = folder / "ginger" / "seed=0"
+  assert records.read_summary(ginger)["best_val_accuracy"] == 90.0  # the cache saw the rewrite
+
+
+def test_packing_is_byte_stable(campaign: Path, tmp_path: Path) -> None:
+  """The same run dirs give the same bytes, in any order and added in any number of steps;
+  extracting an archive and packing the run dirs it writes gives its bytes again."""
+  dirs = tables.find_run_dirs([campaign])
+  one, two = (
+    tmp_path / "a" / (EXPERIMENT + records.SUFFIX),
+    tmp_path / "b" / (EXPERIMENT + records.SUFFIX),
+  )
+  records.add(one, dirs)
+  records.add(two, dirs[::-1][:1])
+  records.add(two, dirs[::-1][1:])
+  assert one.read_bytes() == two.read_bytes()
+  assert one.read_bytes()[4:8] == b"\0\0\0\0"  # the gzip header's time
+  records.add(one, dirs[:1])  # re-adding an unchanged run changes nothing
+  assert one.read_bytes() == two.read_bytes()
+  written = records.extract(one, tmp_path / "extracted")
+  assert written == [
+    tmp_path / "extracted" / p
+    for p in sorted(str(d.relative_to(campaign / "table1")) for d in dirs)
+  ]
+  again = tmp_path / "c" / (EXPERIMENT + records.SUFFIX)
+  records.add(again, written)
+  assert again.read_bytes() == one.read_bytes()
+  with pytest.raises(records.ArchiveError, match="refusing to overwrite"):
+    records.extract(one, tmp_path / "extracted")
+
+
+def test_stored_paths_start_at_the_folder_the_archive_stands_for(tmp_path: Path) -> None:
+  run_dir = make_run(tmp_path / "multirun" / "table1" / EXPERIMENT, "adam/seed=2", seed=2)
+  archive = tmp_path / "results" / (EXPERIMENT + records.SUFFIX)
+  assert records.stored_path(run_dir, archive) == f"{EXPERIMENT}/adam/seed=2"
+  elsewhere = tmp_path / "results" / ("mine" + records.SUFFIX)
+  with pytest.raises(records.ArchiveError, match="no folder named 'mine'.*--root"):
+    records.stored_path(run_dir, elsewhere)
+  assert records.stored_path(run_dir, elsewhere, tmp_path / "multirun") == (
+    f"mine/table1/{EXPERIMENT}/adam/seed=2"
+  )
+  with pytest.raises(records.ArchiveError, match="not below --root"):
+    records.stored_path(run_dir, elsewhere, tmp_path / "outputs")
+  with pytest.raises(records.ArchiveError, match="ends with .runs.jsonl.gz"):
+    records.stored_path(run_dir, tmp_path / "runs.jsonl")
+  with pytest.raises(records.ArchiveError, match="not a run dir"):
+    records.add(archive, [tmp_path])
+  assert not archive.exists()  # nothing written when one run dir cannot be packed
+
+
+def test_a_damaged_archive_is_an_error_naming_it(
+  campaign: Path, capsys: pytest.CaptureFixture
+) -> None:
+  archive = pack(campaign)
+  archive.write_bytes(archive.read_bytes()[:-20])
+  with pytest.raises(records.ArchiveError, match=str(archive)):
+    tables.find_run_dirs([campaign])
+  assert tables.main([str(campaign), "--out", str(campaign.parent / "out")]) == 2
+  assert f"error: {archive}: not a readable archive" in capsys.readouterr().err
+
+
+def test_command_line(campaign: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+  folder = campaign / "table1" / EXPERIMENT
+  archive = archive_of(campaign)
+  run_dirs = [str(folder / "ginger" / "seed=0"), str(folder / "adam" / "seed=0")]
+  assert records.main(["add", str(archive), *run_dirs]) == 0
+  assert capsys.readouterr().out == (
+    f"added {EXPERIMENT}/ginger/seed=0\nadded {EXPERIMENT}/adam/seed=0\n"
+  )
+  assert records.main(["add", str(archive), run_dirs[0]]) == 0
+  assert capsys.readouterr().out == f"replaced {EXPERIMENT}/ginger/seed=0\n"
+  assert records.main(["list", str(archive)]) == 0
+  assert capsys.readouterr().out.splitlines() == [
+    f"{folder}/adam/seed=0\tcompleted",
+    f"{folder}/ginger/seed=0\tcompleted",
+  ]
+  out = tmp_path / "out"
+  assert (
+    records.main(["extract", str(archive), str(out), "--path", f"{EXPERIMENT}/adam/seed=0"]) == 0
+  )
+  assert (out / EXPERIMENT / "adam" / "seed=0" / "summary.json").exists()
+  assert not (out / EXPERIMENT / "ginger").exists()
+  assert records.main(["add", str(archive), str(tmp_path / "missing")]) == 2
+  assert "not a run dir" in capsys.readouterr().err
+
+
+def test_committed_records_are_archives() -> None:
+  """results/cifar10/runs/ holds archives only (the tables and plots read them:
+  tests/test_results_tables.py), a few per campaign, each run dir once."""
+  files = sorted(p for p in COMMITTED.rglob("*") if p.is_file())
+  assert files and all(records.is_archive(p) for p in files)
+  for campaign in COMMITTED.iterdir():
+    assert len(list(campaign.iterdir())) <= 20
+  dirs = tables.find_run_dirs([COMMITTED])
+  assert len(dirs) == len(set(dirs)) >= 161
+  assert all(records.read_summary(d)["status"] == "completed" for d in dirs)
