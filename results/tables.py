@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from results import records
+from results import records, stats
 from training import run_record
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
@@ -1114,6 +1114,176 @@ def curvature_every_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
   return out
 
 
+# ----------------------------------------------------------------------------- comparisons
+
+QNG_CONTROL_SWEEP = "qng_control"
+CLIPPED_PER_TENSOR = {"rho": 1.0, "block": "per_tensor"}
+
+
+def _accuracies(sel: Selection) -> list[float]:
+  return [float(r["best_val_accuracy"]) for r in sel.runs if is_number(r.get("best_val_accuracy"))]
+
+
+def _sample_text(values: Sequence[float]) -> str:
+  return f"{fmt_stat(aggregate(values), 'f2')} (n={len(values)})"
+
+
+def _comparison_pairs(
+  runs: Sequence[Run], protocol: dict[str, Any]
+) -> list[tuple[str, Selection, Selection]]:
+  """(label, a, b) for every comparison of best validation accuracy that REPRODUCTION.md
+  makes on one model: each Ginger tau against Adam, Momentum and QNG at that tau; QNG against
+  Adam; Momentum against Adam; the clip control (QNG with Ginger's clip and blocks) where it
+  has runs; and each alpha of Tables 3/4 against the paper's alpha at the same tau."""
+  table1 = TABLE_SWEEPS["table1"]
+
+  def cell(optimizer: str, tau: Any = None, sweeps: Sequence[str] = table1, **extra) -> Selection:
+    return select_runs(runs, {**cell_criteria(optimizer, tau, **protocol), **extra}, sweeps)
+
+  adam, momentum = cell("adam"), cell("momentum")
+  found = _found(runs, **protocol)
+  taus = sorted({t for o, t in found if o == "ginger" and t is not None}, key=sort_key)
+  pairs = []
+  for tau in taus:
+    ginger, qng = cell("ginger", tau), cell("qng", tau)
+    pairs += [
+      (f"Ginger τ={tau} − Adam", ginger, adam),
+      (f"Ginger τ={tau} − Momentum", ginger, momentum),
+      (f"Ginger τ={tau} − QNG τ={tau}", ginger, qng),
+    ]
+  for tau in sorted({t for o, t in found if o == "qng" and t is not None}, key=sort_key):
+    pairs.append((f"QNG τ={tau} − Adam", cell("qng", tau), adam))
+  pairs.append(("Momentum − Adam", momentum, adam))
+  for tau in taus:
+    control = cell("qng", tau, (QNG_CONTROL_SWEEP,), **CLIPPED_PER_TENSOR)
+    control.runs = [r for r in control.runs if rfield(r, "sweep") == QNG_CONTROL_SWEEP]
+    if control.runs:
+      pairs += [
+        (f"Ginger τ={tau} − QNG τ={tau} clipped", cell("ginger", tau), control),
+        (f"QNG τ={tau} clipped − QNG τ={tau}", control, cell("qng", tau)),
+      ]
+  sensitivity = TABLE_SWEEPS["table3"]
+  for alpha in SENSITIVITY_ALPHAS:
+    for tau in SENSITIVITY_TAUS:
+      if alpha == PAPER_ALPHA:
+        continue
+      base = {**protocol, "optimizer": "ginger", "tau": tau}
+      a = select_runs(runs, {**base, "alpha": alpha}, sensitivity)
+      b = select_runs(runs, {**base, "alpha": PAPER_ALPHA}, sensitivity)
+      pairs.append((f"Ginger α={alpha} − α={PAPER_ALPHA}, τ={tau}", a, b))
+  return pairs
+
+
+def build_comparisons(
+  runs: Sequence[Run], dataset: str, models: Sequence[str], length: str | None = None
+) -> Table:
+  """Every comparison the results make, with its Welch 95 % interval (results/stats.py):
+  one row per (model, comparison) that has runs on both sides."""
+  protocol = image_protocol(dataset, length)
+  what = ", ".join(
+    str(x) for x in (DATASET_NAMES.get(dataset, dataset), length and length_text(length)) if x
+  )
+  caption = (
+    "Best validation accuracy (%): A and B as mean ± sample std (n seeds); A − B = difference "
+    "of means [Welch 95 % interval]; reading: above / below where the interval excludes 0, "
+    "tie where it contains 0, n < 2 where a side has one run (no interval). A cell pools the "
+    "runs of one resolved configuration (the cell of Tables 1 and 3 it comes from), reruns "
+    "included, on any card: accuracy does not depend on the card's kind."
+  )
+  columns = [Column("", label) for label in ("A", "B", "A − B [95 % CI]", "Reading")]
+  table = Table(
+    f"comparisons_{slug(dataset)}" + (f"_{slug(length)}" if length else ""),
+    f"Comparisons with 95 % intervals: {what}",
+    caption,
+    "Comparison",
+    columns,
+  )
+  used = []
+  for model in models:
+    first = True
+    for label, a, b in _comparison_pairs(runs, {**protocol, "model": model}):
+      va, vb = _accuracies(a), _accuracies(b)
+      if not va or not vb:
+        continue
+      diff = stats.welch(va, vb)
+      name = f"{MODEL_NAMES.get(model, model)}: {label}" if len(models) > 1 else label
+      cells = [_sample_text(va), _sample_text(vb), diff.text(), diff.verdict]
+      table.rows.append(Row(name, cells, rule_before=first and bool(table.rows)))
+      first = False
+      used += [r for r in a.runs + b.runs if r not in used]
+  return _finish(table, used, [])
+
+
+CLIP_EPOCHS = ((0, 1), (1, 5), (5, 10), (10, 20), (20, None))
+
+
+def _clip_series(run: Run) -> list[tuple[float, float]]:
+  """(epoch, clip_fraction) of a run's training log lines that have it."""
+  return [
+    (float(e["epoch"]), float(e["clip_fraction"]))
+    for e in records.read_events(run["path"])
+    if e.get("event") == "train" and is_number(e.get("clip_fraction")) and is_number(e.get("epoch"))
+  ]
+
+
+def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = None) -> Table:
+  """The share of update entries that the element-wise clip changes (training log's
+  ``clip_fraction``), by stretch of training, per run that logged it."""
+  protocol = image_protocol(dataset, length)
+  logged = [r for r in runs if is_done(r) and matches(r, protocol) and _clip_series(r)]
+  logged.sort(key=lambda r: tuple_key(tuple(rfield(r, k) for k in CLIP_ROW)))
+  spans = [f"epochs {a}-{b}" if b else f"epochs {a}-end" for a, b in CLIP_EPOCHS]
+  columns = [Column("", label) for label in ("lr", "seed", *spans, "whole run", "Best acc")]
+  what = ", ".join(
+    str(x) for x in (DATASET_NAMES.get(dataset, dataset), length and length_text(length)) if x
+  )
+  caption = (
+    "Mean over the logged steps (every log_every-th step) of the share of update entries with "
+    "|u| >= rho, u = G^{-1} m the preconditioned update before the learning rate: the entries "
+    "the clip to [-rho, rho] changes, or, for a run without the clip, those the authors' clip "
+    "(rho = 1) would change."
+  )
+  table = Table(
+    f"clip_fraction_{slug(dataset)}" + (f"_{slug(length)}" if length else ""),
+    f"How much the clip acts: {what}",
+    caption,
+    "Run",
+    columns,
+  )
+  for run in logged:
+    series = _clip_series(run)
+    cells = [f"{rfield(run, 'lr'):g}", str(rfield(run, "seed"))]
+    for a, b in CLIP_EPOCHS:
+      part = [f for e, f in series if e > a and (b is None or e <= b)]
+      cells.append(f"{100 * statistics.mean(part):.1f} %" if part else "")
+    cells += [f"{100 * statistics.mean(f for _, f in series):.1f} %"]
+    cells += [fmt_num(run.get("best_val_accuracy"), "f2")]
+    clip = "clip ρ=1" if rfield(run, "rho") is not None else "no clip (share |u| ≥ 1)"
+    label = f"{optimizer_label(rfield(run, 'optimizer'), rfield(run, 'tau'))}, {clip}"
+    table.rows.append(Row(f"{label}, {rfield(run, 'block')} ({rfield(run, 'sweep')})", cells))
+  return _finish(table, logged, [])
+
+
+CLIP_ROW = ("optimizer", "tau", "rho", "block", "sweep", "seed")
+
+
+def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
+  """(file name, table): the comparisons and the clip-fraction table of every image set."""
+  done = tabulated(runs)
+  out = []
+  sets = {(rfield(r, "dataset"), rfield(r, "length")) for r in done if rfield(r, "setting") is None}
+  for dataset, length in sorted(sets, key=tuple_key):
+    protocol = image_protocol(dataset, length)
+    models = _models_in([r for r in done if matches(r, protocol)])
+    table = build_comparisons(runs, dataset, models, length)
+    if table.rows:
+      out.append((table.name, table))
+    clip = build_clip_fraction(runs, dataset, length)
+    if clip.rows:
+      out.append((clip.name, clip))
+  return out
+
+
 def build_all(
   runs: Sequence[Run],
   dataset: str = "cifar100",
@@ -1375,7 +1545,8 @@ def tables_to_write(args: argparse.Namespace, runs: Sequence[Run]) -> list[tuple
       ("table4" + suffix, build_table4(runs, args.dataset, models[0], args.length)),
     ]
   paper = [] if args.standin_only else [(t.name, t) for t in build_all(runs, flops=args.flops)]
-  return paper + standin_tables(runs, args.flops) + curvature_every_tables(runs)
+  tables = paper + standin_tables(runs, args.flops) + curvature_every_tables(runs)
+  return tables + comparison_tables(runs)
 
 
 def missing_roots(roots: Sequence[str]) -> str | None:

@@ -301,7 +301,14 @@ def test_cli_writes_files(runs_root: Path, tmp_path: Path) -> None:
   names = sorted(p.name for p in out.iterdir())
   assert names == sorted(
     f"{t}.{ext}"
-    for t in ("table1", "table2", "table3", "table4", "table_ablation")
+    for t in (
+      "table1",
+      "table2",
+      "table3",
+      "table4",
+      "table_ablation",
+      "comparisons_cifar100_200ep",
+    )
     for ext in ("md", "tex")
   )
   assert "| Adam | 2 | 72.50 ± 0.71 |" in (out / "table1.md").read_text()
@@ -649,3 +656,69 @@ def test_damaged_records_are_named(tmp_path: Path, capsys) -> None:
   assert tables.main([str(root), "--out", str(tmp_path / "out")]) == 2
   err = capsys.readouterr().err
   assert str(root / "oops" / "summary.json") in err and "best_val_accuracy is 'x'" in err
+
+
+def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
+  """Each comparison row: both samples, the difference of means with its Welch interval
+  (results.stats), and a reading that follows the interval; the QNG clip control appears
+  once it has runs."""
+  root = tmp_path / "runs"
+  ginger = {"optimizer": "ginger", "tau": 8, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  qng = {"optimizer": "qng", "tau": 8, "alpha": 0.99, "block": "global"}
+  samples = {
+    "adam": ({}, [88.0, 87.6, 88.3]),
+    "ginger": (ginger, [88.1, 88.4, 87.9]),
+    "qng": (qng, [86.4, 86.5, 86.2]),
+  }
+  for name, (run, accs) in samples.items():
+    for seed, acc in enumerate(accs):
+      make_run(root, f"{name}{seed}", {**run, "seed": seed}, best_val_accuracy=acc)
+  runs = tables.collect_runs([root])
+  table = tables.build_comparisons(runs, "cifar100", ["resnet18"])
+  rows = {r.label: r.cells for r in table.rows}
+  assert set(rows) == {"Ginger τ=8 − Adam", "Ginger τ=8 − QNG τ=8", "QNG τ=8 − Adam"}
+  tie = tables.stats.welch(samples["ginger"][1], samples["adam"][1])
+  assert rows["Ginger τ=8 − Adam"] == [
+    "88.13 ± 0.25 (n=3)",
+    "87.97 ± 0.35 (n=3)",
+    tie.text(),
+    "tie",
+  ]
+  assert rows["Ginger τ=8 − QNG τ=8"][3] == "above"
+  assert rows["QNG τ=8 − Adam"][3] == "below"
+  clipped = {**qng, "rho": 1.0, "block": "per_tensor", "sweep": "qng_control"}
+  for seed, acc in enumerate([87.0, 87.2]):
+    make_run(root, f"control{seed}", {**clipped, "seed": seed}, best_val_accuracy=acc)
+  runs = tables.collect_runs([root])
+  rows = {r.label: r.cells for r in tables.build_comparisons(runs, "cifar100", ["resnet18"]).rows}
+  assert rows["Ginger τ=8 − QNG τ=8 clipped"][1] == "87.10 ± 0.14 (n=2)"
+  assert rows["QNG τ=8 clipped − QNG τ=8"][3] == "above"
+  # Table 1's QNG cell stays the unclipped global variant: the control does not leak into it.
+  table1 = tables.build_table1(runs, "cifar100", ["resnet18"])
+  qng_row = next(r for r in table1.rows if r.label == "QNG (τ=8)")
+  assert qng_row.cells[0] == "3"
+
+
+def test_clip_fraction_table_averages_the_logged_share_by_stretch(tmp_path):
+  root = tmp_path / "runs"
+  ginger = {"optimizer": "ginger", "tau": 8, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  events = [
+    {"event": "train", "step": s, "epoch": s / 10, "clip_fraction": f}
+    for s, f in [(5, 0.4), (10, 0.2), (30, 0.1), (300, 0.3)]
+  ]
+  make_run(root, "clip", ginger, events=events, best_val_accuracy=88.0)
+  make_run(root, "adam", {}, events=[{"event": "train", "step": 5, "epoch": 0.5}])
+  table = tables.build_clip_fraction(tables.collect_runs([root]), "cifar100")
+  assert [r.label for r in table.rows] == ["Ginger (τ=8), clip ρ=1, per_tensor (table1)"]
+  # epochs 0-1: 0.4 and 0.2; 1-5: 0.1; 20-end: 0.3; whole run: 0.25
+  assert table.rows[0].cells == [
+    "0.001",
+    "0",
+    "30.0 %",
+    "10.0 %",
+    "",
+    "",
+    "30.0 %",
+    "25.0 %",
+    "88.00",
+  ]
