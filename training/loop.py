@@ -800,13 +800,7 @@ def _preempted(step: int) -> bool:
 
 def claim_run_dir(run_dir: Path, cfg: DictConfig) -> None:
   """Records ``cfg`` as the run of ``run_dir``, or refuses (a run of another config is there)."""
-  outcome = run_record.claim(run_dir, cfg, fresh=not cfg.resume, write=jax.process_index() == 0)
-  if outcome == "adopted":
-    log.warning(
-      "%s predates run fingerprints: taking it as a run of this configuration (%s)",
-      run_dir,
-      run_record.RECORD,
-    )
+  run_record.claim(run_dir, cfg, fresh=not cfg.resume, write=jax.process_index() == 0)
 
 
 def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) -> dict[str, Any]:
