@@ -15,11 +15,10 @@ def curvature_every(cfg) -> int:
   """Steps between curvature updates (``curvature_every``; 1 = every step, the paper).
 
   Only Ginger has it (config_check refuses another value for QNG and warns that Adam and
-  Momentum ignore it); 1 for them, and where the key is absent or null (configs written before
-  it existed ran with 1). Returned as given otherwise: ``ginger.ginger`` refuses what is not
-  an int >= 1 (no silent ``int(2.5)``).
+  Momentum ignore it); 1 for them, and where null. Returned as given otherwise:
+  ``ginger.ginger`` refuses what is not an int >= 1 (no silent ``int(2.5)``).
   """
-  value = cfg.get("curvature_every")
+  value = cfg.curvature_every
   return 1 if value is None or cfg.optimizer.name != "ginger" else value
 
 
@@ -34,13 +33,13 @@ def reorthonormalise_every(cfg) -> int:
 
 
 def passes(cfg) -> str:
-  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto); "jnp" where the key
-  is absent or null (configs written before it existed). "auto" is left to the library
+  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto); null is the
+  library's default, "jnp". "auto" is left to the library
   (``ginger.kernels.resolve_impl``: the Pallas kernels on GPUs, the jnp passes elsewhere), also
   on an optimizer state split over several devices, where the kernels run per device under
   ``shard_map`` on each device's rows (2x H200: 9.39 ms a step against the jnp passes' 10.36,
   bench/RESULTS.md, session 21)."""
-  return cfg.get("passes") or "jnp"
+  return cfg.passes or "jnp"
 
 
 def learning_rate(cfg, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
