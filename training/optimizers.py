@@ -33,16 +33,18 @@ def reorthonormalise_every(cfg) -> int:
 
 
 def passes(cfg) -> str:
-  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto); null is the
-  library's default, "jnp". "auto" is left to the library
-  (``ginger.kernels.resolve_impl``: the Pallas kernels on GPUs, the jnp passes elsewhere), also
-  on an optimizer state split over several devices, where the kernels run per device under
-  ``shard_map`` on each device's rows (2x H200: 9.39 ms a step against the jnp passes' 10.36,
-  bench/RESULTS.md, session 21)."""
+  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto; null: the library's
+  default, "jnp"). "auto" is left to the library (``ginger.kernels.resolve_impl``: the Pallas
+  kernels on GPUs, the jnp passes elsewhere), also on an optimizer state split over several
+  devices, where the kernels run per device under ``shard_map`` on each device's rows and are
+  still faster than the jnp passes."""
   return cfg.passes or "jnp"
 
 
 def learning_rate(cfg, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
+  """The schedule of ``cfg.schedule`` peaking at ``cfg.lr``: constant (the paper's),
+  warmup_constant (a linear warm-up over ``warmup_epochs``, as the authors' code) or cosine
+  (decay to 0 over the run)."""
   lr = float(cfg.lr)
   if not lr > 0:
     raise ValueError(f"lr must be > 0, got {cfg.lr}.")
