@@ -293,8 +293,8 @@ def _check_optimizer(c: _Checker) -> str | None:
     c.number("rho", 0, closed=(False, True), optional=True)
   if name in CURVATURE:
     _check_curvature_every(c, name)
-  if name == "ginger" and c.get("passes") not in (_MISSING, None):
-    c.choice("passes", PASSES)
+  if name == "ginger":
+    c.choice("passes", PASSES, optional=True)  # null: the library's default, jnp
   return name
 
 
