@@ -227,8 +227,9 @@ def qng(
   *,
   state_dtype: str = "float32",
 ) -> optax.GradientTransformationExtraArgs:
-  r"""QNG composed as :func:`ginger.ginger` composes Ginger, so the two differ only in the
-  curvature model::
+  r"""The QNG optimizer, composed as :func:`ginger.ginger` composes Ginger.
+
+  The two differ only in the curvature model::
 
     m_t = b1 m_{t-1} + (1 - b1) g_t
     params <- params - lr_t G_t^{-1} m_t / (1 - b1^t)
