@@ -162,11 +162,9 @@ def _numpy_arrays_saved_as_given() -> None:
   change it while the write goes on in the background). The only numpy arrays this module
   saves are host copies it makes for the save and nothing writes to: those of Ginger's
   buckets (:func:`_bases_on_host`, cut per leaf as views) and, in one process, of every other
-  array of the state (:func:`_on_host`). Copying them again held training for another
-  pass over ``U`` in host memory at every checkpoint (on a 4x H200 host a save stalled Ginger
-  tau 8's ResNet-18 run for 1.0 s against Adam's 0.6 s; on 2 CPU cores ``save`` took 0.62 s
-  with the copies, 0.22 s without). orbax's handler registry is process-wide: the option
-  holds for every numpy array saved in this process.
+  array of the state (:func:`_on_host`). Copying them again would hold training for another
+  pass over ``U`` in host memory at every checkpoint. orbax's handler registry is
+  process-wide: the option holds for every numpy array saved in this process.
   """
   handler = ocp.type_handlers.get_type_handler(np.ndarray)
   if getattr(handler, "_deepcopy_host_arrays", False):
@@ -219,22 +217,20 @@ class Checkpointer:
   def save(self, step: int, state) -> None:
     """Saves ``state`` with Ginger's bases per leaf, cut from a host copy of ``U``.
 
-    A per-leaf copy of ``U`` made on the device would sit beside the next training steps:
-    their peak + ``U`` (ResNet-50, tau 32: 3 GB). :func:`_bases_on_host` moves the buckets to
-    the host first, so saving adds no device memory.
+    A per-leaf copy of ``U`` made on the device would sit beside the next training steps, whose
+    peak would grow by ``U``. :func:`_bases_on_host` moves the buckets to the host first, so
+    saving adds no device memory.
 
     In a single process every array of the state is copied to the host here (the copies all
     started at once), and orbax's ``save`` runs in a thread of its own on those copies while
     training goes on: the state's device buffers are free for the next step to take over
     (donation) as soon as this returns. orbax's ``save`` returns only once it has set up the
-    write of every array (Python bookkeeping, ~1 ms an array: 0.3-0.5 s for a ResNet-18
-    state of 200-400 arrays on 2 CPU cores) and writes in the background after that; run in
-    the training loop, that bookkeeping held training at every checkpoint (ResNet-18 on an
-    H200, ``python -m bench.checkpoint_stall``: Ginger tau 8 0.81 s a save, 0.49 s with the
-    thread; Adam 0.43 and 0.41 s). One save at a time: a save waits
-    for the thread of the one before; :meth:`wait` (and every other method) for the last, and
-    raises its error if it failed. With several processes orbax's ``save`` coordinates them
-    and is called here, as before.
+    write of every array (Python bookkeeping for each of the state's hundreds of arrays) and
+    writes in the background after that; run in the training loop, that bookkeeping would hold
+    training at every checkpoint (``python -m bench.checkpoint_stall`` measures the stall). One
+    save at a time: a save waits for the thread of the one before; :meth:`wait` (and every
+    other method) for the last, and raises its error if it failed. With several processes
+    orbax's ``save`` coordinates them and is called here, in the loop.
     """
     single = jax.process_count() == 1
     if single:
@@ -253,7 +249,7 @@ class Checkpointer:
   def _handed_over(self) -> None:
     """Waits until the saves in threads have handed their arrays to orbax (raising a failed
     one's error). Process-wide: orbax's managers coordinate their saves through signals of
-    the process, and a save of one beside another's hung them (a 300 s timeout)."""
+    the process, and a save of one beside another's hangs both until orbax's timeout."""
     _Background.join_all()
 
   def wait(self) -> None:
