@@ -205,7 +205,7 @@ def default_fisher_to_gradient(
 # largest member. Zero rows are exact: they add nothing to U^T U or U^T x, their p and update
 # rows stay zero, so padding changes no result.
 
-# Fixed per-step cost of one bucket (a few kernel launches, ~10 us) in padded row-entries
+# Fixed per-step cost of one bucket (a few kernel launches) in padded row-entries
 # (rows x (rank + 2): U plus the vectors). Merging sizes into one bucket pays off while the
 # padding it adds costs less than this.
 BUCKET_OVERHEAD = 1 << 21
@@ -213,9 +213,9 @@ BUCKET_OVERHEAD = 1 << 21
 # (1, size, rank): no padding, no stacking), read when the state is initialised: None off GPUs
 # only, True always, False never. Stacking is what makes a GPU step a few launches per bucket;
 # on the CPU a bucket costs a few thunks, but a stacked bucket copies every step's v and g into
-# (members, rows) arrays (XLA:CPU in jax 0.10 even writes each of them twice, once for the
-# vector-matrix products and once for the row fusions), while a bucket of one block reads them
-# where they are (a reshape). ResNet-18 tau=8 on the 2-core CPU: 0.91-0.96x the step time.
+# (members, rows) arrays (XLA:CPU even writes each of them twice, once for the vector-matrix
+# products and once for the row fusions), while a bucket of one block reads them where they are
+# (a reshape), which makes the CPU step faster.
 SOLO_BUCKETS: bool | None = None
 SOLO_ROWS = 1 << 15
 

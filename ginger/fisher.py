@@ -159,30 +159,52 @@ def value_grad_and_fisher(
   fisher: str = "sampled",
   backward: str = "batched",
 ) -> tuple[tuple[jax.Array, Any], Any, Any]:
-  """Loss, loss gradient and sampled-Fisher vector from one forward pass.
+  r"""Loss, loss gradient and sampled-Fisher vector from one forward pass.
+
+  For ``N`` counted predictions (examples, or non-padding target tokens) of a softmax model::
+
+    loss = -sum_i log p(y_i | x_i) / N
+    d = sum_i grad log p(y_hat_i | x_i) / sqrt(N),   y_hat_i ~ softmax(logits_i)
+
+  so that ``E[d d^T]`` is the Fisher, the generalized Gauss-Newton matrix of softmax
+  cross-entropy: the ``d_t`` that :func:`ginger.scale_by_ginger` folds into its curvature.
+  Both are vector-Jacobian products of the same logits, so the forward runs once
+  (``jax.vjp``) and the d-pass costs one extra backward pass. ``backward="batched"`` pulls
+  the pair of cotangents back in one pass (``jax.vmap``: one program, each layer's backward on
+  both); ``"sequential"`` in two, holding one cotangent's intermediates at a time (less peak
+  memory), and gathers nothing under GSPMD with the batch split over devices, where a
+  convolution's batching rule folds the pair into the batch axis, outside the split. The two
+  agree to float summation order. For ``d`` alone use :func:`fisher_vector`.
 
   Args:
-    logits_fn: ``params -> logits`` (or ``(logits, aux)`` with ``has_aux``), e.g. a model
-      applied to a batch. Logits have shape ``labels.shape + (num_classes,)``.
+    logits_fn: ``params -> logits`` of shape ``labels.shape + (num_classes,)``.
     params: the parameters to differentiate.
     labels: integer targets (``(B,)`` for classification, ``(B, T)`` for sequences).
-    rng: key for sampling the Fisher labels.
-    mask: optional 0/1 weights like ``labels`` (padding = 0); ``N = sum(mask)``.
-    has_aux: whether ``logits_fn`` also returns auxiliary data (e.g. BatchNorm stats).
-    fisher: ``"sampled"`` (labels drawn from the model: the true Fisher/GGN) or
-      ``"empirical"`` (the true labels).
-    backward: ``"batched"`` (default): both cotangents pulled back in one backward pass
-      (``jax.vmap`` over the pair); ``"sequential"``: two backward passes, one after the
-      other, which keeps one cotangent's intermediates alive at a time instead of two (less
-      peak memory where the backward's activation gradients dominate it). The results agree
-      to float summation order. Batched, the loss gradient is computed even where the
-      caller drops it (it is half of one batched computation): for ``d_t`` alone use
-      :func:`fisher_vector`. Under GSPMD with the batch split over devices use
-      ``"sequential"``: a convolution's batching rule folds the pair into the batch
-      dimension, outside the split, and XLA all-gathers the activations' gradients.
+    rng: PRNG key the Fisher labels ``y_hat`` are drawn with.
+    mask: optional 0/1 weights like ``labels`` (padding: 0); ``N = sum(mask)``.
+    has_aux: whether ``logits_fn`` returns ``(logits, aux)`` (e.g. BatchNorm statistics).
+    fisher: ``"sampled"`` (``y_hat`` drawn from the model) or ``"empirical"`` (the labels).
+    backward: ``"batched"`` (one backward pass) or ``"sequential"`` (two).
 
   Returns:
     ``((loss, aux), grads, fisher_grads)``; ``aux`` is None without ``has_aux``.
+
+  Examples:
+    Zero weights predict uniformly: the loss is ``log 2``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from ginger.fisher import value_grad_and_fisher
+    >>> x, y = jnp.ones((4, 3)), jnp.array([0, 1, 0, 1])
+    >>> params = {"w": jnp.zeros((3, 2))}
+    >>> (loss, _), grads, d = value_grad_and_fisher(
+    ...   lambda p: x @ p["w"], params, y, jax.random.key(0))
+    >>> print(f"{float(loss):.4f}", d["w"].shape == grads["w"].shape == (3, 2))
+    0.6931 True
+
+  References:
+    Yongchang Hao, Yanshuai Cao and Lili Mou, `Ginger: An Efficient Curvature Approximation
+    with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_,
+    2024
   """
   given = _fisher_labels(labels, fisher)
   if backward not in BACKWARDS:

@@ -68,9 +68,9 @@ class StackedBasis(_Stacked):
 
   Its pytree leaves are ``stacks``: one ``(members, rows, rank)`` array per bucket, blocks of
   one rank padded with zero rows to a common size, so that a step runs a few kernels per
-  bucket rather than per parameter tensor and never copies ``U`` to stack it. Indexing reads
-  like the old per-leaf layout: ``u[key]`` (or ``u.tree()[...]``) is that leaf's rows of
-  ``U``, shape ``(leaf.size, rank)``.
+  bucket rather than per parameter tensor and never copies ``U`` to stack it. Indexing gives a
+  leaf's part: ``u[key]`` (or ``u.tree()[...]``) is that leaf's rows of ``U``, shape
+  ``(leaf.size, rank)``.
   """
 
   def leaf(self, i: int) -> jax.Array:
@@ -96,9 +96,9 @@ class StackedRows(StackedBasis):
 class StackedSigma(_Stacked):
   """The eigenvalues ``sigma`` of all per-tensor blocks, stacked by bucket as ``U`` is: one
   ``(members, rank)`` array per bucket, so that a step reads and writes them as a few arrays
-  (per leaf, a step on a GPU cut the new ``sigma`` out of the batched solve's result as one
-  small copy per parameter tensor: 62 of ResNet-18's ~370 kernels an update). Indexing reads
-  like a pytree like the params of ``(rank,)`` vectors: ``sigma[key]``, ``sigma.tree()``.
+  (kept per leaf, each tensor's new ``sigma`` would be cut out of the batched solve's result,
+  one small copy kernel per tensor on a GPU). Indexing reads like a pytree like the params of
+  ``(rank,)`` vectors: ``sigma[key]``, ``sigma.tree()``.
   Saved per leaf (:func:`checkpoint_state`); whole on every device when the state is split
   (small). Not a :class:`StackedBasis`: nothing of it is placed by rows.
   """
@@ -124,7 +124,7 @@ class ScaleByGingerState(NamedTuple):
     count: number of curvature updates taken (int32).
     u: a :class:`StackedBasis`. Its leaves are one ``(members, rows, k)`` array per bucket
       of equal-rank blocks (``k = min(tau, block size)``), zero-padded to the bucket's
-      largest block; ``u[key]`` gives a leaf's rows ``(leaf.size, k)`` as before.
+      largest block; ``u[key]`` gives a leaf's rows ``(leaf.size, k)``.
     sigma: the eigenvalues ``sigma`` of each block: for ``block="per_tensor"`` a
       :class:`StackedSigma` (one ``(members, k)`` array per bucket; ``sigma[key]`` gives a
       leaf's ``(k,)``), for ``"global"`` a single ``(k,)`` array.
@@ -172,88 +172,61 @@ def scale_by_ginger(
 ) -> optax.GradientTransformationExtraArgs:
   r"""Preconditions updates by Ginger's damped low-rank curvature model.
 
-  ``update(updates, state, params=None, *, fisher_grads=None)`` first folds
-  ``fisher_grads`` (the sampled-Fisher vector ``d_t``, a pytree like ``updates``; see
-  :mod:`ginger.fisher`) into the curvature, then returns ``G_t^{-1} updates`` computed with
-  the *updated* ``G_t``, as in the paper's Algorithm 1. With ``fisher_grads=None`` the
-  updates themselves are used as ``d_t``: the *empirical* Fisher, a different method.
+  Every block of parameters (each leaf, or all of them: ``block``) keeps the model
+  ``G = gamma I + U diag(sigma) U^T`` of its generalized Gauss-Newton matrix, ``U`` a ``d x k``
+  orthonormal basis, ``k = min(tau, d)``. ``update(updates, state, params=None, *,
+  fisher_grads=d_t)`` folds the sampled-Fisher vector ``d_t`` (:mod:`ginger.fisher`) into the
+  model, then preconditions with the updated one, as in the paper's Algorithm 1::
 
-  Cost per step: written as three passes over ``U`` (two reads, one read-and-write; see
-  :mod:`ginger.lowrank`), each one kernel per bucket of equal-rank blocks, plus one batched
-  ``(k+1) x (k+1)`` eigenproblem per rank (``eigensolver``); docs/benchmarks.md has what a
-  GPU actually runs.
+    U diag(sigma) U^T <- top_k(alpha U diag(sigma) U^T + (1 - alpha) d_t d_t^T)
+    g <- G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma
+
+  Brand's rank-one eigen-update costs ``O(d k^2 + k^3)``, the inverse ``O(d k)``: three passes
+  over ``U``, one kernel per bucket of equal-rank blocks (:mod:`ginger.kernels`). With ``b1``
+  the updates are first averaged, ``m_t = b1 m_{t-1} + (1 - b1) g_t``, and
+  ``G^{-1} m_t / (1 - b1^t)`` is returned. ``fisher_grads=None`` folds in the updates
+  themselves (the empirical Fisher) or, with ``curvature_every > 1``, leaves the curvature as
+  it is; which steps update it is static under ``jit``, so compile one step with and one
+  without ``fisher_grads``. ``reorthonormalise_every=0`` keeps the periodic Cholesky-QR of
+  ``U`` out of the step (a ``lax.cond``, which on a GPU stops the host until the device has
+  caught up) and leaves it to :func:`reorthonormalise`. XLA cannot partition a Pallas kernel:
+  with ``passes="pallas"`` on a state split over devices, pass ``sharding``.
 
   Args:
-    tau: rank of the curvature model (a Python int >= 1).
+    tau: rank of the curvature model, a Python int >= 1.
     alpha: EMA decay of the curvature, in (0, 1).
-    gamma: damping (> 0); ``G^{-1}`` has largest eigenvalue ``1/gamma``.
-    block: ``"per_tensor"`` keeps one ``(U, sigma)`` per leaf (the authors' code; leaves
-      with ``size <= tau`` are modelled exactly with rank ``size``); ``"global"`` treats all
-      leaves as one vector (the paper's text).
-    state_dtype: dtype name of ``U`` and ``sigma`` (float32 by default, also for bf16
-      params; a string so that ``optax.inject_hyperparams`` leaves it static). A narrow
-      state (``"bfloat16"``, ``"float16"``) is only stored narrow: the small algebra
-      (Brand's core and its eigenpairs, the re-orthonormalising factors) runs in
-      :func:`ginger.kernels.compute_dtype` (at least float32), see :func:`brand_step`.
-      The gradient and the update ``~ g / gamma`` are in ``state_dtype`` too: float16 only
-      where they fit its range (with ``gamma = 1e-5`` they overflow; bfloat16 has float32's).
-      Updates are returned in the dtype of the incoming updates.
-    reorthonormalise_every: every this many curvature updates ``U`` is re-orthonormalised
-      (Cholesky-QR, ``S`` unchanged) before the update, to remove the drift of ``U^T U``
-      from ``I``. None: :data:`REORTHONORMALISE_EVERY` for a 32- or 64-bit state (float32's
-      drift is ~3e-8 a step), :data:`REORTHONORMALISE_EVERY_NARROW` for bfloat16 and
-      float16, whose ``U`` is rounded to its few digits every step (``U^T U - I`` grows by
-      about half their unit roundoff a step: 0.12 after 400 bf16 steps; every 10 it stays
-      within about 6 roundoffs, for one more read of ``U`` every 10 updates). The choice is
-      a ``lax.cond`` on the update count in every update, and on a GPU each XLA conditional
-      stops the host until the device has run everything before it: the kernels after it
-      are launched while the GPU waits (ResNet-18 tau 8 on H200s: 0.1 ms of a 7.5 ms step on
-      one GPU, 1.5 ms of 10.7 on two). ``0``: never inside the update, no conditional; the
-      caller re-orthonormalises with :func:`reorthonormalise` as its own jitted call, every
-      :func:`default_reorthonormalise_every` curvature updates (as train.py does).
-    eigensolver: how Brand's ``(k+1) x (k+1)`` core is diagonalised: ``"secular"`` (default)
-      solves it as the diagonal plus rank-one matrix it is (:mod:`ginger.secular`, O(k^2),
-      eigenvalues that are zero in exact arithmetic come out exactly zero); ``"dense"`` forms
-      it and calls ``eigh`` (the reference).
-    curvature_every: the caller folds in a new ``d_t`` only every this many steps (a Python
-      int >= 1, static; beyond the paper, like Shampoo's ``preconditioning_compute_steps``).
-      With ``None`` or ``1`` (the paper) ``fisher_grads=None`` means the empirical Fisher,
-      as above. With ``K > 1`` it means *no curvature update*: the update is
-      ``G^{-1} updates`` with the current ``G`` and the curvature (``count``, ``U``,
-      ``sigma``) is returned unchanged (two reads of ``U``, no eigenproblem), so a training
-      loop passes ``fisher_grads`` on every K-th step only and skips the ``d_t`` backward
-      pass on the others. Which steps get one
-      is the caller's choice (it is static under ``jit``: compile one step with and one
-      without ``fisher_grads``).
-    passes: how the passes over ``U`` run (:mod:`ginger.kernels`): ``"jnp"`` (default) as
-      jnp expressions that XLA fuses; ``"pallas"`` as fused Pallas kernels (Triton on GPUs,
-      interpreted elsewhere: a test harness, slow); ``"auto"``: ``"pallas"`` on GPUs,
-      ``"jnp"`` elsewhere. Both agree to float32 summation order. Either way the rotation
-      of ``U`` is written in place when the state is donated to the jitted step (the Pallas
-      kernel aliases ``U``; the jnp path rotates large buckets in row blocks). With
-      ``"pallas"`` the secular eigensolver's bisection is one kernel too (the same bits as
-      its jnp loop; :mod:`ginger.secular`). XLA cannot partition a ``pallas_call``: with
-      ``sharding`` (a state split over devices) the kernels run per device under
-      ``shard_map``, each on its own rows of ``U``, the sums of passes 1 and 2 added over
-      the devices (``psum`` of ``tau``-vectors), pass 3 row-local; without ``sharding`` do
-      not split this state over several devices with ``"pallas"``.
-    sharding: where the state's bases are placed when it is split over devices
-      (:class:`ginger.sharding.StateSharding`, the arguments the state was placed with), or
-      None (default: nothing is pinned; one device, a replicated state, or plain ``jit``).
-      Given, the step's stacked ``g``, ``d``, update and new ``U`` are pinned to the rows of
-      ``U`` each device holds (``jax.lax.with_sharding_constraint``), so that XLA slices
-      the gradients into local rows instead of re-laying them out around the passes. Values
-      are the same either way (to float summation order).
-    b1: if set, the updates are first averaged, ``m_t = b1 m_{t-1} + (1 - b1) g_t``, and
-      ``m_t / (1 - b1^t)`` is preconditioned: ``optax.ema(b1, debias=True)`` chained before
-      this transformation, the same arithmetic (to rounding: ``G^{-1} m_t`` is divided by
-      ``1 - b1^t``, which ``G^{-1}``'s linearity allows), but with ``m`` kept in the stacked
-      layout of ``U`` (``state.mu``, in ``state_dtype``), so that averaging is one fused
-      operation per bucket on the gathered gradient instead of one per parameter tensor.
-      Every call averages, also one without a curvature update.
+    gamma: damping, > 0; ``G^{-1}`` scales directions outside ``span U`` by ``1 / gamma``.
+    block: ``"per_tensor"`` (a model per leaf, the authors' code) or ``"global"`` (the paper).
+    state_dtype: dtype of ``U``, ``sigma`` and ``mu``; the small algebra runs in >= float32.
+    reorthonormalise_every: curvature updates between re-orthonormalisations of ``U``; 0: never.
+    eigensolver: ``"secular"`` (``O(k^2)``) or ``"dense"`` (``eigh``) for Brand's core.
+    curvature_every: steps between the caller's curvature updates, a static int; None: 1.
+    passes: how the passes over ``U`` run: ``"jnp"``, ``"pallas"`` or ``"auto"``.
+    sharding: the :class:`ginger.sharding.StateSharding` of a state split over devices.
+    b1: decay of the bias-corrected momentum kept in the state; None: no momentum.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
+
+  Examples:
+    From a fresh state (``sigma = 0``), one step with ``d_t = g`` makes
+    ``G = gamma I + (1 - alpha) g g^T``, so ``G^{-1} g = g / (gamma + (1 - alpha) ||g||^2)``:
+    here per leaf, ``||g||^2`` = 6 for ``w`` and 2 for ``b``.
+
+    >>> import jax.numpy as jnp
+    >>> import ginger
+    >>> params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
+    >>> tx = ginger.scale_by_ginger(tau=2, alpha=0.5, gamma=1.0)
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    >>> updates, state = tx.update(grads, state, fisher_grads=grads)
+    >>> print(f"{float(updates['w'][0, 0]):.4f} {float(updates['b'][0]):.4f}")
+    0.2500 0.5000
+
+  References:
+    Yongchang Hao, Yanshuai Cao and Lili Mou, `Ginger: An Efficient Curvature Approximation
+    with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_,
+    2024
   """
   tau = _common.check_tau(tau)
   _common.check_alpha(alpha)
@@ -320,8 +293,7 @@ def scale_by_ginger(
     divides the preconditioned ``m_t`` by the bias correction ``1 - b1^t`` (``optax.ema(b1,
     debias=True)``'s, after ``G^{-1}`` rather than before: ``G^{-1}`` is linear, and the
     division then fuses into the per-leaf ops after the update instead of writing a corrected
-    copy of every bucket's ``m``: ResNet-18 tau 8 on an H200, 0.85 against 0.92 ms an update,
-    docs/benchmarks.md); plus the new ``mu_count``. Without ``b1``: ``gs``, the
+    copy of every bucket's ``m``); plus the new ``mu_count``. Without ``b1``: ``gs``, the
     identity and the state's ``mu`` and ``mu_count``."""
     if b1 is None:
       return gs, lambda outs: outs, state.mu, state.mu_count
@@ -596,9 +568,8 @@ def _per_shard_sums(fn, sharding, impl, bucket_args, kinds, out_kinds) -> list:
   """``[fn(*args) for args in bucket_args]`` for a pass whose results of layouts ``_SUMS`` are
   sums over the rows, as :func:`_per_shard` runs it per bucket, but the buckets whose passes
   run per device all in one ``shard_map``, their sums added over the devices in one ``psum``
-  (per mesh axis and dtype) instead of one per bucket and sum: XLA's combiner merged only some
-  of those, and each all-reduce is a latency-bound collective (2x H200, split state: 14
-  all-reduces a step and device against the replicated state's 4). Under ``shard_map``
+  (per mesh axis and dtype) instead of one per bucket and sum: XLA's combiner merges only some
+  of those, and each all-reduce is a latency-bound collective. Under ``shard_map``
   ``fn`` gives each device's partial sums over its own rows; ``kinds``, ``out_kinds``: the
   layouts, as for :func:`_per_shard`."""
   outs: list = [None] * len(bucket_args)
@@ -913,24 +884,61 @@ def ginger(
 ) -> optax.GradientTransformationExtraArgs:
   r"""The Ginger optimizer as the authors compose it.
 
-  ``m_t = EMA_{b1}(g)`` with bias correction -> fold ``d_t`` into ``G_t`` ->
-  ``u = G_t^{-1} m_t`` -> optional element-wise clip to ``[-rho, rho]`` -> ``-lr * u``.
+  A bias-corrected momentum, preconditioned by :func:`scale_by_ginger`, optionally clipped
+  element-wise, scaled by the learning rate::
 
-  ``update(grads, state, params, *, fisher_grads=d_t)``: pass the sampled-Fisher vector
-  (:func:`ginger.fisher.value_grad_and_fisher`); without it the raw gradient is used
-  (empirical Fisher), or, with ``curvature_every > 1``, the curvature is left as it is.
-  Defaults: ``tau=4, gamma=1e-5, b1=0.9, alpha=0.99`` are the authors'
-  and the paper's; the authors also clip with ``rho=1`` (off here by default: with
+    m_t = b1 m_{t-1} + (1 - b1) g_t
+    u_t = clip(G_t^{-1} m_t / (1 - b1^t), -rho, rho)
+    params <- params - lr_t u_t
+
+  ``G_t`` is updated first with ``fisher_grads`` (``d_t``, from
+  :func:`ginger.fisher.value_grad_and_fisher`) as in :func:`scale_by_ginger`; without it the
+  raw gradient is used (the empirical Fisher), or, with ``curvature_every > 1``, the curvature
+  is left as it is. The defaults ``tau=4``, ``alpha=0.99``, ``gamma=1e-5``, ``b1=0.9`` are the
+  paper's and the authors'; the authors also clip with ``rho=1``, off here by default (with
   ``rho=1`` most entries are clipped and the method approaches sign-momentum).
 
   Args:
     learning_rate: a scalar or an optax schedule.
-    tau, alpha, gamma, block, state_dtype, reorthonormalise_every, eigensolver,
-    curvature_every, passes, sharding: see :func:`scale_by_ginger`.
-    b1: momentum (EMA) decay of the gradient, bias-corrected: kept in Ginger's state, stacked
-      as ``U`` is (``scale_by_ginger``'s ``b1``; the arithmetic of ``optax.ema(b1,
-      debias=True)`` chained before it, as earlier versions did).
-    rho: if set, clip every update entry to ``[-rho, rho]`` before the learning rate.
+    tau: rank of the curvature model (:func:`scale_by_ginger`).
+    alpha: EMA decay of the curvature, in (0, 1).
+    gamma: damping, > 0.
+    b1: decay of the momentum, kept in Ginger's state, in [0, 1).
+    rho: if set, each update entry is clipped to ``[-rho, rho]`` before the learning rate.
+    block: ``"per_tensor"`` or ``"global"`` (:func:`scale_by_ginger`).
+    state_dtype: dtype of the curvature state and the momentum (:func:`scale_by_ginger`).
+    reorthonormalise_every: as in :func:`scale_by_ginger`.
+    eigensolver: as in :func:`scale_by_ginger`.
+    curvature_every: as in :func:`scale_by_ginger`.
+    passes: as in :func:`scale_by_ginger`.
+    sharding: as in :func:`scale_by_ginger`.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; its ``update`` takes ``fisher_grads``.
+
+  Examples:
+    A softmax regression trained with the sampled-Fisher vector of each step's batch:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import ginger
+    >>> x = jax.random.normal(jax.random.key(0), (64, 4))
+    >>> y = (x[:, 0] + x[:, 1] > 0).astype(jnp.int32)
+    >>> params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+    >>> logits_fn = lambda p: x @ p["w"] + p["b"]
+    >>> tx = ginger.ginger(learning_rate=1e-2, tau=2, rho=1.0)
+    >>> state = tx.init(params)
+    >>> for t in range(30):
+    ...   (loss, _), grads, d = ginger.fisher.value_grad_and_fisher(
+    ...     logits_fn, params, y, jax.random.key(t))
+    ...   updates, state = tx.update(grads, state, params, fisher_grads=d)
+    ...   params = optax.apply_updates(params, updates)
+    >>> print(bool(loss < 0.6))  # from log(2) = 0.69
+    True
+
+  References:
+    Yongchang Hao, Yanshuai Cao and Lili Mou, `Ginger: An Efficient Curvature Approximation
+    with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_,
+    2024
   """
   every = _common.check_every("curvature_every", curvature_every)
   _common.check_rho(rho)

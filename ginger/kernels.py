@@ -69,32 +69,26 @@ from jax.experimental.pallas import triton as plgpu
 IMPLS = ("auto", "jnp", "pallas")
 HIGHEST = jax.lax.Precision.HIGHEST
 # Rows of one tile of U by padded rank (other ranks: TILE_ELEMENTS / padded rank rows, at most
-# MAX_TILE_ROWS), and the tiles a program streams through (its rows are STEPS * tile). Chosen by
-# bench.kernel_tiling on an H200 (ResNet-18 shapes, per_tensor; docs/benchmarks.md): one tile
-# a program, 512 rows at rank <= 16 (tau 8: 1.52 ms an update; 256 rows x 4 tiles: 1.66), 64
-# rows at rank 32 (tau 32: 3.01 ms; 128 x 4: 3.97). Larger tiles at rank 32 spill registers
-# (256 rows x 2 tiles: 42 ms).
+# MAX_TILE_ROWS), and the tiles a program streams through (its rows are STEPS * tile), as
+# bench.kernel_tiling picks them for ResNet-18's shapes on an H200: one tile a program, 512 rows
+# at rank <= 16, 64 at rank 32, where larger tiles spill registers.
 TILE_ROWS = {16: 512, 32: 64}
-# Pass 3's rows per tile where they differ from TILE_ROWS (a tuning knob of bench.kernel_tiling,
-# empty). At rank 32 its dot alone ran faster on 128-row tiles in one measurement (largest
-# ResNet-18 bucket: 724-730 against 800-812 us at 64 rows), slower in another (1050 against 802
-# us), and the whole tau 32 update lost with them: 3.04 against 2.72 ms (H200).
+# Pass 3's rows per tile where they differ from TILE_ROWS (a knob of bench.kernel_tiling). Empty:
+# at rank 32, 128-row tiles speed up pass 3's dot alone but not the whole update.
 ROTATE_TILE_ROWS: dict[int, int] = {}
 TILE_ELEMENTS = 2048
 MAX_TILE_ROWS = 512
 STEPS = 1
 # Ranks are padded to a power of two of at least this many lanes (a power of two >= 4) in passes
-# 1 and 2. Rank 8 in 8 lanes lost in session 12 (1.80 against 1.59 ms an update), when pass 3
-# formed its rotation in 8 lanes as a broadcast and a sum (728 us for the largest bucket).
+# 1 and 2: rank 8 in 8 lanes makes the update slower.
 MIN_PADDED_RANK = 16
 # Pass 3's padding (a power of two >= 4). Where the padded rank is below 16 the rotation U rot is
 # formed column by column: column j of the tile (a row sum of the tile masked to lane j: exact)
 # times row j of rot, k multiply-adds per entry in the reference's order. At 16 lanes and more
-# it is one Triton dot (``tl.dot`` needs >= 16). The dot costs pass 3 half its speed at rank 8
-# (its operands change layout through shared memory; 4x the multiply-adds in padding): the
-# largest ResNet-18 bucket (3 x 2359296 x 8) rotates in 320 us as a dot in 16 lanes, 167 us
-# column by column in 8 lanes (XLA's elementwise pass over the same bytes: 127 us), while
-# column by column at rank 32 takes 2.3-3.1 ms against the dot's 0.72-0.81 (H200, session 18).
+# it is one Triton dot (``tl.dot`` needs >= 16). At rank 8 the dot halves pass 3's speed (its
+# operands change layout through shared memory, and padding to 16 lanes quadruples the
+# multiply-adds), so rank 8 rotates column by column, close to an elementwise pass over the same
+# bytes; at rank 32 the dot is several times faster than the columns.
 ROTATE_MIN_PADDED_RANK = 8
 # Triton's warps per program and software-pipelining stages of its loops (None: Triton's own).
 NUM_WARPS = 4
@@ -106,13 +100,10 @@ ROW_BLOCK_ELEMENTS = 1 << 24
 MAX_ROW_BLOCKS = 16
 # Whether the jnp rotation (rows_per_block=None) runs in row blocks, read when the step is
 # traced: None on GPUs only, True always (the tests of the blocked path on the CPU), False
-# never. Not on the CPU by default: there the blocks cost time and the in-place rotation is
-# bought with a second U's memory instead. XLA:CPU (jax 0.10) copies each block's slice of U
-# out and back (dynamic-slice / dynamic-update-slice, ~59 of ~117 ms a step at ResNet-18
-# tau=8 on the 2-core CPU), and inside the loop the output's k multiply-adds (below) no longer
-# fuse (k column copies of every block, +50% on the whole step): ResNet-18 tau=8 per_tensor,
-# both changes 0.62x the authors' step, each alone 0.84x / 1.27x, neither 0.89x (a profile's
-# variants); as committed, ours / authors in one process 0.76 -> 0.54 (2026-11-26).
+# never. Not on the CPU by default: there the in-place rotation is bought with a second U's
+# memory instead, because XLA:CPU copies each block's slice of U out and back
+# (dynamic-slice / dynamic-update-slice) and, inside the loop, no longer fuses the output's k
+# multiply-adds (below): both make the step slower.
 JNP_ROW_BLOCKS: bool | None = None
 
 
@@ -209,10 +200,9 @@ def _rowmatmul(u, mat):
 
 def _row_sums(u, xs):
   """``U^T [x_1 ... x_j]`` (lowrank.row_sums): one product with the stacked ``x``s on GPUs;
-  elsewhere one vector-matrix product ``x_i^T U`` each. XLA:CPU (jax 0.10) runs the
-  ``(k, n) x (n, j)`` product at about half the speed of ``j`` such products, each one more
-  read of ``U`` (pass 1, ``j = 2``, on a (3, 2359296, 8) ``U`` on the 2-core CPU: 148 against
-  72 ms; the whole ResNet-18 tau=8 step ~0.9x)."""
+  elsewhere one vector-matrix product ``x_i^T U`` each: XLA:CPU runs the ``(k, n) x (n, j)``
+  product at about half the speed of ``j`` such products, although each is one more read of
+  ``U``."""
   if _on_gpu():
     return jnp.einsum("...nk,...nj->...kj", u, jnp.stack(xs, -1), precision=HIGHEST)
   return jnp.stack([jnp.einsum("...n,...nk->...k", x, u, precision=HIGHEST) for x in xs], -1)
@@ -220,22 +210,19 @@ def _row_sums(u, xs):
 
 def _matvec(u, a):
   """``U a`` of the first residual: ``k`` multiply-adds (:func:`_rowdot`) on GPUs; elsewhere
-  one matrix-vector product. XLA:CPU (jax 0.10) fuses the multiply-adds into every consumer
-  of ``p1`` and computes it twice, once for the stored ``p1`` and the row sums and once for
-  the operand of ``U^T p1`` (a reshape of it), each a read of ``U``; as a product ``U`` is read
-  once and only ``(v - U a) inv_l1``, two vectors, is computed twice (ResNet-18 tau=8 on the
-  2-core CPU: 0.89x the step time)."""
+  one matrix-vector product. XLA:CPU fuses the multiply-adds into every consumer of ``p1`` and
+  computes it twice, once for the stored ``p1`` and the row sums and once for the operand of
+  ``U^T p1`` (a reshape of it), each a read of ``U``; as a product ``U`` is read once and only
+  ``(v - U a) inv_l1``, two vectors, is computed twice."""
   if _on_gpu():
     return _rowdot(u, a)
   return jnp.einsum("...nk,...k->...n", u, a, precision=HIGHEST)
 
 
 def _vdot(x, y):
-  """``x . y`` over the last axis: a reduction of the product on GPUs; elsewhere a dot.
-  XLA:CPU (jax 0.10) turns the reduction into a YNNPACK reduce that runs at ~0.6 GB/s: pass
-  2's ``p1 . g`` on one of ResNet-18's 2359296-row tensors took 33 ms (three such tensors),
-  as a dot it runs near copy bandwidth (ResNet-18 tau=8 on the 2-core CPU: 345 -> 257 ms a
-  step)."""
+  """``x . y`` over the last axis: a reduction of the product on GPUs; elsewhere a dot, which
+  runs near copy bandwidth where XLA:CPU turns the reduction into a far slower YNNPACK
+  reduce."""
   if _on_gpu():
     return jnp.sum(x * y, -1)
   return jnp.einsum("...n,...n->...", x, y, precision=HIGHEST)
@@ -261,10 +248,9 @@ def _residual_sums_jnp(u, v, g, a, inv_l1, ay, with_p1=False):
 
 def _rotate_from_residual_jnp(u, p1, q, a2, inv_r, rot, b, a, beta, gamma, *, out_rowdot=True):
   """``out_rowdot``: ``U a`` as ``k`` multiply-adds (:func:`_rowdot`, as
-  :func:`_correct_jnp`), else as a reduction over the rank axis. XLA:CPU (jax 0.10)
-  turns that reduction into a YNNPACK reduce that runs at ~0.5 GB/s (41 ms against 1.8 ms for
-  the multiply-adds on a (1, 2^20, 8) ``U``). With row blocks (:func:`_jnp_row_blocks`: on
-  GPUs) the reduction stays."""
+  :func:`_correct_jnp`), else as a reduction over the rank axis, which XLA:CPU turns into a
+  YNNPACK reduce many times slower than the multiply-adds. With row blocks
+  (:func:`_jnp_row_blocks`: on GPUs) the reduction stays."""
   p = (p1 - _rowdot(u, a2)) * inv_r[..., None]
   u_new = _rowmatmul(u, rot) + p[..., None] * b[..., None, :]
   u_a = _rowdot(u, a) if out_rowdot else jnp.sum(u * a[..., None, :], axis=-1)
@@ -315,9 +301,9 @@ def _rotate_in_row_blocks(
   if row_shards > 1 and n % row_shards == 0:
     rows = row_block(u.shape[:-2] + (n // row_shards,) + u.shape[-1:], rows_per_block)
     if rows >= n // row_shards:
-      # One block per device. Blocks of the whole axis (below) would cut across the split:
-      # ResNet-18 tau=8 on 4 GPUs all-gathered its largest bucket's U, p1, g and output,
-      # 311 MB a step, where each device's quarter fits in one block.
+      # One block per device. Blocks of the whole axis (below) would cut across the split,
+      # and XLA would all-gather U, p1, g and the output to form them, where each device's
+      # share fits in one block.
       return _rotate_from_residual_jnp(
         u, p1, g, a2, inv_r, rot, b, z, beta, gamma, out_rowdot=False
       )

@@ -12,9 +12,9 @@ one read-and-write. Everything else works on ``(k+1) x (k+1)`` matrices. The row
 products are written as ``k`` multiply-adds (:func:`rowdot`, :func:`rowmatmul`) instead of
 dots so that XLA can fuse them into the pass that needs them, and so that no float32 product
 of ``U`` runs in TF32 on GPUs (a dot's default precision there), which would break
-``U^T U = I``. What XLA makes of this on a GPU (it does not fuse everything) is measured in
-docs/benchmarks.md. Ginger's step runs these passes through :mod:`ginger.kernels`, which holds
-the same formulas (``passes="jnp"``) next to fused Pallas kernels (``passes="pallas"``).
+``U^T U = I``. XLA does not fuse all of it on a GPU, so Ginger's step runs these passes
+through :mod:`ginger.kernels`, which holds the same formulas (``passes="jnp"``) next to fused
+Pallas kernels (``passes="pallas"``).
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def row_sums(u: jax.Array, xs: Sequence[jax.Array]) -> jax.Array:
   """``U^T [x_1 ... x_j]`` per block: ``(..., n, k), j x (..., n) -> (..., k, j)``.
 
   A dot at full float32 precision (``HIGHEST``: a default float32 dot may run in TF32 on
-  GPUs). On an H200 (docs/benchmarks.md) it ran within 5% of a fused two-stage reduction over
-  the rows, and it is several times faster on CPUs.
+  GPUs). On a GPU it runs about as fast as a fused two-stage reduction over the rows, and on
+  CPUs several times faster.
   """
   return jnp.einsum("...nk,...nj->...kj", u, jnp.stack(xs, -1), precision=HIGHEST)
 

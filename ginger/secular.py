@@ -37,8 +37,8 @@ The method (Golub 1973; Bunch, Nielsen and Sorensen 1978; Gu and Eisenstat 1994;
 The bisection runs as ``impl`` says (:func:`eigh_diag_plus_rank_one`): ``"jnp"``, a
 ``fori_loop`` of jnp expressions (the reference, and the CPU path), or ``"pallas"``, one
 Pallas kernel (:func:`bisect_pallas`; Triton on GPUs, interpreted elsewhere). On a GPU the
-loop is three small XLA kernels a step, 93 launches a solve (~88 us of kernel time on an
-H200, mostly launch latency); the kernel runs all 31 steps for all roots of a batch entry in
+loop is three small XLA kernels a step, 93 launches a solve, whose time is mostly launch
+latency; the kernel runs all 31 steps for all roots of a batch entry in
 registers, one program per entry. Both evaluate ``f`` with the same operations in the same
 order (on GPUs also the same float32 division, PTX ``div.full`` in XLA and in Triton), and
 so end at the same bits of every root (tests/test_secular.py): the eigenvectors depend on

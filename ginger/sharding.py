@@ -11,8 +11,8 @@ state lives (``ginger.ginger(..., sharding=ginger.sharding.StateSharding(mesh, "
 stacked ``g`` and ``d`` are pinned to the rows of ``U`` each device holds, and so is the update
 as the passes make it; then it is gathered whole, stack by stack, before the leaves are sliced
 out of it. Without the first, XLA's partitioner sees params-shaped vectors meet row-split bases
-and re-lays them out with all-gathers and collective-permutes (about twice the bytes of a
-replicated state per step, docs/benchmarks.md); without the second, slicing a leaf that ends
+and re-lays them out with all-gathers and collective-permutes (more bytes a step than a
+replicated state moves); without the second, slicing a leaf that ends
 inside a device's rows out of the split update sends its edges between neighbours (a
 collective-permute per slice, one after the other).
 
@@ -186,9 +186,9 @@ class StateSharding:
 
     The rest of such a state is small (counts, ``sigma``) or params-shaped (the states of
     transformations chained with Ginger's): split by the params' own axes, such an array that
-    meets the stacked vectors is re-laid out by the bases' rows every step (Ginger's momentum
-    while it was params-shaped: 45 MB of all-gathers a ResNet-18 step), while whole on every
-    device it is updated from the all-reduced gradient with no collective.
+    meets the stacked vectors is re-laid out by the bases' rows every step (all-gathers),
+    while whole on every device it is updated from the all-reduced gradient with no
+    collective.
     """
     from ginger.ginger import StackedBasis, StackedRows  # that module imports this one
 

@@ -71,9 +71,9 @@ BATCHNORMS = ("sync", "per_device")
 
 def resolve_batchnorm_groups(cfg) -> int:
   """The groups of the ResNet's BatchNorm statistics for ``cfg.batchnorm``: 1 for "sync" (or
-  absent: configs from before the key), the size of the mesh's data axis for "per_device"
+  null), the size of the mesh's data axis for "per_device"
   (statistics over each device's share of the batch; models.resnet.GroupedBatchNorm)."""
-  mode = cfg.get("batchnorm") or "sync"
+  mode = cfg.batchnorm or "sync"
   if mode not in BATCHNORMS:
     raise ValueError(f"batchnorm must be one of {list(BATCHNORMS)}, got {mode!r}.")
   if mode == "sync":

@@ -14,7 +14,7 @@ set -u
 PY=${PY:-python3}
 SEEDS=${SEEDS:-0}
 EXTRA=${CAMPAIGN_ARGS:-logger=none}
-# Longest jobs first (their step costs: docs/benchmarks.md), so that the pool finishes sooner.
+# Longest jobs first (by measured time a step), so that the pool finishes sooner.
 ARMS="qng_tau32,qng_tau16,ginger_tau32,qng_tau8,ginger_tau16,qng_tau4,qng_tau2,ginger_tau8"
 ARMS="$ARMS,qng_tau1,ginger_tau4,ginger_tau2,ginger_tau1,adam,momentum"
 # Unclipped Ginger's lr grid: the paper's {1, 5} x 10^{-1..-4} times 1e-4. Without the clip a
@@ -44,7 +44,7 @@ for phase in "$@"; do
     table2) pool +sweep=table2 "+sweep/arm=$ARMS" seed=$SEEDS ;;
     curvature_every)  # the sweep lists its arms longest first (K = 1, 2, 4, 8, then Adam)
       pool +sweep=curvature_every seed=$SEEDS ;;
-    time_to_accuracy)  # issue 14.7: K = 1, 4, 8, 16 and Adam, Table 1's 30 epochs, one card kind
+    time_to_accuracy)  # K = 1, 4, 8, 16 and Adam, Table 1's 30 epochs, one card kind
       pool +sweep=curvature_every epochs=30 "+sweep/arm=ginger_tau8,ginger_tau8_k4,ginger_tau8_k8,ginger_tau8_k16,adam" \
         seed=$SEEDS ;;
     *) echo "unknown phase $phase (lr_tune table1_r18 table1_r50 table34 ablation table2" \

@@ -1,18 +1,17 @@
 """What a resume reads back: checkpoints (training/checkpoints.py) independent of how Ginger
-buckets its bases, checkpoints of earlier versions, every optimizer's state bit for bit, the
-metrics log truncated to the checkpoint, and the batch order of an epoch."""
+buckets its bases, every optimizer's state bit for bit, a clear refusal of a checkpoint that
+does not fit the state, the metrics log truncated to the checkpoint, and the batch order of an
+epoch."""
 
 import collections
 import gc
 import json
 import signal
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 from hydra import compose, initialize_config_dir
@@ -20,9 +19,8 @@ from omegaconf import OmegaConf
 
 import ginger
 from ginger import _common
-from ginger.ginger import StackedRows
 from models.tasks import build_task
-from training import checkpoints, logs, run_record, sharding
+from training import logs, run_record, sharding
 from training import loop as train
 from training.checkpoints import Checkpointer, CheckpointError
 from training.errors import Interrupted
@@ -90,23 +88,6 @@ def _steps(setup, state, start: int, stop: int):
   return state, losses
 
 
-def _save_as_before(run_dir: Path, step: int, state) -> None:
-  """A checkpoint as the code before per-leaf checkpoints (2fea65c) wrote it: the raw state,
-  Ginger's bases (and its momentum) as their stacked buckets, the per-tensor ``sigma`` per
-  leaf, PRNG keys as their data. (That code kept the momentum in ``optax.ema``'s state: see
-  test_a_checkpoint_from_before_the_stacked_momentum_restores_exactly.)"""
-  raw = jax.tree.map(
-    lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
-    checkpoints._sigma_per_leaf(state),
-  )
-  manager = ocp.CheckpointManager(
-    Path(run_dir).absolute() / "checkpoints",
-    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
-  )
-  manager.save(step, args=ocp.args.StandardSave(raw), force=True)
-  manager.wait_until_finished()
-
-
 # The loop-level runs across bucket plans take ~65 s of compiling on 2 CPU cores: `make
 # test-all`. `make test` keeps the library-level check (tests/test_ginger_layout.py:
 # test_checkpoint_does_not_depend_on_the_bucketing) and the round trips below.
@@ -119,7 +100,7 @@ def across_plans(tmp_path_factory):
   and its references: the same steps with the loop's step function, uninterrupted; the
   state at step 2 moved to the other plan in memory."""
   tmp = tmp_path_factory.mktemp("plans")
-  out = {"new": tmp / "new", "old": tmp / "old"}
+  out = {"new": tmp / "new"}
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(_common, "BUCKET_OVERHEAD", FEW)
     patch.setattr(_common, "SOLO_BUCKETS", False)  # the plans of every backend
@@ -128,10 +109,7 @@ def across_plans(tmp_path_factory):
     few = train.build(config(*RUN))
     out["few"] = few
     out["at_2"], _ = _steps(few, few.state, 0, 2)
-    _save_as_before(out["old"], 2, out["at_2"])
-    out["few_restored"] = {
-      run: Checkpointer(out[run]).restore(few.state, 2) for run in ("new", "old")
-    }
+    out["few_restored"] = Checkpointer(out["new"]).restore(few.state, 2)
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(_common, "BUCKET_OVERHEAD", MANY)
     patch.setattr(_common, "SOLO_BUCKETS", False)  # the plans of every backend
@@ -144,9 +122,6 @@ def across_plans(tmp_path_factory):
     out["summary"] = train.train(config(*RUN), out["new"])  # resumes at step 2
     out["many_restored"] = {"new": Checkpointer(out["new"]).restore(many.state, 4)}
     out["at_2_many"] = Checkpointer(out["new"]).restore(many.state, 2)
-    with pytest.raises(CheckpointError) as error:
-      Checkpointer(out["old"]).restore(many.state, 2)
-    out["old_error"] = str(error.value)
   return out
 
 
@@ -188,18 +163,9 @@ def test_resumed_under_another_plan_continues_bit_for_bit(across_plans):
 
 @ACROSS_PLANS_SLOW
 def test_checkpoints_under_the_same_plan_restore_as_saved(across_plans):
-  """Under the plan that wrote them, the per-leaf checkpoint of train() and one in the
-  stacked layout of earlier versions both restore to the uninterrupted state at step 2."""
-  for run in ("new", "old"):
-    _assert_bitwise(across_plans["few_restored"][run], across_plans["at_2"])
-
-
-@ACROSS_PLANS_SLOW
-def test_an_earlier_checkpoint_under_another_plan_says_what_to_do(across_plans):
-  message = across_plans["old_error"]
-  assert "checkpoint 2 in" in message and "earlier version" in message
-  assert "1 buckets in the checkpoint, 17 now" in message
-  assert "BUCKET_OVERHEAD in ginger/_common.py" in message and "resume=false" in message
+  """Under the plan that wrote it, train()'s checkpoint restores to the uninterrupted state at
+  step 2."""
+  _assert_bitwise(across_plans["few_restored"], across_plans["at_2"])
 
 
 def _random_state(setup, seed: int):
@@ -407,92 +373,21 @@ def test_a_corrupt_checkpoint_fails_clearly(tmp_path):
     Checkpointer(tmp_path).restore(setup.state)
 
 
-# ------------------------------------------- checkpoints from before Ginger kept its momentum
+# ---------------------------------------------------------- a checkpoint of another configuration
 
 
-class _GingerStateBefore(NamedTuple):
-  """``ginger.ScaleByGingerState`` before it held the momentum (its fields then)."""
-
-  count: Any
-  u: Any
-  sigma: Any
+SMALL = {"a": (5, 3), "b": (11,)}
 
 
-SMALL = {"a": (5, 3), "b": (11,), "e": (2,)}
-GINGER = dict(tau=3, alpha=0.9, gamma=1e-2)
-
-
-def _small_params():
-  """Params of several sizes (several buckets under MANY, one a rank under FEW), one leaf in
-  bfloat16 (earlier momenta were kept in the params' dtype)."""
-  return {k: jnp.zeros(s, jnp.bfloat16 if k == "e" else jnp.float32) for k, s in SMALL.items()}
-
-
-def _state_before(block: str):
-  """A state of Ginger as earlier versions composed it, ``optax.ema`` chained before the
-  preconditioner: ``(EmaState, Ginger's state of 3 fields, clip, lr)``, with random numbers
-  in every entry (so that nothing passes by being zero or in another's place), the bases
-  stacked with zero padding."""
-  tx = optax.chain(
-    optax.ema(0.9, debias=True),
-    ginger.scale_by_ginger(block=block, **GINGER),
-    optax.identity(),
-    optax.scale_by_learning_rate(0.1),
-  )
-  rng = np.random.default_rng(3)
-
-  def noise(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return jnp.asarray(rng.normal(size=x.shape), x.dtype)
-    return jnp.asarray(rng.integers(1, 1000, size=x.shape), x.dtype)
-
-  fresh = tx.init(_small_params())
-  state = ginger.restore_checkpoint_state(
-    jax.tree.map(noise, ginger.checkpoint_state(fresh)), fresh
-  )
-  ema, pre, *rest = state
-  return (ema, _GingerStateBefore(pre.count, pre.u, pre.sigma), *rest)
-
-
-@pytest.mark.parametrize("block", ["per_tensor", "global"])
-def test_a_checkpoint_from_before_the_stacked_momentum_restores_exactly(tmp_path, block, caplog):
-  """A checkpoint of a version whose Ginger chained ``optax.ema`` before its preconditioner
-  (bases per leaf, as ``Checkpointer.save`` wrote them, or stacked as still earlier versions
-  did) restores into this version's state with a warning: the ``ema`` is the momentum
-  ``mu`` (per leaf, cast from the params' dtype to float32: exact), its count ``mu_count``,
-  everything else as saved, bit for bit, in the structure and placement of the template.
-  Stacked under another bucket plan, it says what to do."""
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(_common, "BUCKET_OVERHEAD", FEW)
-    before = _state_before(block)
-    Checkpointer(tmp_path / "per_leaf").save(3, before)
-    Checkpointer(tmp_path / "per_leaf").wait()
-    _save_as_before(tmp_path / "stacked", 3, before)
-    like = ginger.ginger(0.1, b1=0.9, block=block, **GINGER).init(_small_params())
-  ema, pre, *rest = before
-  mu = jax.tree.map(lambda e: jnp.ravel(e).astype(jnp.float32), ema.ema)
-  sigma = ginger.checkpoint_state(pre.sigma)  # per leaf (per_tensor), as saved
-  expected = (ginger.ScaleByGingerState(pre.count, pre.u.tree(), sigma, mu, ema.count), *rest)
-  for layout in ("per_leaf", "stacked"):
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="train"):
-      restored = Checkpointer(tmp_path / layout).restore(like, 3)
-    assert "written before Ginger kept its momentum" in caplog.text, layout
-    assert jax.tree.structure(restored) == jax.tree.structure(like)
-    assert isinstance(restored[0].mu, StackedRows)
-    _assert_bitwise(ginger.checkpoint_state(restored), expected)
-    for x, t in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True):
-      assert x.sharding == t.sharding
-  if block == "per_tensor":  # global: one block, the same under every plan
-    with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(_common, "BUCKET_OVERHEAD", MANY)
-      like = ginger.ginger(0.1, b1=0.9, block=block, **GINGER).init(_small_params())
-    with pytest.raises(CheckpointError, match="2 buckets in the checkpoint, 3 now"):
-      Checkpointer(tmp_path / "stacked").restore(like, 3)
-    # Per leaf it restores under any plan.
-    _assert_bitwise(
-      ginger.checkpoint_state(Checkpointer(tmp_path / "per_leaf").restore(like, 3)), expected
-    )
+def test_a_checkpoint_of_another_configuration_is_refused(tmp_path):
+  """Ginger tau=3's checkpoint restored into a tau=2 state: refused, quoting the shapes."""
+  params = {k: jnp.zeros(s) for k, s in SMALL.items()}
+  saved = ginger.ginger(0.1, tau=3, alpha=0.9, gamma=1e-2).init(params)
+  Checkpointer(tmp_path).save(3, saved)
+  Checkpointer(tmp_path).wait()
+  like = ginger.ginger(0.1, tau=2, alpha=0.9, gamma=1e-2).init(params)
+  with pytest.raises(CheckpointError, match=r"checkpoint 3 in .* cannot be read .*stored shape"):
+    Checkpointer(tmp_path).restore(like, 3)
 
 
 # ----------------------------------------------------------------------------- metrics.jsonl

@@ -3,7 +3,7 @@
 The loop runs two programs built from one step function: the paper's step (d-pass, curvature
 update) and, between curvature updates, the same step without the d-pass (the optimizer then
 preconditions with the current G and leaves the curvature as it is). Checked here on the demo
-experiment: K=1 is the step of before, K=3 updates the curvature on steps 0, 3, 6 only, the
+experiment: K=1 (or null) is the paper's step, K=3 updates the curvature on steps 0, 3, 6 only, the
 step without the d-pass has none of its work, a run resumed mid-period continues bit for bit,
 summary.json's FLOPs are the mean over K steps, bad values are refused up front, and the
 run-dir fingerprint tells K apart while older run dirs keep theirs.
@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import ginger
 from models import flops
@@ -86,18 +85,16 @@ def runs_setup(runs):
   return train.build(runs["cfg"])
 
 
-# ---- K = 1 is the paper's step, as before ------------------------------------------------
+# ---- K = 1 is the paper's step ---------------------------------------------------------------
 
 
-def test_k1_builds_the_step_of_before():
-  """``curvature_every=1`` and a config without the key (every run config written before it)
-  build one program, the same one, with the d-pass on every step."""
+def test_k1_and_null_build_the_papers_step():
+  """``curvature_every=1`` and ``curvature_every=null`` build one program, the same one, with
+  the d-pass on every step."""
   cfg = config(*BASE, "curvature_every=1")
-  old = config(*BASE)
-  OmegaConf.set_struct(old, False)
-  del old["curvature_every"]
+  unset = config(*BASE, "curvature_every=null")
   texts = []
-  for c in (cfg, old):
+  for c in (cfg, unset):
     setup = train.build(c)
     assert setup.precondition_step is None and setup.curvature_every == 1
     assert all(setup.updates_curvature(step) for step in range(5))

@@ -85,18 +85,3 @@ def test_spectrum_events_go_to_their_own_file_and_resume_like_the_rest(tmp_path:
   assert [e["step"] for e in run_record.read_spectrum(resumed, strict=True)] == [1, 2, 3, 4]
   MetricsLog(resumed, NONE, {}, None)  # a fresh start drops both files
   assert not spectrum.exists() and not (resumed / run_record.METRICS).exists()
-
-
-def test_resuming_an_older_record_cuts_its_in_metrics_spectrum_back_too(tmp_path: Path) -> None:
-  """A record from before spectrum.jsonl.gz, resumed: its spectrum events in metrics.jsonl are
-  cut back with the rest; the new ones go to spectrum.jsonl.gz; readers see all, in order."""
-  old = [
-    {"event": kind, "step": s, "wall_time_s": s + 0.5 * (kind == "spectrum"), "sigma": {}}
-    for s in (1, 2, 3)
-    for kind in ("train", "spectrum")
-  ]
-  write(tmp_path, "".join(json.dumps(e) + "\n" for e in old))
-  log = MetricsLog(tmp_path, NONE, {}, resume_step=2)
-  assert events(tmp_path) == old[:4] and log.wall_offset == 2.5
-  log.write("spectrum", 3, sigma={})
-  assert [e["step"] for e in run_record.read_spectrum(tmp_path, strict=True)] == [1, 2, 3]

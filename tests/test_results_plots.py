@@ -15,11 +15,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def write_run(
   root: Path, name: str, run: dict[str, Any] | None, events: list[dict], **summary: Any
 ) -> Path:
-  """A run dir with metrics.jsonl and (if `run` is given) summary.json."""
+  """A run dir with metrics.jsonl, spectrum.jsonl.gz (the "spectrum" events, if any) and (if
+  `run` is given) summary.json."""
   run_dir = root / name
   run_dir.mkdir(parents=True)
-  lines = [json.dumps(e) for e in events] + ['{"event": "train", "step": 9']  # torn last line
+  logged = [e for e in events if e["event"] != "spectrum"]
+  lines = [json.dumps(e) for e in logged] + ['{"event": "train", "step": 9']  # torn last line
   (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  run_record.append_spectrum(run_dir, [e for e in events if e["event"] == "spectrum"])
   if run is not None:
     fields = {
       "experiment": "cifar10_resnet18",
@@ -118,22 +121,6 @@ def test_read_series_and_spectrum_choice(tmp_path: Path) -> None:
   assert path is not None and is_png(path)
   assert plots.plot_spectrum(root / "q2", tmp_path) is None  # no spectrum events
   assert plots.read_series(tmp_path / "nowhere").train["step"].size == 0
-
-
-def test_spectrum_is_read_from_its_own_file_as_from_older_records(tmp_path: Path) -> None:
-  """A record whose spectrum events are in spectrum.jsonl.gz plots as one that keeps them in
-  metrics.jsonl (written before that file); the plots without spectra do not read it."""
-  root = make_root(tmp_path)
-  legacy = plots.read_series(root / "g4")
-  metrics = root / "g4" / "metrics.jsonl"
-  metrics.write_text(metrics.read_text().rsplit("\n", 2)[0] + "\n")  # the torn line: refused
-  assert run_record.split_spectrum(root / "g4") == 5
-  assert '"spectrum"' not in metrics.read_text()
-  series = plots.read_series(root / "g4")
-  assert (series.spectrum_steps, series.spectrum) == (legacy.spectrum_steps, legacy.spectrum)
-  assert series.spectrum and plots.read_series(root / "g4", spectrum=False).spectrum == []
-  assert plots.default_spectrum_runs(plots.load_runs([root]), limit=2) == [root / "g2", root / "g4"]
-  assert is_png(plots.plot_spectrum(root / "g4", tmp_path))
 
 
 def test_config_labels_show_only_varying_keys() -> None:

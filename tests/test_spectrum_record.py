@@ -1,6 +1,5 @@
 """spectrum.jsonl.gz: the "spectrum" events of a run dir, gzipped JSON lines, one gzip member per
-write. Written, appended, read back (also from older records that keep them in metrics.jsonl),
-cut back on resume and split out of old records (training/run_record.py)."""
+write. Written, appended, read back and cut back on resume (training/run_record.py)."""
 
 from __future__ import annotations
 
@@ -49,15 +48,6 @@ def test_same_events_give_the_same_bytes(tmp_path: Path) -> None:
     run_dir.mkdir()
     run_record.append_spectrum(run_dir, [spectrum(1)])
   assert (a / run_record.SPECTRUM).read_bytes() == (b / run_record.SPECTRUM).read_bytes()
-
-
-def test_older_records_keep_their_spectrum_in_metrics_jsonl(tmp_path: Path) -> None:
-  """The events of metrics.jsonl (an older record, or one resumed from it) come first."""
-  (tmp_path / run_record.METRICS).write_text(jsonl([train(1), spectrum(1), train(2), spectrum(2)]))
-  assert steps(tmp_path, strict=True) == [1, 2]
-  run_record.append_spectrum(tmp_path, [spectrum(3)])
-  assert steps(tmp_path, strict=True) == [1, 2, 3]
-  assert steps(tmp_path / "nowhere") == []
 
 
 def test_a_member_cut_short_is_dropped_or_named(tmp_path: Path) -> None:
@@ -111,49 +101,3 @@ def test_keep_spectrum_refuses_damage_and_leaves_the_file(tmp_path: Path) -> Non
   with pytest.raises(run_record.RunDirError, match=r"damaged gzip member"):
     run_record.keep_spectrum(tmp_path, 1)
   assert path.read_bytes() == damaged
-
-
-def test_split_spectrum_moves_the_events_of_an_older_record(tmp_path: Path) -> None:
-  """Lines move as they are; the others stay as they are; a second split (or one interrupted
-  between its two renames, then rerun) adds nothing twice."""
-  events = [train(1), spectrum(1), train(2), spectrum(2)]
-  metrics = tmp_path / run_record.METRICS
-  metrics.write_text(jsonl(events))
-  gz = tmp_path / run_record.SPECTRUM
-  assert run_record.split_spectrum(tmp_path) == 2
-  assert metrics.read_text() == jsonl([train(1), train(2)])
-  assert gzip.decompress(gz.read_bytes()).decode() == jsonl([spectrum(1), spectrum(2)])
-  assert list(run_record.read_spectrum(tmp_path, strict=True)) == [spectrum(1), spectrum(2)]
-  converted = gz.read_bytes()
-  assert run_record.split_spectrum(tmp_path) == 0 and gz.read_bytes() == converted
-  metrics.write_text(jsonl(events))  # as if the rename of metrics.jsonl had not happened
-  assert run_record.split_spectrum(tmp_path) == 2
-  assert gz.read_bytes() == converted and metrics.read_text() == jsonl([train(1), train(2)])
-
-
-def test_split_spectrum_keeps_later_events_after_the_moved_ones(tmp_path: Path) -> None:
-  """A record resumed by this version after an older one: metrics.jsonl holds the spectrum of
-  the steps before the resume, spectrum.jsonl.gz those after."""
-  (tmp_path / run_record.METRICS).write_text(jsonl([train(1), spectrum(1)]))
-  run_record.append_spectrum(tmp_path, [spectrum(2)])
-  assert run_record.split_spectrum(tmp_path) == 1
-  assert steps(tmp_path, strict=True) == [1, 2]
-
-
-def test_split_spectrum_refuses_a_damaged_record(tmp_path: Path) -> None:
-  metrics = tmp_path / run_record.METRICS
-  metrics.write_text(jsonl([spectrum(1)]) + '{"event": "tr\n')
-  with pytest.raises(run_record.RunDirError, match=r"metrics.jsonl, line 2: not JSON"):
-    run_record.split_spectrum(tmp_path)
-  assert not (tmp_path / run_record.SPECTRUM).exists()
-
-
-def test_split_spectrum_command_line(tmp_path: Path) -> None:
-  old, new = tmp_path / "sweep" / "old", tmp_path / "sweep" / "new"
-  for run_dir in (old, new):
-    run_dir.mkdir(parents=True)
-  (old / run_record.METRICS).write_text(jsonl([train(1), spectrum(1)]))
-  (new / run_record.METRICS).write_text(jsonl([train(1)]))
-  assert run_record.main(["split-spectrum", str(tmp_path)]) == 0
-  assert steps(old, strict=True) == [1] and (old / run_record.SPECTRUM).exists()
-  assert not (new / run_record.SPECTRUM).exists()

@@ -395,14 +395,16 @@ def test_rerun_with_other_logging_continues(adam_run, tmp_path):
   assert again == summary  # complete: the same run, its summary kept
 
 
-def test_run_dir_from_before_fingerprints(adam_run, tmp_path):
-  cfg = config(*ADAM)
+def test_a_run_dir_without_run_json_is_refused(adam_run, tmp_path):
+  """A dir that holds a run but no run.json: nothing says which run it is, so a rerun there
+  (even of the same config) is refused and changes nothing; resume=false starts over."""
   _copy_of(adam_run, tmp_path)
-  (tmp_path / "run.json").unlink()  # as a run dir written before run.json existed
-  with pytest.raises(run_record.RunDirError, match="max_steps: 2 -> 3"):
-    train.train(config(*ADAM, "max_steps=3"), tmp_path)
-  assert not (tmp_path / "run.json").exists()
-  assert train.train(cfg, tmp_path)["steps"] == 2  # same config: adopted, complete
+  (tmp_path / "run.json").unlink()
+  before = _files(tmp_path)
+  with pytest.raises(run_record.RunDirError, match="but no run.json.*resume=false"):
+    train.train(config(*ADAM), tmp_path)
+  assert _files(tmp_path) == before
+  assert train.train(config(*ADAM, "resume=false"), tmp_path)["steps"] == 2
   assert (tmp_path / "run.json").exists()
 
 

@@ -294,19 +294,20 @@ def _check_optimizer(c: _Checker) -> str | None:
     c.number("rho", 0, closed=(False, True), optional=True)
   if name in CURVATURE:
     _check_curvature_every(c, name)
-  if name == "ginger" and c.get("passes") not in (_MISSING, None):
-    c.choice("passes", PASSES)
+  if name == "ginger":
+    c.choice("passes", PASSES, optional=True)  # null: the library's default, jnp
   return name
 
 
 def _check_curvature_every(c: _Checker, name: str) -> None:
-  # Absent or null: 1 (a run's config from before the key ran every step).
-  value = c.get("curvature_every")
-  if value is _MISSING or value is None:
-    return
-  if not (_is_int(value) and value >= 1):
-    c.bad("curvature_every", value, "an integer >= 1 (steps between curvature updates) or null")
-  elif name not in CURVATURE_EVERY and value != 1:
+  # null: every step, as 1.
+  value = c.check(
+    "curvature_every",
+    lambda v: _is_int(v) and v >= 1,
+    "an integer >= 1 (steps between curvature updates)",
+    optional=True,
+  )
+  if value is not None and name not in CURVATURE_EVERY and value != 1:
     c.bad(
       "curvature_every",
       value,
@@ -348,11 +349,8 @@ def _check_model_and_data(c: _Checker) -> None:
 
 
 def _check_batchnorm(c: _Checker, family: str | None) -> None:
-  # Absent or null: sync (configs from before the key).
-  value = c.get("batchnorm")
-  if value is _MISSING or value is None:
-    return
-  if c.choice("batchnorm", BATCHNORMS) != "per_device":
+  value = c.choice("batchnorm", BATCHNORMS, optional=True)  # null: sync
+  if value != "per_device":
     return
   if family == "t5":
     c.bad(
@@ -381,8 +379,7 @@ def _check_devices_and_logger(c: _Checker) -> None:
     c.integer("mesh.min_shard_size", 0)
   if c.get("distributed") is not _MISSING:
     c.choice("distributed", DISTRIBUTED)
-  if c.get("compilation_cache_dir") is not _MISSING:  # absent in configs from before it
-    c.text("compilation_cache_dir", optional=True)
+  c.text("compilation_cache_dir", optional=True)
   logger = c.choice("logger.name", LOGGERS)
   if logger == "wandb":
     c.choice("logger.mode", WANDB_MODES)

@@ -115,13 +115,12 @@ def fisher_backward(cfg, plan: sharding.Plan, model: nnx.Module | None = None) -
 
   The batched pull-back vmaps the backward over the pair of cotangents, and a convolution's
   batching rule folds that pair into the batch dimension, outside the device split: GSPMD then
-  all-gathers the activations' gradients (ResNet-18 on 4 H200s: 21 all-gathers a step, 19.9 ms
-  against 13.3 ms a step; bench.collectives shows them on CPU devices too). ``sequential``
-  runs two backwards instead (no gathers, the backward's convolutions twice). ``local``: the
-  batched pull-back inside ``jax.shard_map``, each device on its own shard
-  (:func:`ginger.fisher.value_grad_and_fisher_per_device`): one backward and no gathers
-  (ResNet-18 tau 8 on 4 H200s: 8.53 ms a step against sequential's 8.93, 86.9 % of the
-  1-GPU throughput per GPU against 82.7 %)."""
+  all-gathers the activations' gradients, which costs more than the backward itself
+  (``python -m bench.collectives`` shows the gathers, also on CPU devices). ``sequential`` runs
+  two backwards instead (no gathers, the backward's convolutions twice). ``local``: the batched
+  pull-back inside ``jax.shard_map``, each device on its own shard
+  (:func:`ginger.fisher.value_grad_and_fisher_per_device`): one backward and no gathers, the
+  fastest where the model allows it."""
   value = cfg.get("fisher_backward") or "auto"
   if value != "auto":
     return value
@@ -162,8 +161,8 @@ def make_steps(
   ``state_shardings`` says, and XLA (GSPMD) adds the collectives.
 
   Returns ``(train_step, eval_step, precondition_step, reorthonormalise_step)``.
-  ``train_step`` is the step of the
-  paper (with a curvature optimizer: the d-pass and a curvature update). With
+  ``train_step`` is the step of the paper (with a curvature optimizer: the d-pass and a
+  curvature update). With
   ``curvature_every`` K > 1, ``precondition_step`` is the step for the K - 1 steps between
   curvature updates: the same code without the d-pass (no sampled-Fisher backward, no
   inference-mode forward) and without ``fisher_grads``, which the optimizer takes as "no
@@ -176,8 +175,8 @@ def make_steps(
   ``optimizers.reorthonormalise_every(cfg)``-th curvature update
   (:meth:`Setup.reorthonormalises_after`). Ginger's update is built without its own
   (``reorthonormalise_every=0``): that one is a ``lax.cond`` in every step, and on a GPU an
-  XLA conditional stops the host until the device has caught up (ResNet-18 tau 8 on two
-  H200s: 10.7 ms a step with it, 9.2 without).
+  XLA conditional stops the host until the device has caught up, so the kernels after it
+  are launched while the GPU waits.
 
   ``backward``: the shared d-pass's backward as :func:`fisher_backward` resolved it for this
   mesh and model (``build`` resolves it once); None where the step has no shared d-pass.
@@ -355,10 +354,9 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
   ``indices``: a training batch's, placed (``plan.indices``).
 
   The first is the one :func:`compile_all` compiles alone: with ``curvature_every`` > 1 the
-  step without the curvature update, which lowers in a quarter of the training step's time and
+  step without the curvature update, which lowers much faster than the training step and
   autotunes the convolutions both share; the training step, lowered meanwhile, then compiles
-  reading them (one H200, Ginger K=8: 12.9-14.0 s for all programs against 14.5-15.0 s with
-  the training step first; docs/benchmarks.md)."""
+  reading them, so the run starts sooner than with the training step first."""
   steps = {False: setup.precondition_step} if setup.curvature_every > 1 else {}
   steps[True] = setup.train_step
   jobs = {key: (fn, (state, frozen, train_arrays, indices), (0,)) for key, fn in steps.items()}
@@ -404,11 +402,11 @@ class Lowering(NamedTuple):
 
 # Threads that compile a run's programs (None: one per program; 1: one after the other).
 COMPILE_THREADS: int | None = None
-# Programs a run first needs hundreds of steps in (Ginger's re-orthonormalisation: after its
-# 1000th curvature update, its 10th with a 16-bit state): compiled in a thread of their own
-# while the run trains (compile_later), not beside the others before the first step (on one
-# H200 it took 5-9 s there and slowed the others' compilations: start-up 20-23 s, not 17),
-# and only by a run that gets that far (Setup.first_reorthonormalisation).
+# Programs a run first needs many steps in (Ginger's re-orthonormalisation: after
+# ginger.default_reorthonormalise_every curvature updates): compiled in a thread of their own
+# while the run trains (compile_later), not beside the others before the first step, where
+# they would slow the others' compilations and delay the first step; and only by a run that
+# gets that far (Setup.first_reorthonormalisation).
 LATER = ("reorthonormalise",)
 
 
@@ -432,14 +430,14 @@ def compile_all(
   compilation releases it, so the others are lowered while the first (a training step:
   :func:`programs`) compiles. Their compilations start once it is done: on a GPU, XLA's
   autotuner keeps the kernels it timed for the rest of the process, and the other programs
-  share most of the first's convolutions, so they read its choices instead of autotuning them
-  again, each beside the others on the same GPU (ResNet-18 with Ginger and K=8 on an H200:
-  12 s for the training step, then 4 s, against 15-77 s with all three at once). The executables are
-  those that compiling one after the other gives (the same programs, the same compiler
-  options). ``threads``: at most this many compilations at once (default: all of them; 1: one
-  after the other). ``times``: if given, filled with ``{key: {"lower": s, "compile": s}}``
-  (wall-clock seconds of each program's lowering and of its compilation, which overlap the
-  others').
+  share most of the first's convolutions, so they read its choices instead of each autotuning
+  them again beside the others on the same GPU, where the autotuners' timings slow one
+  another. The executables are those that compiling one after the other gives (the same
+  programs, the same compiler options).
+
+  ``threads``: at most this many compilations at once (default: all of them; 1: one after the
+  other). ``times``: if given, filled with ``{key: {"lower": s, "compile": s}}`` (wall-clock
+  seconds of each program's lowering and of its compilation, which overlap the others').
   """
   times = {} if times is None else times
 
@@ -630,8 +628,8 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
   (``jax.ShapeDtypeStruct``), enough to compile every program; ``Setup.init_state()`` builds
   it on the devices. :func:`train` compiles first, so that on a GPU the autotuner's scratch
   (of the order of the programs' operands) and the optimizer state (Ginger's U) are never on
-  the device at once: T5-small full, Ginger tau 32, one H100, 21.2 GB high-water mark with the
-  state built first, against the state's 8.2 GB when nothing is autotuned.
+  the device at once: together they would set the run's memory high-water mark far above the
+  state's own size.
   """
   plan = check(cfg) if plan is None else plan
   task = build_task(cfg)
@@ -828,13 +826,7 @@ def _preempted(step: int) -> bool:
 
 def claim_run_dir(run_dir: Path, cfg: DictConfig) -> None:
   """Records ``cfg`` as the run of ``run_dir``, or refuses (a run of another config is there)."""
-  outcome = run_record.claim(run_dir, cfg, fresh=not cfg.resume, write=jax.process_index() == 0)
-  if outcome == "adopted":
-    log.warning(
-      "%s predates run fingerprints: taking it as a run of this configuration (%s)",
-      run_dir,
-      run_record.RECORD,
-    )
+  run_record.claim(run_dir, cfg, fresh=not cfg.resume, write=jax.process_index() == 0)
 
 
 def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) -> dict[str, Any]:

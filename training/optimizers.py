@@ -24,11 +24,10 @@ def curvature_every(cfg) -> int:
   """Steps between curvature updates (``curvature_every``; 1 = every step, the paper).
 
   Only Ginger has it (config_check refuses another value for QNG and warns that Adam and
-  Momentum ignore it); 1 for them, and where the key is absent or null (configs written before
-  it existed ran with 1). Returned as given otherwise: ``ginger.ginger`` refuses what is not
-  an int >= 1 (no silent ``int(2.5)``).
+  Momentum ignore it); 1 for them, and where null. Returned as given otherwise:
+  ``ginger.ginger`` refuses what is not an int >= 1 (no silent ``int(2.5)``).
   """
-  value = cfg.get("curvature_every")
+  value = cfg.curvature_every
   return 1 if value is None or cfg.optimizer.name != "ginger" else value
 
 
@@ -43,16 +42,18 @@ def reorthonormalise_every(cfg) -> int:
 
 
 def passes(cfg) -> str:
-  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto); "jnp" where the key
-  is absent or null (configs written before it existed). "auto" is left to the library
-  (``ginger.kernels.resolve_impl``: the Pallas kernels on GPUs, the jnp passes elsewhere), also
-  on an optimizer state split over several devices, where the kernels run per device under
-  ``shard_map`` on each device's rows (2x H200: 9.39 ms a step against the jnp passes' 10.36,
-  docs/benchmarks.md)."""
-  return cfg.get("passes") or "jnp"
+  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto; null: the library's
+  default, "jnp"). "auto" is left to the library (``ginger.kernels.resolve_impl``: the Pallas
+  kernels on GPUs, the jnp passes elsewhere), also on an optimizer state split over several
+  devices, where the kernels run per device under ``shard_map`` on each device's rows and are
+  still faster than the jnp passes."""
+  return cfg.passes or "jnp"
 
 
 def learning_rate(cfg, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
+  """The schedule of ``cfg.schedule`` peaking at ``cfg.lr``: constant (the paper's),
+  warmup_constant (a linear warm-up over ``warmup_epochs``, as the authors' code) or cosine
+  (decay to 0 over the run)."""
   lr = float(cfg.lr)
   if not lr > 0:
     raise ValueError(f"lr must be > 0, got {cfg.lr}.")

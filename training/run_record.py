@@ -7,8 +7,7 @@ A run dir (``outputs/<name>/<overrides>/``) holds
 - ``summary.json``: the run's identity (``"run"``), config, status and results;
 - ``metrics.jsonl``: one JSON object per train/eval event;
 - ``spectrum.jsonl.gz``: the "spectrum" events (Ginger's sigma of every tensor, every
-  ``spectrum_every`` steps; most of a Ginger run's log by size), gzipped JSON lines. Records
-  written before this file keep them in metrics.jsonl; :func:`read_spectrum` reads both;
+  ``spectrum_every`` steps; most of a Ginger run's log by size), gzipped JSON lines;
 - ``checkpoints/`` (training/checkpoints.py) and ``.hydra/`` (written by Hydra).
 
 train.py, sweeps/ and results/ read and write these through the functions here. Nothing here
@@ -25,7 +24,6 @@ part of it. A different fingerprint refuses before anything is loaded or compile
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import gzip
@@ -35,9 +33,8 @@ import logging
 import math
 import os
 import socket
-import sys
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +73,10 @@ NOT_FINGERPRINTED = frozenset(
   }
 )
 
-# Keys added after runs were recorded, with the value every run from before them had: at that
-# value (or null) a key is left out of fingerprints and config comparisons, so older run dirs
-# still resume and their summaries still count as done.
+# Keys left out of fingerprints and config comparisons at these values (or null): the committed
+# run records (results/cifar10/runs/) lack them, ran at these values, and must compare equal to
+# the runs that set them (tables group runs by their fingerprinted config, sweeps skip the
+# completed ones by it).
 IMPLIED = {"curvature_every": 1, "batchnorm": "sync"}
 
 # The paper-notation hyperparameters each optimizer reads (the others are not its identity).
@@ -300,7 +298,10 @@ def read_record(run_dir: str | Path) -> dict[str, Any] | None:
   try:
     return json.loads(path.read_text())
   except ValueError as e:
-    raise RunDirError(f"{path} cannot be read ({e}); move it away to adopt the run dir") from e
+    raise RunDirError(
+      f"{path} cannot be read ({e}); give this run another dir, or delete the file and pass "
+      "resume=false to start over in this one"
+    ) from e
 
 
 def has_run(run_dir: str | Path) -> bool:
@@ -319,13 +320,12 @@ def claim(run_dir: str | Path, config: Mapping | DictConfig, *, fresh: bool, wri
   """Checks that ``config`` is the run of ``run_dir`` and records it there.
 
   Returns what happened: "new" (an empty dir), "same" (the recorded fingerprint matches),
-  "adopted" (a run dir from before fingerprints: its summary.json's config matches, or it has
-  none), "taken over" (another config's attempt left no checkpoint, metrics or summary: the
-  caller holds the dir's lock, so nothing runs it), or "fresh" (``fresh=True``: the caller
-  discards the old run). On a mismatch it raises
-  :class:`RunDirError` naming the keys that differ, after putting back the ``.hydra/`` files
-  that Hydra overwrote for this attempt, so the dir is as the run left it. Only the process
-  that writes (``write``) touches files.
+  "taken over" (another config's attempt left no checkpoint, metrics or summary: the caller
+  holds the dir's lock, so nothing runs it), or "fresh" (``fresh=True``: the caller discards
+  the old run). On a mismatch it raises :class:`RunDirError` naming the keys that differ, after
+  putting back the ``.hydra/`` files that Hydra overwrote for this attempt, so the dir is as
+  the run left it; likewise for a dir that holds a run but no ``run.json`` (nothing says which
+  run it is). Only the process that writes (``write``) touches files.
   """
   run_dir = Path(run_dir)
   config = plain(config)
@@ -350,12 +350,7 @@ def claim(run_dir: str | Path, config: Mapping | DictConfig, *, fresh: bool, wri
   elif not has_run(run_dir):
     outcome = "new"
   else:
-    summary = read_summary(run_dir)
-    old = (summary or {}).get("config")
-    if old is not None and fingerprint(old) != fingerprint(config):
-      hydra = {"config.yaml": OmegaConf.to_yaml(OmegaConf.create(old))}
-      _refuse(run_dir, fingerprinted(old), config, hydra, write)
-    outcome = "adopted"
+    _unrecorded(run_dir)
   if write:
     hydra_dir = run_dir / HYDRA_DIR
     hydra = {n: (hydra_dir / n).read_text() for n in HYDRA_FILES if (hydra_dir / n).exists()}
@@ -369,6 +364,15 @@ def claim(run_dir: str | Path, config: Mapping | DictConfig, *, fresh: bool, wri
       },
     )
   return outcome
+
+
+def _unrecorded(run_dir: Path) -> None:
+  raise RunDirError(
+    f"{run_dir} holds a run (checkpoints, metrics or a summary) but no {RECORD}, so nothing says "
+    "which run it is. Nothing in the dir was changed. Give this run its own dir "
+    "(hydra.run.dir=<new dir>, or a new name=...), or pass resume=false to discard what is "
+    "there and start over in this dir."
+  )
 
 
 def _refuse(run_dir: Path, old: Mapping, config: Mapping, hydra: Mapping, write: bool) -> None:
@@ -470,15 +474,11 @@ _CHUNK = 1 << 16  # bytes fed to zlib at a time
 
 
 def read_spectrum(run_dir: str | Path, *, strict: bool = False) -> Iterator[dict[str, Any]]:
-  """A run's "spectrum" events in order: those in metrics.jsonl (records written before
-  spectrum.jsonl.gz, or resumed from one), then spectrum.jsonl.gz's.
+  """A run's "spectrum" events (spectrum.jsonl.gz) in order.
 
   Lenient (default): a missing file, a damaged or cut-short member (and what follows it) and
   malformed lines are skipped. Strict: each raises :class:`RunDirError` naming the file.
   """
-  for event in read_events(run_dir, strict=strict):
-    if event.get("event") == "spectrum":
-      yield event
   path = Path(run_dir) / SPECTRUM
   lines, damage = _gzip_lines(path)
   if damage and strict:
@@ -516,38 +516,6 @@ def keep_spectrum(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
   elif damage or len(kept) < len(events):
     _replace(path, _gzip_member(kept))
   return kept
-
-
-def split_spectrum(run_dir: str | Path) -> int:
-  """Moves the "spectrum" events of metrics.jsonl (a record written before spectrum.jsonl.gz)
-  into spectrum.jsonl.gz, before the events already there; returns how many moved.
-
-  Lines are moved as they are, and the other lines of metrics.jsonl are kept as they are. The
-  gzip file is written first: should the second rename not happen, a rerun finds the moved
-  lines in both files and does not add them twice. Strict: a damaged file raises
-  :class:`RunDirError` and nothing is changed.
-  """
-  run_dir = Path(run_dir)
-  path = run_dir / METRICS
-  keep, moved = [], []
-  for number, line in enumerate(path.read_text().splitlines(keepends=True), 1):
-    try:
-      event = json.loads(line) if line.strip() else None
-    except ValueError as e:
-      raise RunDirError(f"{path}, line {number}: not JSON ({e})") from e
-    is_spectrum = isinstance(event, dict) and event.get("event") == "spectrum"
-    (moved if is_spectrum else keep).append(line if line.endswith("\n") else line + "\n")
-  if not moved:
-    return 0
-  gz = run_dir / SPECTRUM
-  there, damage = _gzip_lines(gz)
-  if damage:
-    raise RunDirError(f"{gz}: {damage}")
-  moving = {line.rstrip("\n") for line in moved}
-  there = [line + "\n" for line in there if line not in moving]
-  _replace(gz, gzip.compress("".join(moved + there).encode(), mtime=0))
-  _replace(path, "".join(keep).encode())
-  return len(moved)
 
 
 def _gzip_member(events: Iterable[Mapping]) -> bytes:
@@ -592,26 +560,3 @@ def _replace(path: Path, data: bytes) -> None:
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_bytes(data)
   os.replace(tmp, path)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m training.run_record split-spectrum ROOT...``: :func:`split_spectrum` in
-  every run dir under the roots."""
-  parser = argparse.ArgumentParser(prog="python -m training.run_record")
-  commands = parser.add_subparsers(dest="command", required=True)
-  split = commands.add_parser(
-    "split-spectrum",
-    help="move the spectrum events of older records' metrics.jsonl into spectrum.jsonl.gz",
-  )
-  split.add_argument("roots", nargs="+", type=Path, help="run dirs, or dirs to search for them")
-  args = parser.parse_args(argv)
-  for root in args.roots:
-    for metrics in sorted(root.rglob(METRICS)) if root.is_dir() else []:
-      moved = split_spectrum(metrics.parent)
-      if moved:
-        print(f"{metrics.parent}: moved {moved} spectrum events to {SPECTRUM}", file=sys.stderr)
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
