@@ -84,9 +84,15 @@ def pytest_configure(config):
     config.option.loadscopereorder = False
 
 
+# The tests this run selected (after -m and -k), for module fixtures that build only what
+# their selected tests ask for.
+SELECTED_ITEMS = pytest.StashKey[list]()
+
+
 @pytest.hookimpl(trylast=True)  # after -m's deselection: xdist counts the tests left
 def pytest_collection_modifyitems(config, items):
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   tests = collections.Counter(item.path.name for item in items)
   # A stable sort: each file's tests stay together and in their order.
   items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -tests[item.path.name]))
+  config.stash[SELECTED_ITEMS] = items

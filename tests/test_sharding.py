@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SELECTED_ITEMS
 from cpu_devices import run_on_cpu_devices, with_device_count
 from jax.sharding import PartitionSpec as P
 
@@ -749,11 +750,11 @@ def four_devices(request):
   """One process with 4 CPU devices for every test of this file that needs one (the
   interpreter, JAX and the training code start once): the split optimizer state
   (_sharded_state), and the 1-device steps run once and compared with the correct variant and
-  every injected bug that the session's selected tests ask for (_compare_meshes)."""
-  selected = {item.originalname for item in request.session.items}
+  every injected bug that this run's selected tests ask for (_compare_meshes)."""
+  selected = {item.originalname for item in request.config.stash[SELECTED_ITEMS]}
   bugs = {
     item.callspec.params["bug"]
-    for item in request.session.items
+    for item in request.config.stash[SELECTED_ITEMS]
     if item.originalname == "test_the_comparison_catches_an_injected_sharding_bug"
   }
   pallas = "test_pallas_kernels_on_four_devices_give_the_one_device_results" in selected

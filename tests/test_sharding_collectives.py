@@ -90,7 +90,7 @@ print(json.dumps(out))
   "names",
   [
     # the CPU's own layout, and the GPUs' row-blocked rotation where a device's rows are one
-    # block (the 311 MB all-gather of issue 14.6d)
+    # block (which once cost a 311 MB all-gather)
     ["pinned_solo", "pinned_one_block_per_device"],
     # the GPUs' stacked buckets unblocked, and in several blocks per device: `make test-all`
     pytest.param(["pinned", "pinned_row_blocks"], marks=pytest.mark.slow),

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import SELECTED_ITEMS
 from hydra import compose, initialize_config_dir
 
 from training import loop as train
@@ -79,8 +80,8 @@ def run_logging_compiles(run_dir: Path, monkeypatch, threads) -> list[tuple]:
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
   """The demo trained with its programs compiled concurrently (the loop's default) and, where
-  the session's selected tests ask for it, one after the other."""
-  items = request.session.items
+  this run's selected tests ask for it, one after the other."""
+  items = request.config.stash[SELECTED_ITEMS]
   which = {
     item.callspec.params["which"]
     for item in items
