@@ -8,7 +8,7 @@ export WANDB_MODE ?= offline
 # `make train` and `make test` are the offline defaults: no hub access, CPU for the tests.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: venv train test test-all bench lint table1 table2 table3 table4 tables clean
+.PHONY: venv train test test-all bench lint docs table1 table2 table3 table4 tables clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,12 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
+
+# docs/configuration.md, the reference of every config key, from configs/ (its defaults and
+# YAML comments) and training/config_check.py (the allowed values); tests/test_configuration_doc.py
+# fails while the committed file differs.
+docs: $(STAMP)
+	$(PY) -m training.config_doc --write
 
 # ------------------------------------------------------------------------------ paper sweeps
 # The Hydra multiruns of configs/sweep/ (every command, its cost and the lr protocol:

@@ -229,6 +229,44 @@ def check_config(cfg: DictConfig, overrides: Iterable[str] | None = None) -> Non
       log.warning("%s", message)
 
 
+class _Recorder(_Checker):
+  """A checker that also notes what it allows for each key it checks (:func:`allowed_values`)."""
+
+  def __init__(self, cfg: DictConfig):
+    super().__init__(cfg)
+    self.allowed: dict[str, str | tuple] = {}
+    self._choosing = False
+
+  def choice(self, key: str, choices: Sequence[Any], *, optional=False) -> Any:
+    self.allowed[key] = (*choices, None) if optional else tuple(choices)
+    self._choosing = True
+    try:
+      return super().choice(key, choices, optional=optional)
+    finally:
+      self._choosing = False
+
+  def check(self, key: str, ok: Callable[[Any], bool], allowed: str, *, optional=False) -> Any:
+    if not self._choosing:
+      self.allowed[key] = allowed + (" or null" if optional else "")
+    return super().check(key, ok, allowed, optional=optional)
+
+
+def allowed_values(cfg: DictConfig) -> dict[str, str | tuple]:
+  """What :func:`check_config` accepts for each key it checks in ``cfg``, by dotted key.
+
+  A tuple lists the allowed values (``None``: null); a string describes them ("an integer >=
+  1"). The checks depend on the config (``optimizer=adam`` checks ``optimizer.b2``, ResNet and
+  T5 models check different ``data.*`` keys), so a key appears only for configs that check it.
+  training/config_doc.py builds the "allowed" column of docs/configuration.md from this.
+  """
+  c = _Recorder(cfg)
+  _check_run(c)
+  _check_optimizer(c)
+  _check_model_and_data(c)
+  _check_devices_and_logger(c)
+  return c.allowed
+
+
 def _check_run(c: _Checker) -> None:
   c.text("name")
   c.integer("seed", 0, maximum=SEED_LIMIT)
@@ -430,6 +468,7 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
 
 __all__ = [
   "ConfigError",
+  "allowed_values",
   "check_config",
   "ignored_settings",
   "override_keys",
