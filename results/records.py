@@ -315,13 +315,12 @@ def read_events(run_dir: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def read_spectrum(run_dir: str | Path) -> Iterator[dict[str, Any]]:
-  """run_record.read_spectrum (lenient): metrics.jsonl's spectrum events, then
-  spectrum.jsonl.gz's; for archived run dirs too."""
+  """run_record.read_spectrum (lenient): spectrum.jsonl.gz's events; for archived run dirs
+  too."""
   run = read_run(run_dir)
   if run is None:
     yield from run_record.read_spectrum(run_dir)
     return
-  yield from (e for e in run["metrics"] or () if e.get("event") == "spectrum")
   yield from run["spectrum"] or ()
 
 

@@ -26,8 +26,7 @@ def spectrum(step: int) -> dict:
 
 def make_run(root: Path, name: str, seed: int = 0, accuracy: float = 80.0, **fields) -> Path:
   """A run dir with every file a finished run has: summary.json (its mtime set), run.json,
-  metrics.jsonl (with one spectrum event, as records before spectrum.jsonl.gz keep them),
-  spectrum.jsonl.gz (two gzip members), .hydra/{config,overrides}.yaml and train.log."""
+  metrics.jsonl, spectrum.jsonl.gz (two gzip members), .hydra/{config,overrides}.yaml and train.log."""
   run_dir = root / name
   (run_dir / ".hydra").mkdir(parents=True)
   run = {"experiment": EXPERIMENT, "optimizer": "ginger", "tau": 4, "alpha": 0.99, "lr": 5e-4}
@@ -40,12 +39,11 @@ def make_run(root: Path, name: str, seed: int = 0, accuracy: float = 80.0, **fie
   (run_dir / "run.json").write_text(json.dumps({"version": 1, "fingerprint": "f", "config": {}}))
   events = [
     {"event": "train", "step": 10, "wall_time_s": 1.5, "train_loss": 2.0},
-    spectrum(1),
     {"event": "eval", "step": 20, "wall_time_s": 3.0, "val_accuracy": accuracy, "val_loss": 0.5},
   ]
   (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-  run_record.append_spectrum(run_dir, [spectrum(2), spectrum(3)])
-  run_record.append_spectrum(run_dir, [spectrum(4)])
+  run_record.append_spectrum(run_dir, [spectrum(1), spectrum(2)])
+  run_record.append_spectrum(run_dir, [spectrum(3), spectrum(4)])
   (run_dir / ".hydra" / "config.yaml").write_text("seed: 0\nlr: ${best_lr.lr}\n")
   (run_dir / ".hydra" / "overrides.yaml").write_text(f"- seed={seed}\n- +sweep=table1\n")
   (run_dir / "train.log").write_text("step 20/20 val_accuracy=80.0\n")
@@ -128,7 +126,7 @@ def test_an_archived_run_reads_as_its_run_dir(campaign: Path) -> None:
     "overrides.yaml": "- seed=0\n- +sweep=table1\n",
   }
   assert line["record"]["fingerprint"] == "f" and line["train_log"].startswith("step 20/20")
-  assert [e["step"] for e in line["spectrum"]] == [2, 3, 4]  # metrics.jsonl keeps step 1
+  assert [e["step"] for e in line["spectrum"]] == [1, 2, 3, 4]
   # The archive itself as a root, and as the plots' run list.
   assert tables.find_run_dirs([archive]) == archived["dirs"]
   assert [i.path for i in plots.load_runs([archive])] == archived["dirs"]
