@@ -26,7 +26,8 @@ def spectrum(step: int) -> dict:
 
 def make_run(root: Path, name: str, seed: int = 0, accuracy: float = 80.0, **fields) -> Path:
   """A run dir with every file a finished run has: summary.json (its mtime set), run.json,
-  metrics.jsonl, spectrum.jsonl.gz (two gzip members), .hydra/{config,overrides}.yaml and train.log."""
+  metrics.jsonl, spectrum.jsonl.gz (two gzip members), .hydra/{config,overrides}.yaml and
+  train.log."""
   run_dir = root / name
   (run_dir / ".hydra").mkdir(parents=True)
   run = {"experiment": EXPERIMENT, "optimizer": "ginger", "tau": 4, "alpha": 0.99, "lr": 5e-4}
