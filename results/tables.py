@@ -1034,9 +1034,7 @@ def build_curvature_every(
     {tuple(rfield(r, k) for k in CURVATURE_EVERY_ROW) for r in mine},
     key=lambda k: (sort_key(k[0]), k[1] != "adam", tuple_key(k[1:])),
   )
-  what = ", ".join(
-    str(x) for x in (DATASET_NAMES.get(dataset, dataset), length and length_text(length)) if x
-  )
+  what = _set_text(dataset, length)
   title = (
     f"Ginger with the curvature updated every K steps, {what} - beyond the paper "
     "(it updates every step), NOT COMPARABLE with its numbers"
@@ -1116,6 +1114,14 @@ def curvature_every_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
 
 # ----------------------------------------------------------------------------- comparisons
 
+
+def _set_text(dataset: str, length: str | None) -> str:
+  """ "CIFAR-10, 30 epochs": a set of runs named in a table's title."""
+  return ", ".join(
+    str(x) for x in (DATASET_NAMES.get(dataset, dataset), length and length_text(length)) if x
+  )
+
+
 QNG_CONTROL_SWEEP = "qng_control"
 CLIPPED_PER_TENSOR = {"rho": 1.0, "block": "per_tensor"}
 
@@ -1180,9 +1186,7 @@ def build_comparisons(
   """Every comparison the results make, with its Welch 95 % interval (results/stats.py):
   one row per (model, comparison) that has runs on both sides."""
   protocol = image_protocol(dataset, length)
-  what = ", ".join(
-    str(x) for x in (DATASET_NAMES.get(dataset, dataset), length and length_text(length)) if x
-  )
+  what = _set_text(dataset, length)
   caption = (
     "Best validation accuracy (%): A and B as mean ± sample std (n seeds); A − B = difference "
     "of means [Welch 95 % interval]; reading: above / below where the interval excludes 0, "
@@ -1234,9 +1238,7 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
   logged.sort(key=lambda r: tuple_key(tuple(rfield(r, k) for k in CLIP_ROW)))
   spans = [f"epochs {a}-{b}" if b else f"epochs {a}-end" for a, b in CLIP_EPOCHS]
   columns = [Column("", label) for label in ("lr", "seed", *spans, "whole run", "Best acc")]
-  what = ", ".join(
-    str(x) for x in (DATASET_NAMES.get(dataset, dataset), length and length_text(length)) if x
-  )
+  what = _set_text(dataset, length)
   caption = (
     "Mean over the logged steps (every log_every-th step) of the share of update entries with "
     "|u| >= rho, u = G^{-1} m the preconditioned update before the learning rate: the entries "

@@ -383,8 +383,9 @@ def test_a_checkpoint_of_another_configuration_is_refused(tmp_path):
   """Ginger tau=3's checkpoint restored into a tau=2 state: refused, quoting the shapes."""
   params = {k: jnp.zeros(s) for k, s in SMALL.items()}
   saved = ginger.ginger(0.1, tau=3, alpha=0.9, gamma=1e-2).init(params)
-  Checkpointer(tmp_path).save(3, saved)
-  Checkpointer(tmp_path).wait()
+  writer = Checkpointer(tmp_path)
+  writer.save(3, saved)
+  writer.wait()  # this manager's write finished (another instance would not wait for it)
   like = ginger.ginger(0.1, tau=2, alpha=0.9, gamma=1e-2).init(params)
   with pytest.raises(CheckpointError, match=r"checkpoint 3 in .* cannot be read .*stored shape"):
     Checkpointer(tmp_path).restore(like, 3)
