@@ -93,7 +93,8 @@ def job_overrides(overrides: Sequence[str], config_dir: str | Path = CONFIG_DIR)
     sweeper = cfg.hydra.sweeper
     if sweeper.get("_target_") != BASIC_SWEEPER:
       raise ValueError(f"only Hydra's basic sweeper is supported, got {sweeper._target_}.")
-    params = OmegaConf.to_container(sweeper.get("params") or {}, resolve=True)
+    params = sweeper.get("params")  # None for a multirun without a sweep config
+    params = OmegaConf.to_container(params, resolve=True) if params is not None else {}
     lines = [f"{k}={v}" for k, v in params.items()] + task
     parsed = OverridesParser.create(config_loader=hydra.config_loader).parse_overrides(lines)
   return [job + hydra_overrides for job in cartesian(parsed)]
