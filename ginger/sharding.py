@@ -43,6 +43,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ginger._stacked import StackedBasis, StackedRows
+
 # Elements (4 MiB of float32). Smaller arrays stay replicated: they hold little memory, and
 # split ones cost a latency-bound collective each (ResNet-18's 41 BatchNorm-sized bases, split,
 # added ~100 small all-gathers per step); Ginger's big bases are far above it.
@@ -98,7 +100,6 @@ def state_partition_specs(
     min_size: arrays with fewer elements are replicated.
     size: the number of devices along ``axis``, instead of ``mesh``.
   """
-  from ginger.ginger import StackedRows  # that module imports this one
 
   if size is None:
     if mesh is None:
@@ -190,7 +191,6 @@ class StateSharding:
     while whole on every device it is updated from the all-reduced gradient with no
     collective.
     """
-    from ginger.ginger import StackedBasis, StackedRows  # that module imports this one
 
     def is_basis(x):
       return isinstance(x, StackedBasis)
