@@ -2,9 +2,10 @@
 
 Reads the `summary.json` of every run dir under the given roots (Hydra output dirs written by
 train.py, plain or packed into archives by results/records.py) and writes `table1.md/.tex` ...
-`table4.md/.tex` and `table_ablation.md/.tex`::
+`table4.md/.tex` and `table_ablation.md/.tex` into --out (default results/local/, ignored by
+git; `make tables` writes the committed campaign's into results/cifar10/)::
 
-    python -m results.tables [roots...] --out results/ [--dataset cifar10] [--flops xla]
+    python -m results.tables [roots...] [--out DIR] [--dataset cifar10] [--flops xla]
     python -m results.tables multirun --dataset digits --models resnet_tiny   # smoke sweeps
 
 Each metric gets three columns: ours (mean ± sample std over seeds; no std for one seed), the
@@ -42,6 +43,9 @@ from training import run_record
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
 DEFAULT_ROOTS = ("outputs", "multirun")
+# Where tables of your own runs go by default: beside the source, ignored by git (.gitignore);
+# the committed campaign's are written with --out results/cifar10 (make tables).
+DEFAULT_OUT = "results/local"
 TAUS = (1, 2, 4, 8, 16, 32)
 SENSITIVITY_ALPHAS = (0.9, 0.99, 0.999)
 SENSITIVITY_TAUS = (2, 4, 8)
@@ -1650,7 +1654,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
-  parser.add_argument("--out", default="results", help="where to write the tables")
+  parser.add_argument(
+    "--out", default=DEFAULT_OUT, help=f"where to write the tables (default: {DEFAULT_OUT})"
+  )
   parser.add_argument(
     "--standin-only",
     action="store_true",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -539,6 +541,26 @@ def test_no_table_is_wider_than_twelve_columns(every_table) -> None:
   assert list(sections(every_table["table2_t5_small_random_2ep"])) == [
     f"{s}: {part}" for s in ("LoRA", "Full") for part in ("ROUGE", "perplexity and cost")
   ]
+
+
+def test_tables_of_your_runs_are_written_where_git_ignores_them(
+  runs_root: Path, monkeypatch
+) -> None:
+  """`python -m results.tables` over the default roots (outputs/, multirun/: your runs, not the
+  committed campaign) writes its tables into a folder that git ignores, not beside the
+  committed files of the source tree; likewise results.plots."""
+  from results import plots
+
+  monkeypatch.chdir(runs_root)  # holds multirun/, as a checkout does after `make train`
+  assert tables.main([]) == 0
+  (table1,) = runs_root.rglob("table1.md")
+  written = table1.relative_to(runs_root).as_posix()
+  repo = Path(__file__).resolve().parents[1]
+  if shutil.which("git") is None or not (repo / ".git").exists():
+    pytest.skip("not a git checkout")
+  for path in (written, f"{plots.DEFAULT_OUT}/curves_demo.png"):
+    ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=repo, check=False)
+    assert ignored.returncode == 0, f"{path} would be written into the source tree"
 
 
 def test_curvature_every_is_part_of_a_cells_identity(tmp_path: Path) -> None:
