@@ -143,11 +143,12 @@ curvature_every: $(STAMP)
 	$(BEST_LR) $(R18_$(SCALE))
 	$(SWEEP_RUN) +sweep=curvature_every $(SWEEP_OVERRIDES)
 
-# Every table and plot: your runs (outputs/, multirun/: the paper's tables, and stand-in tables
-# for any other set of runs), and the committed stand-in campaign (results/cifar10/runs/: run
-# records packed by `python -m results.records add`), regenerated from run records alone, offline.
+# Every table and plot, regenerated from run records alone, offline: your runs (outputs/,
+# multirun/: the paper's tables, and stand-in tables for any other set of runs) into
+# results/local/ (ignored by git), and the committed stand-in campaign (results/cifar10/runs/:
+# run records packed by `python -m results.records add`) into results/cifar10/.
 tables: $(STAMP)
-	$(PY) -m results.tables
+	$(PY) -m results.tables --out results/local
 	$(PY) -m results.tables results/cifar10/runs --out results/cifar10 --standin-only
 	rm -rf results/cifar10/plots  # nothing stale: a plot no longer made does not linger
 	$(PY) -m results.plots results/cifar10/runs --out results/cifar10/plots

@@ -1,6 +1,8 @@
 """Plots from run dirs: training curves, final metric against tau, Ginger's sigma spectrum.
 
-    python -m results.plots [roots...] --out results/plots [--spectrum-run DIR] [--param PATH]
+    python -m results.plots [roots...] [--out DIR] [--spectrum-run DIR] [--param PATH]
+
+DIR defaults to results/local/plots/ (ignored by git).
 
 Writes PNGs (matplotlib, Agg backend):
 - `curves_<experiment>.png`: validation accuracy (or ROUGE-L) and training loss against steps and
@@ -38,7 +40,7 @@ import numpy as np  # noqa: E402
 
 from results import records, tables  # noqa: E402
 
-DEFAULT_OUT = "results/plots"
+DEFAULT_OUT = "results/local/plots"  # ignored by git, like tables.DEFAULT_OUT
 LABEL_KEYS = ("optimizer", "tau", "alpha", "rho", "block", "gamma", "lr", "curvature_every")
 GROUP_KEYS = ("sweep", "experiment", "dataset", "model", "setting", "length")
 VAL_METRICS = ("val_accuracy", "rougeL")
@@ -572,7 +574,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
-  parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the PNGs")
+  parser.add_argument(
+    "--out", default=DEFAULT_OUT, help=f"where to write the PNGs (default: {DEFAULT_OUT})"
+  )
   parser.add_argument(
     "--spectrum-run",
     action="append",

@@ -2,14 +2,18 @@
 
 Reads the `summary.json` of every run dir under the given roots (Hydra output dirs written by
 train.py, plain or packed into archives by results/records.py) and writes `table1.md/.tex` ...
-`table4.md/.tex` and `table_ablation.md/.tex`::
+`table4.md/.tex` and `table_ablation.md/.tex` into --out (default results/local/, ignored by
+git; `make tables` writes the committed campaign's into results/cifar10/)::
 
-    python -m results.tables [roots...] --out results/ [--dataset cifar10] [--flops xla]
+    python -m results.tables [roots...] [--out DIR] [--dataset cifar10] [--flops xla]
     python -m results.tables multirun --dataset digits --models resnet_tiny   # smoke sweeps
 
 Each metric gets three columns: ours (mean ± sample std over seeds; no std for one seed), the
-paper's number (verbatim from `results/paper/*.csv`) and the difference ours - paper. Cells with
-no completed run are blank. See `results/README.md` for units and how runs are chosen.
+paper's number (verbatim from `results/paper/*.csv`) and the difference ours - paper. Tables of
+other settings (NOT COMPARABLE) have no difference column: the paper's number stands beside
+ours, labelled with the paper's setting. A table wider than MAX_COLUMNS is shown as several, one
+per model (or setting), then per kind of column (accuracy and loss, cost). Cells with no
+completed run are blank. See `results/README.md` for units and how runs are chosen.
 
 Only runs of the paper's protocol (its dataset, model and run length: CIFAR-100 for 200 epochs;
 pretrained t5-small on XSUM for 1 epoch) fill the paper's tables. Every other set of runs (a
@@ -30,7 +34,7 @@ import re
 import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,9 @@ from training import run_record
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
 DEFAULT_ROOTS = ("outputs", "multirun")
+# Where tables of your own runs go by default: beside the source, ignored by git (.gitignore);
+# the committed campaign's are written with --out results/cifar10 (make tables).
+DEFAULT_OUT = "results/local"
 TAUS = (1, 2, 4, 8, 16, 32)
 SENSITIVITY_ALPHAS = (0.9, 0.99, 0.999)
 SENSITIVITY_TAUS = (2, 4, 8)
@@ -484,13 +491,42 @@ _primary = _first("best_val_accuracy", "rougeL")  # image runs: accuracy; seq2se
 
 @dataclass(frozen=True)
 class Metric:
-  """One reported number: label, getter (display units), paper CSV column, format style."""
+  """One reported number: label, getter (display units), paper CSV column, format style, and
+  the part of a table too wide for one (MAX_COLUMNS) it goes to (:data:`QUALITY`, ...)."""
 
   label: str
   value: Callable[[Run], float | None]
   paper_key: str | None
   style: str
   paired: bool = True  # False: only our column (no paper/difference columns)
+  part: str = ""
+
+
+# The parts a table wider than MAX_COLUMNS is split into, by what its columns measure.
+QUALITY = "accuracy and loss"
+COST = "cost"
+ROUGE = "ROUGE"
+PERPLEXITY_AND_COST = "perplexity and cost"
+
+
+@dataclass(frozen=True)
+class PaperColumns:
+  """How a table shows the paper's number beside ours: the paper column's sub-label ("" for
+  no paper column) and whether the difference ours - paper follows it. Only a table of the
+  paper's own settings has the difference: between other settings it would be noise."""
+
+  label: str = "paper"
+  delta: bool = True
+
+
+SAME_SETTINGS = PaperColumns()
+NO_PAPER = PaperColumns("", delta=False)
+
+
+def paper_beside(setting: str) -> PaperColumns:
+  """The paper's number beside ours, labelled with the paper's setting ("paper (CIFAR-100,
+  200 ep.)"), without a difference: a table of other settings (NOT COMPARABLE)."""
+  return PaperColumns(f"paper ({setting})", delta=False)
 
 
 # The training step's own memory (summary.json's step_memory_bytes: XLA's memory analysis of the
@@ -503,36 +539,47 @@ MEMORY_CAPTION = (
   "memory in GB (bytes/1e9): Mem = the process's peak (compilation and autotuning included), "
   "Step = the training step's own (XLA's memory analysis)."
 )
-STEP_MEMORY = Metric("Step GB", _alone("step_memory_bytes", 1e-9), None, "f2", paired=False)
+STEP_MEMORY = Metric(
+  "Step GB", _alone("step_memory_bytes", 1e-9), None, "f2", paired=False, part=COST
+)
 
 
 def image_metrics(flops: str = "analytic") -> list[Metric]:
   """Table 1's columns for one model."""
   return [
-    Metric("Acc", _get("best_val_accuracy"), "acc", "f2"),
-    Metric("Val loss", _get("val_loss_at_best"), "val_loss", "f3"),
-    Metric("Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2"),
-    Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci"),
-    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
+    Metric("Acc", _get("best_val_accuracy"), "acc", "f2", part=QUALITY),
+    Metric("Val loss", _get("val_loss_at_best"), "val_loss", "f3", part=QUALITY),
+    Metric(
+      "Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6", "f2", part=QUALITY
+    ),
+    Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci", part=COST),
+    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2", part=COST),
     STEP_MEMORY,
   ]
 
 
 def xsum_metrics(flops: str = "analytic") -> list[Metric]:
   """Table 2's columns for one setting."""
+  cost = PERPLEXITY_AND_COST
   return [
-    Metric("R1", _get("rouge1"), "rouge1", "f2"),
-    Metric("R2", _get("rouge2"), "rouge2", "f2"),
-    Metric("RL", _get("rougeL"), "rougeL", "f2"),
-    Metric("Train ppl", _get("train_perplexity"), "train_ppl", "f3"),
-    Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci"),
-    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2"),
-    STEP_MEMORY,
+    Metric("R1", _get("rouge1"), "rouge1", "f2", part=ROUGE),
+    Metric("R2", _get("rouge2"), "rouge2", "f2", part=ROUGE),
+    Metric("RL", _get("rougeL"), "rougeL", "f2", part=ROUGE),
+    Metric("Train ppl", _get("train_perplexity"), "train_ppl", "f3", part=cost),
+    Metric(f"FLOPs ({flops})", _flops(flops), "flops_per_iter", "sci", part=cost),
+    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), "peak_mem_gb", "f2", part=cost),
+    replace(STEP_MEMORY, part=cost),
   ]
 
 
-def metric_cells(runs: Sequence[Run], metric: Metric, paper: dict[str, str] | None) -> list[str]:
-  """[ours, paper, ours - paper] for a paired metric, [ours] otherwise."""
+def metric_cells(
+  runs: Sequence[Run],
+  metric: Metric,
+  paper: dict[str, str] | None,
+  columns: PaperColumns = SAME_SETTINGS,
+) -> list[str]:
+  """[ours, paper, ours - paper] for a paired metric (the paper's cells as ``columns`` has
+  them), [ours] otherwise."""
   stat = aggregate(metric.value(r) for r in runs)
   ours = fmt_stat(stat, metric.style)
   if not metric.paired:
@@ -541,7 +588,7 @@ def metric_cells(runs: Sequence[Run], metric: Metric, paper: dict[str, str] | No
   diff = ""
   if stat.mean is not None and theirs:
     diff = fmt_num(stat.mean - float(theirs), metric.style, signed=True)
-  return [ours, theirs, diff]
+  return [ours] + [theirs] * bool(columns.label) + [diff] * columns.delta
 
 
 # ----------------------------------------------------------------------------- table model
@@ -549,12 +596,16 @@ def metric_cells(runs: Sequence[Run], metric: Metric, paper: dict[str, str] | No
 
 @dataclass
 class Column:
-  """A column: group (model, setting, tau; "" for none), metric label, and sub-label
-  ("ours", "paper", "Δ"; "" for columns that are not one of a metric's three)."""
+  """A column: group (tau in Tables 3/4; "" for none), metric label, sub-label ("ours",
+  "paper", "Δ"; "" for columns that are not one of a metric's), the section it is shown in
+  (model, setting; "" for none: see :func:`blocks`) and the part of a too wide section it
+  goes to ("" for every part, like n)."""
 
   group: str
   label: str
   sub: str = ""
+  section: str = ""
+  part: str = ""
 
   def header(self) -> str:
     """One-line header for markdown: "<group> <label> [paper|Δ]"."""
@@ -563,11 +614,13 @@ class Column:
 
 @dataclass
 class Row:
-  """A row: label, one text cell per column, and whether a rule precedes it."""
+  """A row: label, one text cell per column, whether a rule precedes it, and the section it
+  is shown in ("" for none: see :func:`blocks`)."""
 
   label: str
   cells: list[str]
   rule_before: bool = False
+  section: str = ""
 
 
 @dataclass
@@ -583,22 +636,29 @@ class Table:
   notes: list[str] = field(default_factory=list)
 
 
-def group_columns(group: str, metrics: Sequence[Metric]) -> list[Column]:
-  """n, then ours/paper/Δ per metric, all in `group`."""
-  cols = [Column(group, "n")]
+def group_columns(
+  section: str, metrics: Sequence[Metric], paper: PaperColumns, group: str = "", n: bool = True
+) -> list[Column]:
+  """n (unless not ``n``), then ours/paper/Δ per metric (as ``paper`` has them), all in
+  ``section`` and ``group``."""
+  cols = [Column(group, "n", section=section)] if n else []
   for m in metrics:
-    subs = ("ours", "paper", "Δ") if m.paired else ("",)
-    cols += [Column(group, m.label, sub) for sub in subs]
+    subs = ["ours", paper.label, "Δ" if paper.delta else ""] if m.paired else []
+    subs = [sub for sub in subs if sub]
+    cols += [Column(group, m.label, sub, section, m.part) for sub in subs[1:] and subs or [""]]
   return cols
 
 
 def group_cells(
-  sel: Selection, metrics: Sequence[Metric], paper: dict[str, str] | None
+  sel: Selection,
+  metrics: Sequence[Metric],
+  paper: dict[str, str] | None,
+  columns: PaperColumns,
 ) -> list[str]:
   """Cells matching `group_columns`: n (blank if none) and each metric's cells."""
   cells = [str(len(sel.runs)) if sel.runs else ""]
   for m in metrics:
-    cells += metric_cells(sel.runs, m, paper)
+    cells += metric_cells(sel.runs, m, paper, columns)
   return cells
 
 
@@ -668,6 +728,24 @@ UNITS = (
 )
 
 
+def units(paper: PaperColumns, seeds: str = "n seeds") -> str:
+  """The caption's last sentence: what ours, paper and Δ are (``seeds``: where n is said)."""
+  ours = f"ours = mean ± sample std over {seeds} (no std for one seed)"
+  if paper.delta:
+    return UNITS.replace("n seeds", seeds)
+  if paper.label:
+    return (
+      f"{ours}; {paper.label} = the paper's number in its own setting, beside ours for the shape "
+      "only: the settings differ, so no difference ours - paper is given; blank = no completed run."
+    )
+  return f"{ours}; blank = no completed run."
+
+
+# The paper's settings in a column label (paper_beside), per table.
+PAPER_IMAGE_TEXT = "CIFAR-100, 200 ep."
+PAPER_TEXT_TEXT = "pretrained t5-small, 1 ep."
+
+
 def _optimizer_keys(
   found: Iterable[tuple[str, Any]], order: Sequence[str]
 ) -> list[tuple[str, Any]]:
@@ -709,10 +787,11 @@ def _optimizer_table(
   paper: list[dict],
   sweeps: Sequence[str],
   paper_keys: Sequence[str],
+  paper_columns: PaperColumns,
 ) -> Table:
-  """A Table 1/2-style table: rows (optimizer, tau), column groups from `groups`; the paper's
-  row is looked up by optimizer, tau and the group's `paper_keys`."""
-  columns = [c for group, _ in groups for c in group_columns(group, metrics)]
+  """A Table 1/2-style table: rows (optimizer, tau), one section per group of `groups`; the
+  paper's row is looked up by optimizer, tau and the group's `paper_keys`."""
+  columns = [c for group, _ in groups for c in group_columns(group, metrics, paper_columns)]
   table = Table(name, title, caption, "Optimizer", columns)
   found: set[tuple[str, Any]] = set()
   for _, base in groups:
@@ -724,7 +803,8 @@ def _optimizer_table(
     for name, base in groups:
       sel = select_runs(runs, cell_criteria(optimizer, tau, **base), sweeps)
       keys = {k: base[k] for k in paper_keys}
-      cells += group_cells(sel, metrics, paper_row(paper, optimizer=optimizer, tau=tau, **keys))
+      theirs = paper_row(paper, optimizer=optimizer, tau=tau, **keys)
+      cells += group_cells(sel, metrics, theirs, paper_columns)
       used += sel.runs
       if sel.note:
         notes.append(f"{name} / {label}: {sel.note}.")
@@ -771,13 +851,16 @@ def build_table1(
   protocol = image_protocol(dataset, length)
   metrics = image_metrics(flops)
   groups = [(MODEL_NAMES.get(m, m), {**protocol, "model": m}) for m in models]
-  caption = (
-    f"Best validation accuracy (%), validation loss at that eval, minimum training "
-    f"loss (x1e-6, like the paper), FLOPs per iteration ({flops} count), {MEMORY_CAPTION} {UNITS}"
-  )
   title = "Table 1: CIFAR-100, 200 epochs (paper Table 1)"
+  paper_columns = SAME_SETTINGS
   if not comparable(protocol, PAPER_IMAGE):
     title = "Table 1: " + _not_comparable(protocol, "CIFAR-100, 200 epochs")
+    paper_columns = paper_beside(PAPER_IMAGE_TEXT)
+  caption = (
+    f"Best validation accuracy (%), validation loss at that eval, minimum training "
+    f"loss (x1e-6, like the paper), FLOPs per iteration ({flops} count), {MEMORY_CAPTION} "
+    + units(paper_columns)
+  )
   return _optimizer_table(
     "table1",
     title,
@@ -789,6 +872,7 @@ def build_table1(
     load_paper("table1_cifar100"),
     TABLE_SWEEPS["table1"],
     ("model",),
+    paper_columns,
   )
 
 
@@ -807,13 +891,15 @@ def build_table2(
     ("LoRA", {**protocol, "setting": "lora"}),
     ("Full", {**protocol, "setting": "full"}),
   ]
-  caption = (
-    f"ROUGE-1/2/L (%), training perplexity, FLOPs per iteration ({flops} count), "
-    f"{MEMORY_CAPTION} {UNITS}"
-  )
   title = "Table 2: XSUM, pretrained t5-small, 1 epoch (paper Table 2)"
+  paper_columns = SAME_SETTINGS
   if not comparable(protocol, PAPER_TEXT):
     title = "Table 2: " + _not_comparable(protocol, "XSUM, pretrained t5-small, 1 epoch")
+    paper_columns = paper_beside(PAPER_TEXT_TEXT)
+  caption = (
+    f"ROUGE-1/2/L (%), training perplexity, FLOPs per iteration ({flops} count), "
+    f"{MEMORY_CAPTION} " + units(paper_columns)
+  )
   return _optimizer_table(
     "table2",
     title,
@@ -825,6 +911,7 @@ def build_table2(
     load_paper("table2_xsum"),
     TABLE_SWEEPS["table2"],
     ("setting",),
+    paper_columns,
   )
 
 
@@ -844,19 +931,29 @@ def _sensitivity(
     f"Table {number}: Ginger sensitivity, {what}, ResNet-18 / CIFAR-100, 200 epochs "
     f"(paper Table {number})"
   )
+  paper_columns = SAME_SETTINGS
   if not comparable(protocol, PAPER_IMAGE) or model != "resnet18":
     title = f"Table {number}: Ginger sensitivity, {what}, " + _not_comparable(
       {**protocol, "model": model}, "ResNet-18 / CIFAR-100, 200 epochs"
     )
-  columns = [c for t in SENSITIVITY_TAUS for c in group_columns(f"τ={t}", [metric])]
-  table = Table(name, title, f"Ginger, {what}, rows alpha, columns tau. {UNITS}", "α \\ τ", columns)
+    paper_columns = paper_beside(PAPER_IMAGE_TEXT)
+  columns = [
+    c for t in SENSITIVITY_TAUS for c in group_columns("", [metric], paper_columns, f"τ={t}", False)
+  ]
+  caption = f"Ginger, {what}, rows alpha, columns tau. " + units(
+    paper_columns, "n seeds, given as (n=...) in the cell"
+  )
+  table = Table(name, title, caption, "α \\ τ", columns)
   paper, used, notes = load_paper("table34_sensitivity"), [], []
   for alpha in SENSITIVITY_ALPHAS:
     cells: list[str] = []
     for tau in SENSITIVITY_TAUS:
       crit = {**protocol, "model": model, "optimizer": "ginger", "tau": tau, "alpha": alpha}
       sel = select_runs(runs, crit, TABLE_SWEEPS[name])
-      cells += group_cells(sel, [metric], paper_row(paper, alpha=alpha, tau=tau))
+      theirs = metric_cells(sel.runs, metric, paper_row(paper, alpha=alpha, tau=tau), paper_columns)
+      if theirs[0]:  # the seed count in the cell: a column per tau would make 13 columns
+        theirs[0] += f" (n={len(sel.runs)})"
+      cells += theirs
       used += sel.runs
       if sel.note:
         notes.append(f"α={alpha}, τ={tau}: {sel.note}.")
@@ -890,14 +987,16 @@ def ablation_metrics(dataset: Any) -> list[Metric]:
   """Ablation columns; paper numbers only where the paper has them (CIFAR-100, XSUM)."""
   image = dataset == "cifar100"
   primary = "acc" if image else ("rougeL" if dataset == "xsum" else None)
+  val_loss = _first("val_loss_at_best", "val_loss")
+  train_loss = _get("min_train_loss", 1e6)
   return [
-    Metric("Acc / R-L", _primary, primary, "f2"),
-    Metric("Val loss", _first("val_loss_at_best", "val_loss"), "val_loss" if image else None, "f3"),
+    Metric("Acc / R-L", _primary, primary, "f2", part=QUALITY),
+    Metric("Val loss", val_loss, "val_loss" if image else None, "f3", part=QUALITY),
     Metric(
-      "Train loss 1e-6", _get("min_train_loss", 1e6), "min_train_loss_1e-6" if image else None, "f2"
+      "Train loss 1e-6", train_loss, "min_train_loss_1e-6" if image else None, "f2", part=QUALITY
     ),
-    Metric("Step s", _alone("step_time_s"), None, "f3", paired=False),
-    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), None, "f2", paired=False),
+    Metric("Step s", _alone("step_time_s"), None, "f3", paired=False, part=COST),
+    Metric("Mem GB", _alone("peak_memory_bytes", 1e-9), None, "f2", paired=False, part=COST),
     STEP_MEMORY,
   ]
 
@@ -941,27 +1040,34 @@ def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) 
   """Ginger with vs without the element-wise clip rho, per-tensor vs global block.
 
   One row per variant (rho, block, lr, gamma) of every base setting (dataset, model, setting,
-  length, tau, alpha) that has at least two variants among completed Ginger runs: runs of the
-  paper's protocols (``protocol=None``), or of one stand-in ``protocol`` (then NOT COMPARABLE).
+  length, tau, alpha) that has at least two variants among completed Ginger runs, one section
+  per base setting: runs of the paper's protocols (``protocol=None``), or of one stand-in
+  ``protocol`` (then NOT COMPARABLE, and without the paper's numbers).
   """
   if protocol is None:
     runs = [r for r in runs if matches(r, PAPER_IMAGE) or matches(r, PAPER_TEXT)]
     title = "Ablation: Ginger clip (rho) and block (paper protocols)"
+    paper_columns = SAME_SETTINGS
+    paper_text = (
+      "paper = the paper's Ginger number at the same model (or XSUM setting) and tau; the "
+      "paper does not name its variant (the authors' code clips with rho=1, per tensor). "
+    )
   else:
     runs = [r for r in runs if matches(r, protocol)]
     title = "Ablation: Ginger clip (rho) and block, " + _not_comparable(
       protocol, "the paper's Ginger numbers"
     )
-  columns = [Column("", h) for h in ("ρ", "block", "lr", "γ")]
-  columns += group_columns("", ablation_metrics("cifar100"))
+    paper_columns, paper_text = NO_PAPER, ""
+  columns = group_columns("", ablation_metrics("cifar100"), paper_columns)
   caption = (
-    "Ginger ablation: element-wise clip rho (none = no clip) and curvature block "
-    "(per_tensor / global). paper = the paper's Ginger number at the same model "
-    "(or XSUM setting) and tau; the paper does not name its variant (the authors' "
-    "code clips with rho=1, per tensor). Acc / R-L = best val. accuracy (%) or "
-    "ROUGE-L; Step s = median step time; " + MEMORY_CAPTION + " " + UNITS
+    "Ginger ablation: element-wise clip rho (no clip: rho = none) and curvature block "
+    "(per_tensor / global), at the lr and gamma named. " + paper_text + "Acc / R-L = best "
+    "val. accuracy (%) or ROUGE-L; Step s = median step time; "
+    + MEMORY_CAPTION
+    + " "
+    + units(paper_columns)
   )
-  table = Table("table_ablation", title, caption, "Setting", columns)
+  table = Table("table_ablation", title, caption, "Variant", columns)
   used: list[Run] = []
   notes: list[str] = []
   for base_values, variants in sorted(
@@ -973,13 +1079,15 @@ def build_ablation(runs: Sequence[Run], protocol: dict[str, Any] | None = None) 
     label = " ".join(str(base[k]) for k in ("dataset", "model", "setting", "length") if base[k])
     label += f" τ={base['tau']} α={base['alpha']}"
     metrics, paper = ablation_metrics(base["dataset"]), _ablation_paper(base)
-    for i, (variant, vruns) in enumerate(sorted(variants.items(), key=lambda kv: tuple_key(kv[0]))):
+    for variant, vruns in sorted(variants.items(), key=lambda kv: tuple_key(kv[0])):
       rho, block, lr, gamma = ("none" if v is None else str(v) for v in variant)
       sel = one_configuration(vruns)  # one configuration of the variant (settings, numerics)
       if sel.note:
         notes.append(f"{label}, rho={rho} block={block} lr={lr} gamma={gamma}: {sel.note}")
-      cells = [rho, block, lr, gamma] + group_cells(sel, metrics, paper)
-      table.rows.append(Row(label, cells, rule_before=i == 0 and bool(table.rows)))
+      clip = "no clip" if rho == "none" else f"ρ={rho}"
+      name = f"{clip}, {block}, lr={lr}, γ={gamma}"
+      cells = group_cells(sel, metrics, paper, paper_columns)
+      table.rows.append(Row(name, cells, section=label))
       used += sel.runs
   if not table.rows:
     table.notes.append("No setting has two or more Ginger variants (rho/block/lr/gamma) yet.")
@@ -1368,18 +1476,60 @@ def slug(value: Any) -> str:
 # ----------------------------------------------------------------------------- rendering
 
 
+MAX_COLUMNS = 12  # columns of a rendered table, its row labels included
+
+
+def blocks(table: Table) -> list[tuple[str, Table]]:
+  """The tables ``table`` is shown as, each with its heading ("" for a table shown whole).
+
+  One per row section (the ablation's base settings) and column section (Table 1's models,
+  Table 2's settings), in order; a section wider than :data:`MAX_COLUMNS` is split by its
+  columns' parts (accuracy and loss, cost), the columns of no part (n) in each.
+  """
+  row_sections = list(dict.fromkeys(r.section for r in table.rows)) or [""]
+  col_sections = list(dict.fromkeys(c.section for c in table.columns)) or [""]
+  out = []
+  for row_section in row_sections:
+    rows = [r for r in table.rows if r.section == row_section]
+    for col_section in col_sections:
+      shown = [i for i, c in enumerate(table.columns) if c.section == col_section]
+      parts = [("", shown)]
+      if 1 + len(shown) > MAX_COLUMNS:
+        names = dict.fromkeys(table.columns[i].part for i in shown if table.columns[i].part)
+        parts = [(p, [i for i in shown if table.columns[i].part in ("", p)]) for p in names]
+      for part, index in parts:
+        heading = ": ".join(x for x in (row_section, col_section, part) if x)
+        heading = heading[:1].upper() + heading[1:] if heading == part else heading
+        block = Table(
+          table.name,
+          table.title,
+          table.caption,
+          table.row_header,
+          [table.columns[i] for i in index],
+          [
+            Row(r.label, [r.cells[i] for i in index], r.rule_before and j > 0, r.section)
+            for j, r in enumerate(rows)
+          ],
+        )
+        out.append((heading, block))
+  return out
+
+
 def _md_cell(text: str) -> str:
   return text.replace("|", "\\|")
 
 
 def to_markdown(table: Table) -> str:
-  """A GitHub pipe table with title, caption and notes; headers read "<group> <label>"."""
-  headers = [table.row_header] + [c.header() for c in table.columns]
-  lines = [f"## {table.title}", "", table.caption, ""]
-  lines.append("| " + " | ".join(_md_cell(h) for h in headers) + " |")
-  lines.append("|---|" + "---:|" * len(table.columns))
-  for row in table.rows:
-    lines.append("| " + " | ".join(_md_cell(c) for c in [row.label, *row.cells]) + " |")
+  """GitHub pipe tables (:func:`blocks`, each under its heading) with title, caption and
+  notes; headers read "<group> <label>"."""
+  lines = [f"## {table.title}", "", table.caption]
+  for heading, block in blocks(table):
+    lines += ["", f"### {heading}", ""] if heading else [""]
+    headers = [block.row_header] + [c.header() for c in block.columns]
+    lines.append("| " + " | ".join(_md_cell(h) for h in headers) + " |")
+    lines.append("|---|" + "---:|" * len(block.columns))
+    for row in block.rows:
+      lines.append("| " + " | ".join(_md_cell(c) for c in [row.label, *row.cells]) + " |")
   if table.notes:
     lines.append("")
     lines += [f"- {note}" for note in table.notes]
@@ -1456,26 +1606,39 @@ def _caption_title(table: Table) -> str:
   return re.sub(r"^Table \d+:\s*", "", table.title)
 
 
+LABEL_CHARS = {"τ": "tau", "α": "alpha", "ρ": "rho", "γ": "gamma"}
+
+
+def _latex_label(table: Table, heading: str) -> str:
+  """tab:repro-<name>[-<heading>], letters, digits and dashes only."""
+  text = "".join(LABEL_CHARS.get(ch, ch) for ch in f"{table.name} {heading}")
+  return "tab:repro-" + slug(text).replace("_", "-").lower()
+
+
 def to_latex(table: Table) -> str:
-  """A booktabs table* (needs booktabs and graphicx), laid out like the paper's table."""
-  lines = [
-    "% Generated by `python -m results.tables`; do not edit by hand.",
-    r"\begin{table*}[t]",
-    r"  \centering",
-    r"  \small",
-    f"  \\caption{{{latex_escape(_caption_title(table))}. {latex_escape(table.caption)}}}",
-    f"  \\label{{tab:repro-{table.name.replace('_', '-')}}}",
-    r"  \resizebox{\textwidth}{!}{%",
-    r"  \begin{tabular}{l" + "r" * len(table.columns) + "}",
-    r"    \toprule",
-    *_latex_header(table),
-    r"    \midrule",
-  ]
-  for row in table.rows:
-    if row.rule_before:
-      lines.append(r"    \midrule")
-    lines.append("    " + " & ".join(latex_escape(c) for c in [row.label, *row.cells]) + r" \\")
-  lines += [r"    \bottomrule", r"  \end{tabular}}", r"\end{table*}"]
+  """Booktabs table* environments (need booktabs and graphicx), one per :func:`blocks`, laid
+  out like the paper's tables."""
+  lines = ["% Generated by `python -m results.tables`; do not edit by hand."]
+  for heading, block in blocks(table):
+    title = _caption_title(table) + (f". {heading}" if heading else "")
+    lines += [
+      r"\begin{table*}[t]",
+      r"  \centering",
+      r"  \small",
+      f"  \\caption{{{latex_escape(title)}. {latex_escape(table.caption)}}}",
+      f"  \\label{{{_latex_label(table, heading)}}}",
+      r"  \resizebox{\textwidth}{!}{%",
+      r"  \begin{tabular}{l" + "r" * len(block.columns) + "}",
+      r"    \toprule",
+      *_latex_header(block),
+      r"    \midrule",
+    ]
+    for row in block.rows:
+      if row.rule_before:
+        lines.append(r"    \midrule")
+      cells = [row.label, *row.cells]
+      lines.append("    " + " & ".join(latex_escape(c) for c in cells) + r" \\")
+    lines += [r"    \bottomrule", r"  \end{tabular}}", r"\end{table*}"]
   lines += [f"% {note}" for note in table.notes]
   return "\n".join(lines) + "\n"
 
@@ -1491,7 +1654,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   parser.add_argument("roots", nargs="*", help="dirs to scan (default: outputs multirun)")
-  parser.add_argument("--out", default="results", help="where to write the tables")
+  parser.add_argument(
+    "--out", default=DEFAULT_OUT, help=f"where to write the tables (default: {DEFAULT_OUT})"
+  )
   parser.add_argument(
     "--standin-only",
     action="store_true",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +93,6 @@ def runs_root(tmp_path: Path) -> Path:
   return tmp_path
 
 
-R50_ADAM_BLANK = "|  |  | 71.59 |  |  | 1.241 |  |  | 60.65 |  |  | 1.16e10 |  |  | 6.50 |  |  |"
-
-
 def test_collect_runs_skips_dir_without_summary(runs_root: Path) -> None:
   (runs_root / "multirun" / "bad").mkdir()
   (runs_root / "multirun" / "bad" / "summary.json").write_text("{not json")
@@ -103,29 +103,64 @@ def test_collect_runs_skips_dir_without_summary(runs_root: Path) -> None:
   assert "3 completed" in report and "1 failed" in report and "2 without" in report
 
 
+def sections(markdown: str) -> dict[str, list[str]]:
+  """The lines of each "### " section of a table's markdown, by heading."""
+  out: dict[str, list[str]] = {}
+  for line in markdown.splitlines():
+    if line.startswith("### "):
+      out[line[4:]] = []
+    elif out and line.startswith("|"):
+      out[list(out)[-1]].append(line)
+  return out
+
+
+def header_rows(markdown: str) -> list[list[str]]:
+  """The header cells of every pipe table in ``markdown`` (the line above a |---| line)."""
+  lines = markdown.splitlines()
+  return [
+    [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+    for line, below in zip(lines, lines[1:], strict=False)
+    if below.startswith("|---")
+  ]
+
+
 def test_table1_markdown_rows(runs_root: Path) -> None:
+  """One table per model and kind of column: accuracy and loss, then cost."""
   md = tables.to_markdown(tables.build_table1(tables.collect_runs([runs_root])))
-  adam = (
+  parts = sections(md)
+  assert list(parts) == [
+    "ResNet-18: accuracy and loss",
+    "ResNet-18: cost",
+    "ResNet-50: accuracy and loss",
+    "ResNet-50: cost",
+  ]
+  quality, cost = parts["ResNet-18: accuracy and loss"], parts["ResNet-18: cost"]
+  assert quality[0] == (
+    "| Optimizer | n | Acc | Acc paper | Acc Δ | Val loss | Val loss paper | Val loss Δ "
+    "| Train loss 1e-6 | Train loss 1e-6 paper | Train loss 1e-6 Δ |"
+  )
+  assert cost[0] == (
+    "| Optimizer | n | FLOPs (analytic) | FLOPs (analytic) paper | FLOPs (analytic) Δ | Mem GB "
+    "| Mem GB paper | Mem GB Δ | Step GB |"
+  )
+  assert (
     "| Adam | 2 | 72.50 ± 0.71 | 71.61 | +0.89 | 1.250 ± 0.071 | 1.249 | +0.001 "
-    "| 15.00 ± 7.07 | 9.57 | +5.43 | 2.40e9 ± 0.00e0 | 2.36e9 | +4.00e7 "
-    "| 3.25 ± 0.07 | 3.16 | +0.09 |  " + R50_ADAM_BLANK
+    "| 15.00 ± 7.07 | 9.57 | +5.43 |"
+  ) in quality
+  assert "| Adam | 2 | 2.40e9 ± 0.00e0 | 2.36e9 | +4.00e7 | 3.25 ± 0.07 | 3.16 | +0.09 |  |" in cost
+  assert (
+    "| Ginger (τ=4) | 1 | 73.50 | 72.90 | +0.60 | 1.250 | 1.263 | -0.013 | 5.00 | 13.37 | -8.37 |"
+  ) in quality
+  assert "| Ginger (τ=4) | 1 | 4.10e9 | 4.08e9 | +2.00e7 | 3.40 | 3.33 | +0.07 |  |" in cost
+  # the killed run (no summary.json) leaves its row blank; ResNet-50 has no runs
+  assert "| QNG (τ=2) |  |  | 72.30 |  |  | 1.347 |  |  | 23.97 |  |" in quality
+  assert (
+    "| Adam |  |  | 71.59 |  |  | 1.241 |  |  | 60.65 |  |"
+    in (parts["ResNet-50: accuracy and loss"])
   )
-  ginger4 = (
-    "| Ginger (τ=4) | 1 | 73.50 | 72.90 | +0.60 | 1.250 | 1.263 | -0.013 "
-    "| 5.00 | 13.37 | -8.37 | 4.10e9 | 4.08e9 | +2.00e7 | 3.40 | 3.33 | +0.07 |  "
-    "|  |  | 75.83 |  |  | 1.249 |  |  | 3.90 |  |  | 1.91e10 |  |  | 6.91 |  |  |"
-  )
-  qng2 = (
-    "| QNG (τ=2) |  |  | 72.30 |  |  | 1.347 |  |  | 23.97 |  |  | 3.70e9 |  |  | 3.25 |  |  "
-    "|  |  | 73.92 |  |  | 1.255 |  |  | 42.12 |  |  | 1.83e10 |  |  | 6.78 |  |  |"
-  )
-  lines = md.splitlines()
-  assert adam in lines
-  assert ginger4 in lines
-  assert qng2 in lines  # the killed run (no summary.json) leaves its row blank
-  assert any(line.startswith("| Ginger (τ=8) |  |  | 72.89 |") for line in lines)  # failed
-  assert lines[0] == "## Table 1: CIFAR-100, 200 epochs (paper Table 1)"
-  assert len([ln for ln in lines if ln.startswith("| ")]) == 1 + 14  # header + paper rows
+  assert any(line.startswith("| Ginger (τ=8) |  |  | 72.89 |") for line in quality)  # failed
+  assert md.splitlines()[0] == "## Table 1: CIFAR-100, 200 epochs (paper Table 1)"
+  assert all(len(lines) == 2 + 14 for lines in parts.values())  # header, rule, paper rows
   assert "NVIDIA H100 (3)" in md and "jax: 0.7.0 (3)" in md
 
 
@@ -133,15 +168,19 @@ def test_table1_latex(runs_root: Path) -> None:
   tex = tables.to_latex(tables.build_table1(tables.collect_runs([runs_root])))
   assert (
     r"    Adam & 2 & 72.50 $\pm$ 0.71 & 71.61 & +0.89 & 1.250 $\pm$ 0.071 & 1.249 & "
-    r"+0.001 & 15.00 $\pm$ 7.07 & 9.57 & +5.43 & "
+    r"+0.001 & 15.00 $\pm$ 7.07 & 9.57 & +5.43 \\"
   ) in tex
-  assert r"\multicolumn{17}{c}{ResNet-18} & \multicolumn{17}{c}{ResNet-50} \\" in tex
-  assert r"\cmidrule(lr){2-18} \cmidrule(lr){19-35}" in tex
   assert r" &  & \multicolumn{3}{c}{Acc} & \multicolumn{3}{c}{Val loss} & " in tex
+  assert r"\cmidrule(lr){3-5} \cmidrule(lr){6-8} \cmidrule(lr){9-11}" in tex
   assert "    Optimizer & n & ours & paper & $\\Delta$ & ours & paper & $\\Delta$ & " in tex
-  assert r"\caption{CIFAR-100, 200 epochs (paper Table 1). Best validation accuracy (\%)" in tex
+  assert (
+    r"\caption{CIFAR-100, 200 epochs (paper Table 1). ResNet-18: accuracy and loss. Best "
+    r"validation accuracy (\%)"
+  ) in tex
+  assert r"\label{tab:repro-table1-resnet-50-cost}" in tex
   assert "\\midrule\n    Ginger ($\\tau$=1) &" in tex  # rule between baselines and Ginger
-  assert tex.count(r"\begin{tabular}") == 1 and tex.rstrip().endswith("(3); git: abc1234def (3).")
+  assert tex.count(r"\begin{tabular}") == tex.count(r"\end{table*}") == 4  # as the markdown
+  assert tex.rstrip().endswith("(3); git: abc1234def (3).")
 
 
 def test_table1_dataset_override_and_extra_tau(tmp_path: Path) -> None:
@@ -151,7 +190,7 @@ def test_table1_dataset_override_and_extra_tau(tmp_path: Path) -> None:
   table = tables.build_table1(runs, dataset="cifar10")
   assert table.title.startswith("Table 1: CIFAR-10 - NOT COMPARABLE with the paper")
   row = next(r for r in table.rows if r.label == "Ginger (τ=64)")
-  assert row.cells[:4] == ["1", "90.00", "", ""]  # no paper number, so no difference
+  assert row.cells[:4] == ["1", "90.00", "", "0.300"]  # n, Acc, no paper number, Val loss
   assert all(r.label != "Ginger (τ=64)" for r in tables.build_table1(runs).rows)
 
 
@@ -233,10 +272,11 @@ def test_tables_3_and_4(tmp_path: Path) -> None:
   runs = tables.collect_runs([tmp_path])
   md3 = tables.to_markdown(tables.build_table3(runs)).splitlines()
   md4 = tables.to_markdown(tables.build_table4(runs)).splitlines()
-  assert "| 0.9 |  |  | 73.24 |  | 2 | 73.50 ± 0.71 | 73.35 | +0.15 |  |  | 73.15 |  |" in md3
-  assert "| 0.9 |  |  | 14.82 |  | 2 | 6.50 ± 0.71 | 6.03 | +0.47 |  |  | 10.62 |  |" in md4
-  assert "| 0.999 |  |  | 52.98 |  |  |  | 11.92 |  |  |  | 17.55 |  |" in md4
-  assert md3[4].startswith("| α \\ τ | τ=2 n | τ=2 Acc | τ=2 Acc paper | τ=2 Acc Δ |")
+  # The seed count in the cell (a column per tau would make the table 13 columns wide).
+  assert "| 0.9 |  | 73.24 |  | 73.50 ± 0.71 (n=2) | 73.35 | +0.15 |  | 73.15 |  |" in md3
+  assert "| 0.9 |  | 14.82 |  | 6.50 ± 0.71 (n=2) | 6.03 | +0.47 |  | 10.62 |  |" in md4
+  assert "| 0.999 |  | 52.98 |  |  | 11.92 |  |  | 17.55 |  |" in md4
+  assert md3[4].startswith("| α \\ τ | τ=2 Acc | τ=2 Acc paper | τ=2 Acc Δ | τ=4 Acc |")
 
 
 def test_tables_3_and_4_for_smoke_model(tmp_path: Path) -> None:
@@ -253,7 +293,7 @@ def test_tables_3_and_4_for_smoke_model(tmp_path: Path) -> None:
   make_run(tmp_path, "s", smoke, best_val_accuracy=91.0, min_train_loss=0.5)
   runs = tables.collect_runs([tmp_path])
   smoke_md = tables.to_markdown(tables.build_table3(runs, "digits", "resnet_tiny"))
-  assert "NOT COMPARABLE" in smoke_md and "| 0.9 | 1 | 91.00 |" in smoke_md
+  assert "NOT COMPARABLE" in smoke_md and "| 0.9 | 91.00 (n=1) | 73.24 |  | 73.35 |" in smoke_md
   assert "91.00" not in tables.to_markdown(tables.build_table3(runs))
 
 
@@ -276,15 +316,21 @@ def test_ablation_rows(tmp_path: Path) -> None:
   make_run(tmp_path, "noclip", {**abl, "rho": None, "block": "per_tensor"}, best_val_accuracy=70.0)
   make_run(tmp_path, "alone", {**abl, "tau": 8, "rho": None}, best_val_accuracy=1.0)
   table = tables.build_ablation(tables.collect_runs([tmp_path]))
-  md = tables.to_markdown(table).splitlines()
-  assert (
-    "| cifar100 resnet18 200ep τ=4 α=0.99 | 1.0 | per_tensor | 0.0002 | 1e-05 | 1 | 72.00 "
-    "| 72.90 | -0.90 |  | 1.263 |  |  | 13.37 |  | 0.050 |  |  |"
-  ) in md
-  assert (
-    "| cifar100 resnet18 200ep τ=4 α=0.99 | none | per_tensor | 0.0002 | 1e-05 | 1 | 70.00 "
-    "| 72.90 | -2.90 |  | 1.263 |  |  | 13.37 |  |  |  |  |"
-  ) in md
+  parts = sections(tables.to_markdown(table))
+  base = "cifar100 resnet18 200ep τ=4 α=0.99"
+  assert list(parts) == [f"{base}: accuracy and loss", f"{base}: cost"]
+  assert parts[f"{base}: accuracy and loss"][2:] == [
+    "| ρ=1.0, per_tensor, lr=0.0002, γ=1e-05 | 1 | 72.00 | 72.90 | -0.90 |  | 1.263 |  |  "
+    "| 13.37 |  |",
+    "| no clip, per_tensor, lr=0.0002, γ=1e-05 | 1 | 70.00 | 72.90 | -2.90 |  | 1.263 |  |  "
+    "| 13.37 |  |",
+  ]
+  assert parts[f"{base}: cost"] == [
+    "| Variant | n | Step s | Mem GB | Step GB |",
+    "|---|---:|---:|---:|---:|",
+    "| ρ=1.0, per_tensor, lr=0.0002, γ=1e-05 | 1 | 0.050 |  |  |",
+    "| no clip, per_tensor, lr=0.0002, γ=1e-05 | 1 |  |  |  |",
+  ]
   assert len(table.rows) == 2  # tau=8 has a single variant: no ablation
 
 
@@ -390,6 +436,131 @@ def test_committed_standin_tables_regenerate_from_committed_records(tmp_path: Pa
   assert regenerated, "no tables from the committed records"
   for name in regenerated:
     assert (tmp_path / name).read_text() == (committed / name).read_text(), name
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "results" / "cifar10"
+
+
+def every_table_runs(root: Path) -> Path:
+  """Runs that fill every table, of the paper's settings and of others (CIFAR-10 for 30
+  epochs, a random-init t5 for 2): Table 1 on both models, Table 2 in both settings, Tables
+  3/4, and the ablation (a clipped and an unclipped Ginger)."""
+  image = {
+    "best_val_accuracy": 80.0,
+    "val_loss_at_best": 0.5,
+    "min_train_loss": 1e-3,
+    "flops_per_iter": {"analytic": 1e9},
+    "peak_memory_bytes": 10**9,
+    "step_memory_bytes": 10**9,
+    "step_time_s": 0.01,
+  }
+  text = {
+    "rouge1": 30.0,
+    "rouge2": 9.0,
+    "rougeL": 24.0,
+    "train_perplexity": 10.0,
+    **{k: image[k] for k in ("flops_per_iter", "peak_memory_bytes", "step_memory_bytes")},
+  }
+  ginger = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "gamma": 1e-5, "rho": 1.0}
+  ginger |= {"block": "per_tensor"}
+  arms = [{}, ginger, {**ginger, "rho": None, "sweep": "ablation"}]
+  sensitivity = {**ginger, "alpha": 0.9, "sweep": "table34"}
+
+  def config(epochs: int) -> dict:
+    return {"config": {"epochs": epochs, "max_steps": None}}
+
+  for name, dataset, epochs in (("paper", "cifar100", 200), ("standin", "cifar10", 30)):
+    for model in ("resnet18", "resnet50"):
+      for i, arm in enumerate([*arms, sensitivity]):
+        run = {"dataset": dataset, "model": model, **arm}
+        make_run(root, f"{name}/{model}/{i}", run, **config(epochs), **image)
+  for name, model, epochs in (("paper", "t5-small", 1), ("standin", "t5-small-random", 2)):
+    for setting in ("lora", "full"):
+      for i, arm in enumerate(arms):
+        run = {"dataset": "xsum", "model": model, "setting": setting, "sweep": "table2", **arm}
+        make_run(root, f"{name}-xsum/{setting}/{i}", run, **config(epochs), **text)
+  return root
+
+
+@pytest.fixture
+def every_table(tmp_path: Path) -> dict[str, str]:
+  """The markdown of every table `python -m results.tables` writes for every_table_runs."""
+  out = tmp_path / "out"
+  assert tables.main([str(every_table_runs(tmp_path / "runs")), "--out", str(out)]) == 0
+  written = {p.stem: p.read_text() for p in sorted(out.glob("*.md"))}
+  assert set(written) == {
+    *("table1", "table2", "table3", "table4", "table_ablation"),
+    *("table1_cifar10_30ep", "table3_cifar10_30ep", "table4_cifar10_30ep"),
+    *("table_ablation_cifar10_30ep", "table2_t5_small_random_2ep"),
+    *("table_ablation_t5_small_random_2ep", "comparisons_cifar100_200ep"),
+    "comparisons_cifar10_30ep",
+  }
+  return written
+
+
+def committed_markdown() -> dict[str, str]:
+  """Every committed markdown file of the campaign: its tables and the plots' tables."""
+  files = sorted(COMMITTED.glob("*.md")) + sorted((COMMITTED / "plots").glob("*.md"))
+  assert len(files) > 10
+  return {str(p.relative_to(COMMITTED)): p.read_text() for p in files}
+
+
+def test_tables_of_other_settings_have_no_difference_with_the_paper(every_table) -> None:
+  """A table titled NOT COMPARABLE has no Δ (ours - paper) column: between other settings the
+  difference is noise. The paper's number may stand beside ours, labelled with the paper's
+  setting. Tables of the paper's settings keep ours / paper / Δ."""
+  for name, md in {**every_table, **committed_markdown()}.items():
+    headers = [cell for row in header_rows(md) for cell in row]
+    if "NOT COMPARABLE" in md.splitlines()[0]:
+      assert not any("Δ" in cell for cell in headers), name
+      assert "Δ" not in md.split("\n\n")[1], name  # nor in the caption
+  beside = {
+    "table1_cifar10_30ep": "Acc paper (CIFAR-100, 200 ep.)",
+    "table3_cifar10_30ep": "τ=4 Acc paper (CIFAR-100, 200 ep.)",
+    "table2_t5_small_random_2ep": "RL paper (pretrained t5-small, 1 ep.)",
+  }
+  for name, label in beside.items():
+    assert label in {cell for row in header_rows(every_table[name]) for cell in row}, name
+  for name, label in (("table1", "Acc Δ"), ("table2", "RL Δ"), ("table3", "τ=4 Acc Δ")):
+    assert label in {cell for row in header_rows(every_table[name]) for cell in row}, name
+  assert "Acc / R-L Δ" in header_rows(every_table["table_ablation"])[0]
+  assert "paper" not in " ".join(header_rows(every_table["table_ablation_cifar10_30ep"])[0])
+
+
+def test_no_table_is_wider_than_twelve_columns(every_table) -> None:
+  """Every table, written or committed, has at most 12 columns (its row labels included):
+  Table 1 is one table per model, Table 2 one per setting, each split into accuracy (or ROUGE)
+  and cost where still wider."""
+  for name, md in {**every_table, **committed_markdown()}.items():
+    for header in header_rows(md):
+      assert len(header) <= 12, (name, header)
+  table1 = sections(every_table["table1"])
+  assert list(table1) == [
+    f"ResNet-{n}: {part}" for n in (18, 50) for part in ("accuracy and loss", "cost")
+  ]
+  assert list(sections(every_table["table2_t5_small_random_2ep"])) == [
+    f"{s}: {part}" for s in ("LoRA", "Full") for part in ("ROUGE", "perplexity and cost")
+  ]
+
+
+def test_tables_of_your_runs_are_written_where_git_ignores_them(
+  runs_root: Path, monkeypatch
+) -> None:
+  """`python -m results.tables` over the default roots (outputs/, multirun/: your runs, not the
+  committed campaign) writes its tables into a folder that git ignores, not beside the
+  committed files of the source tree; likewise results.plots."""
+  from results import plots
+
+  monkeypatch.chdir(runs_root)  # holds multirun/, as a checkout does after `make train`
+  assert tables.main([]) == 0
+  (table1,) = runs_root.rglob("table1.md")
+  written = table1.relative_to(runs_root).as_posix()
+  repo = Path(__file__).resolve().parents[1]
+  if shutil.which("git") is None or not (repo / ".git").exists():
+    pytest.skip("not a git checkout")
+  for path in (written, f"{plots.DEFAULT_OUT}/curves_demo.png"):
+    ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=repo, check=False)
+    assert ignored.returncode == 0, f"{path} would be written into the source tree"
 
 
 def test_curvature_every_is_part_of_a_cells_identity(tmp_path: Path) -> None:
@@ -603,7 +774,7 @@ def test_ablation_rows_keep_one_configuration_per_variant(tmp_path: Path) -> Non
   )
   table = tables.build_ablation(tables.collect_runs([tmp_path]))
   assert any("2 configurations matched" in n and "batch_size=128" in n for n in table.notes)
-  clip_row = next(row.cells for row in table.rows if row.cells[0] == "1.0")
+  clip_row = next(row.cells for row in table.rows if row.label.startswith("ρ=1.0"))
   assert "73.00 ± 1.41" in clip_row  # the batch-128 pair, the batch-256 run neither mixed in
   # nor replacing seed 0
 
@@ -626,9 +797,9 @@ def test_a_run_that_shared_its_device_counts_for_accuracy_not_memory(tmp_path: P
   shared = image(75.0, 1.25, 1.5e-5, 2.4e9, 9_900_000_000)
   make_run(root, "2", {"seed": 2}, device_shared=True, **shared)
   md = tables.to_markdown(tables.build_table1(tables.collect_runs([root])))
-  adam = next(line for line in md.splitlines() if line.startswith("| Adam |"))
+  adam, adam_cost = (line for line in md.splitlines() if line.startswith("| Adam | 3 |"))
   assert adam.startswith("| Adam | 3 | 73.33 ± 1.53 |"), adam
-  assert "| 3.25 ± 0.07 | 3.16 |" in adam, adam
+  assert "| 3.25 ± 0.07 | 3.16 |" in adam_cost, adam_cost
   assert "1 of them shared a GPU with other runs" in md
 
 
