@@ -29,7 +29,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from training import config_check, loop
+from training import config_check, loop, multirun
 from training.errors import Interrupted, NonFiniteLossError, user_errors
 from training.loop import TrainState, build, evaluate, initial_stats, train
 
@@ -49,8 +49,6 @@ SHOWN = (
   "steps",
   "step_time_s",
 )
-jobs: list[str] = []  # run dirs of this process's jobs (one, or a multirun's)
-failed: list[str] = []  # "<run dir>: <why>" of the jobs that failed
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
@@ -58,7 +56,7 @@ def main(cfg: DictConfig) -> None:
   for noisy in ("absl", "orbax", "jax._src"):  # checkpoint/compile chatter at INFO
     logging.getLogger(noisy).setLevel(logging.WARNING)
   run_dir = Path(HydraConfig.get().runtime.output_dir)
-  jobs.append(str(run_dir))
+  multirun.jobs.append(str(run_dir))
   try:
     config_check.check_added_keys(HydraConfig.get().overrides.task, cfg)
     summary = loop.train(cfg, run_dir)
@@ -68,10 +66,10 @@ def main(cfg: DictConfig) -> None:
   except user_errors() as e:  # the message is all the user needs; the other jobs go on
     log.error("%s: %s", type(e).__name__, e)
     why = "\n    ".join(str(e).splitlines())  # the whole message, its lines indented
-    failed.append(f"{run_dir}: {type(e).__name__}: {why}")
+    multirun.failed.append(f"{run_dir}: {type(e).__name__}: {why}")
     return
   except Exception:  # a bug: Hydra shows its traceback; the list below names the job too
-    failed.append(f"{run_dir}: raised an unexpected error (traceback above)")
+    multirun.failed.append(f"{run_dir}: raised an unexpected error (traceback above)")
     raise
   shown = {k: summary.get(k) for k in SHOWN if summary.get(k) is not None}
   log.info("done: %s -> %s", json.dumps(shown), run_dir / "summary.json")
@@ -82,14 +80,9 @@ def cli() -> None:
   try:
     main()
   finally:
-    if failed and len(jobs) > 1:
-      print(
-        f"{len(failed)} of {len(jobs)} jobs failed:\n" + "\n".join(f"  {f}" for f in failed),
-        file=sys.stderr,
-        flush=True,
-      )
-  if failed:
-    sys.exit(1)
+    multirun.report()
+  if multirun.exit_status():
+    sys.exit(multirun.exit_status())
 
 
 if __name__ == "__main__":
