@@ -13,7 +13,10 @@ refused. SIGTERM/SIGINT save a checkpoint and stop. A ``+key=value`` that adds a
 reads (a typo: ``+tua=8``) is refused, naming the nearest keys; ``+group=option`` (``+sweep=``)
 adds a config group as usual.
 Exit status: 0, 1 (a failed run: the message says why; with -m, after every job ran, with a
-list of the failed ones), or 128 + the signal number (stopped by SIGTERM or SIGINT).
+list of the failed ones), or 128 + the signal number (stopped by SIGTERM or SIGINT). With
+``hydra/launcher=submitit_slurm`` (one SLURM job per run, one GPU each) or ``submitit_local``
+each job runs in a process of its own, and the launching process reports them the same way
+(training/launchers.py).
 
 The loop itself is training/loop.py; this file is only the command line.
 """
@@ -29,7 +32,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from training import config_check, loop, multirun
+from training import config_check, launchers, loop, multirun
 from training.errors import Interrupted, NonFiniteLossError, user_errors
 from training.loop import TrainState, build, evaluate, initial_stats, train
 
@@ -77,6 +80,7 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
   """main(), then the exit status: non-zero if any job failed, with a list of them."""
+  launchers.register()
   try:
     main()
   finally:
