@@ -71,19 +71,28 @@ docs: $(STAMP)
 # GPU nvidia-smi lists, or one job at a time without GPUs); SWEEP_ARGS="max_steps=2 ..." (more
 # overrides). Jobs run through sweeps/gpu_pool.py: one process per job, one job per GPU,
 # completed runs skipped, a diverging run does not stop the sweep.
+# LAUNCHER=slurm runs them as SLURM jobs instead, one GPU each (`train.py -m
+# hydra/launcher=submitit_slurm`; PARTITION=<partition>, more in SWEEP_ARGS, e.g.
+# "hydra.launcher.account=<account>"); LAUNCHER=local through submitit on this machine, every
+# job at once (no GPU pinning: for CPU runs). Both wait for the last job and list failed ones.
 # `python train.py -m +sweep=table1 scale=smoke seed=0,1` runs the same jobs in one process.
 SCALE ?= full
 SEEDS ?= 0
 GPUS ?=
 SWEEP_ARGS ?=
 DATA ?=
+LAUNCHER ?= pool
+PARTITION ?=
 ifneq ($(DATA),)
 export GINGER_DATA := $(DATA)
 endif
 # Smoke sweeps run on the CPU; the others on whatever JAX finds (the GPU), unless
 # JAX_PLATFORMS is set in the environment or on the command line.
 SWEEP_PLATFORMS = $(if $(JAX_PLATFORMS),$(JAX_PLATFORMS),$(if $(filter smoke,$(SCALE)),cpu,))
-SWEEP_RUN = JAX_PLATFORMS=$(SWEEP_PLATFORMS) $(PY) -m sweeps.gpu_pool $(if $(GPUS),--devices $(GPUS)) --
+POOL_RUN = $(PY) -m sweeps.gpu_pool $(if $(GPUS),--devices $(GPUS)) --
+SUBMITIT_RUN = $(PY) train.py -m hydra/launcher=submitit_$(LAUNCHER) \
+  $(if $(and $(PARTITION),$(filter slurm,$(LAUNCHER))),hydra.launcher.partition=$(PARTITION))
+SWEEP_RUN = JAX_PLATFORMS=$(SWEEP_PLATFORMS) $(if $(filter pool,$(LAUNCHER)),$(POOL_RUN),$(SUBMITIT_RUN))
 SWEEP_OVERRIDES = scale=$(SCALE) seed=$(SEEDS) $(SWEEP_ARGS)
 BEST_LR = $(PY) -m sweeps.best_lr --experiments
 # The experiment names of each scale (what configs/best_lr/ files are named after).
@@ -104,6 +113,9 @@ FULL_standin := xsum1000_t5_small_random_full
 LR_TUNE_standin := +sweep/exp=standin/cifar100_resnet18
 ifeq ($(filter $(SCALE),full smoke standin),)
 $(error SCALE=$(SCALE): allowed are full, standin, smoke)
+endif
+ifeq ($(filter $(LAUNCHER),pool slurm local),)
+$(error LAUNCHER=$(LAUNCHER): allowed are pool, slurm, local)
 endif
 
 .PHONY: lr_tune ablation curvature_every qng_control

@@ -13,7 +13,10 @@ refused. SIGTERM/SIGINT save a checkpoint and stop. A ``+key=value`` that adds a
 reads (a typo: ``+tua=8``) is refused, naming the nearest keys; ``+group=option`` (``+sweep=``)
 adds a config group as usual.
 Exit status: 0, 1 (a failed run: the message says why; with -m, after every job ran, with a
-list of the failed ones), or 128 + the signal number (stopped by SIGTERM or SIGINT).
+list of the failed ones), or 128 + the signal number (stopped by SIGTERM or SIGINT). With
+``hydra/launcher=submitit_slurm`` (one SLURM job per run, one GPU each) or ``submitit_local``
+each job runs in a process of its own, and the launching process reports them the same way
+(training/launchers.py).
 
 The loop itself is training/loop.py; this file is only the command line.
 """
@@ -29,7 +32,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from training import config_check, loop
+from training import config_check, launchers, loop, multirun
 from training.errors import Interrupted, NonFiniteLossError, user_errors
 from training.loop import TrainState, build, evaluate, initial_stats, train
 
@@ -49,8 +52,6 @@ SHOWN = (
   "steps",
   "step_time_s",
 )
-jobs: list[str] = []  # run dirs of this process's jobs (one, or a multirun's)
-failed: list[str] = []  # "<run dir>: <why>" of the jobs that failed
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
@@ -58,7 +59,7 @@ def main(cfg: DictConfig) -> None:
   for noisy in ("absl", "orbax", "jax._src"):  # checkpoint/compile chatter at INFO
     logging.getLogger(noisy).setLevel(logging.WARNING)
   run_dir = Path(HydraConfig.get().runtime.output_dir)
-  jobs.append(str(run_dir))
+  multirun.jobs.append(str(run_dir))
   try:
     config_check.check_added_keys(HydraConfig.get().overrides.task, cfg)
     summary = loop.train(cfg, run_dir)
@@ -68,10 +69,10 @@ def main(cfg: DictConfig) -> None:
   except user_errors() as e:  # the message is all the user needs; the other jobs go on
     log.error("%s: %s", type(e).__name__, e)
     why = "\n    ".join(str(e).splitlines())  # the whole message, its lines indented
-    failed.append(f"{run_dir}: {type(e).__name__}: {why}")
+    multirun.failed.append(f"{run_dir}: {type(e).__name__}: {why}")
     return
   except Exception:  # a bug: Hydra shows its traceback; the list below names the job too
-    failed.append(f"{run_dir}: raised an unexpected error (traceback above)")
+    multirun.failed.append(f"{run_dir}: raised an unexpected error (traceback above)")
     raise
   shown = {k: summary.get(k) for k in SHOWN if summary.get(k) is not None}
   log.info("done: %s -> %s", json.dumps(shown), run_dir / "summary.json")
@@ -79,17 +80,13 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
   """main(), then the exit status: non-zero if any job failed, with a list of them."""
+  launchers.register()
   try:
     main()
   finally:
-    if failed and len(jobs) > 1:
-      print(
-        f"{len(failed)} of {len(jobs)} jobs failed:\n" + "\n".join(f"  {f}" for f in failed),
-        file=sys.stderr,
-        flush=True,
-      )
-  if failed:
-    sys.exit(1)
+    multirun.report()
+  if multirun.exit_status():
+    sys.exit(multirun.exit_status())
 
 
 if __name__ == "__main__":
