@@ -48,14 +48,12 @@ class Race(NamedTuple):
 
 def run_label(summary: dict) -> str:
   """``adam``, ``ginger tau=8 K=8`` (``, shared forward`` where not the default eval one), then
-  the numerics where not float32: ``, bfloat16 state``, ``, bfloat16 compute``. Summaries
-  without these fields say them in their config."""
+  the numerics where not float32: ``, bfloat16 state``, ``, bfloat16 compute``."""
   run = summary["run"]
   label = run["optimizer"]
   if run["optimizer"] == "ginger":
-    label = f"ginger tau={run['tau']} K={run.get('curvature_every') or 1}"
+    label = f"ginger tau={run['tau']} K={run['curvature_every']}"
     label += ", shared forward" if run.get("fisher_forward") == "shared" else ""
-  run = {**run_record.numerics(summary.get("config") or {}, run["optimizer"]), **run}
   names = {"precision": "compute", "state_dtype": "state"}
   narrow = run_record.narrow_numerics(run)
   return label + "".join(f", {value} {names[key]}" for key, value in narrow.items())

@@ -155,16 +155,8 @@ def load_summary(run_dir: str | Path) -> Run | None:
   data["path"] = str(run_dir)
   data["mtime"] = records.summary_mtime(run_dir)
   data["run"]["length"] = run_length(data)
-  if data["run"].get("optimizer") == "ginger":  # recorded since curvature_every exists
-    data["run"].setdefault("curvature_every", 1)
-  if str(data["run"].get("model", "")).startswith("resnet"):  # recorded since batchnorm exists
-    data["run"].setdefault("batchnorm", "sync")
   data["settings"] = settings_of(data.get("config"))
   data["run"]["settings"] = json.dumps(run_record._canonical(data["settings"]), sort_keys=True)
-  # Recorded since state_dtype and precision are: older runs say them in their config.
-  numerics = run_record.numerics(data.get("config") or {}, data["run"].get("optimizer"))
-  for key, value in numerics.items():
-    data["run"].setdefault(key, value)
   return data
 
 
@@ -534,7 +526,7 @@ def paper_beside(setting: str) -> PaperColumns:
 # compilation and autotuning scratch and the evaluation's memory (T5-small full, Ginger tau 32,
 # one H100: 16.2 GB, set by evaluation, against the step's 10.1 GB; 21.2 GB while the loop built
 # the state before compiling, the extra XLA's autotuning).
-# Ours only: the paper reports one peak (PyTorch's). Blank for records older than the field.
+# Ours only: the paper reports one peak (PyTorch's). Blank where summary.json lacks it.
 MEMORY_CAPTION = (
   "memory in GB (bytes/1e9): Mem = the process's peak (compilation and autotuning included), "
   "Step = the training step's own (XLA's memory analysis)."

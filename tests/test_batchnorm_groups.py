@@ -6,7 +6,7 @@ of the G slices of the batch (outputs, gradients; running statistics the mean ov
 what nnx.BatchNorm keeps), in evaluation mode it is nnx.BatchNorm; G = 1 is nnx.BatchNorm itself
 and the variables do not depend on G; on 4 (simulated CPU) devices the compiled training step of
 ``batchnorm=per_device`` has no BatchNorm all-reduces where ``sync`` has one per layer and pass;
-bad values are refused up front, and older run dirs keep their fingerprints.
+bad values are refused up front, and the mode is part of a run dir's fingerprint.
 
 Tolerances: the grouped layer and the per-slice reference run the same float32 operations on the
 same numbers; only the order in which XLA sums a slice's B/G x H x W elements may differ, which
@@ -270,12 +270,9 @@ def test_good_values_pass():
     check_config(config(*overrides), overrides=overrides)
 
 
-def test_fingerprints_of_older_run_dirs_are_kept():
-  # batchnorm=sync (the behaviour before the key) is implied: runs recorded without the key keep
-  # their fingerprints; per_device is another run.
+def test_the_batchnorm_mode_is_part_of_the_fingerprint():
   cfg = run_record.plain(config("experiment=demo"))
-  older = {k: v for k, v in cfg.items() if k != "batchnorm"}
-  assert run_record.fingerprint(cfg) == run_record.fingerprint(older)
+  assert run_record.fingerprinted(cfg)["batchnorm"] == "sync"
   per_device = dict(cfg, batchnorm="per_device")
   assert run_record.fingerprint(per_device) != run_record.fingerprint(cfg)
 

@@ -328,18 +328,14 @@ def test_optimizer_step_times_the_update_the_training_loop_runs(capsys):
 
 def test_race_labels_runs_by_their_numerics(tmp_path):
   """A bf16-state or bf16-compute run is its own row group in the race, not averaged with the
-  float32 runs; summaries from before the fields existed are read from their config."""
+  float32 runs."""
   from bench import race
 
   ginger = dict(tau=8, curvature_every=16)
   _race_run(tmp_path / "r" / "f32", "ginger", 0, [86.0], **ginger)
   _race_run(tmp_path / "r" / "bf16", "ginger", 0, [84.0, 86.0], state_dtype="bfloat16", **ginger)
   _race_run(tmp_path / "r" / "adam", "adam", 0, [86.0], precision="bfloat16")
-  old = tmp_path / "r" / "old"
-  _race_run(old, "ginger", 1, [86.0], **ginger)
-  summary = json.loads((old / "summary.json").read_text())
-  summary["config"] = {"optimizer": {"state_dtype": "bfloat16"}}
-  (old / "summary.json").write_text(json.dumps(summary))
+  _race_run(tmp_path / "r" / "bf16s1", "ginger", 1, [86.0], state_dtype="bfloat16", **ginger)
   rows = race.collect([tmp_path], target=85.0)
   assert sorted({r.run for r in rows}) == [
     "adam, bfloat16 compute",

@@ -261,3 +261,23 @@ def test_committed_records_are_archives() -> None:
   dirs = tables.find_run_dirs([COMMITTED])
   assert len(dirs) == len(set(dirs)) >= 161
   assert all(records.read_summary(d)["status"] == "completed" for d in dirs)
+
+
+def test_committed_records_carry_what_train_py_records() -> None:
+  """Every committed run says what it ran with, as train.py writes it now: its summary's "run"
+  block has every field of run_record.identity, equal to what its config gives, and its
+  run.json (where it has one) the fingerprint and fingerprinted config of that config. The
+  tables read no default for a field a record lacks."""
+  runs = [
+    line
+    for archive in sorted(COMMITTED.rglob("*" + records.SUFFIX))
+    for line in records.read_archive(archive)
+  ]
+  assert len(runs) >= 161
+  for line in runs:
+    summary, record = line["summary"], line["record"]
+    identity = run_record.identity(summary["config"])
+    assert {k: summary["run"].get(k, "<absent>") for k in identity} == identity, line["path"]
+    if record is not None:
+      assert record["fingerprint"] == run_record.fingerprint(summary["config"]), line["path"]
+      assert record["config"] == run_record.fingerprinted(summary["config"]), line["path"]

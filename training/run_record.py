@@ -73,12 +73,6 @@ NOT_FINGERPRINTED = frozenset(
   }
 )
 
-# Keys left out of fingerprints and config comparisons at these values (or null): the committed
-# run records (results/cifar10/runs/) lack them, ran at these values, and must compare equal to
-# the runs that set them (tables group runs by their fingerprinted config, sweeps skip the
-# completed ones by it).
-IMPLIED = {"curvature_every": 1, "batchnorm": "sync"}
-
 # The paper-notation hyperparameters each optimizer reads (the others are not its identity).
 OPTIMIZER_KEYS = {
   "ginger": ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward"),
@@ -169,7 +163,7 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
 def numerics(config: Mapping, optimizer: str | None) -> dict[str, Any]:
   """The :data:`NUMERICS` of a run of ``optimizer`` with this (plain) config: ``precision``,
   the compute dtype, and ``state_dtype``, the dtype its curvature state is stored in (None for
-  optimizers without one). Also what a summary from before these were recorded ran with."""
+  optimizers without one)."""
   state_dtype = (config.get("optimizer") or {}).get("state_dtype")
   return {
     "precision": config.get("precision") or "float32",
@@ -188,7 +182,7 @@ def batchnorm(config: Mapping) -> dict[str, Any]:
   models without BatchNorm (T5)."""
   if config["model"].get("family") != "resnet":
     return {"batchnorm": None, "batchnorm_groups": None}
-  mode = config.get("batchnorm") or IMPLIED["batchnorm"]
+  mode = config.get("batchnorm") or "sync"  # null: sync
   groups = int(config["mesh"]["data"]) if mode == "per_device" else None
   return {"batchnorm": mode, "batchnorm_groups": groups}
 
@@ -198,7 +192,7 @@ def curvature_every(config: Mapping) -> int | None:
   paper, when unset), None for optimizers without the option."""
   if config["optimizer"]["name"] != "ginger":
     return None
-  return int(config.get("curvature_every") or IMPLIED["curvature_every"])
+  return int(config.get("curvature_every") or 1)
 
 
 # ----------------------------------------------------------------------------- fingerprint
@@ -208,19 +202,10 @@ def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
   """The part of the resolved config that determines the run's result. ``mesh`` is not part
   of it, except the data axis's size under ``batchnorm=per_device`` (the statistics groups)."""
   c = plain(config)
-  out = {k: v for k, v in _explicit(c).items() if k not in NOT_FINGERPRINTED}
+  out = {k: v for k, v in c.items() if k not in NOT_FINGERPRINTED}
   if c.get("batchnorm") == "per_device":
     out["batchnorm_groups"] = (c.get("mesh") or {}).get("data")
   return out
-
-
-def _explicit(config: Mapping) -> dict[str, Any]:
-  """``config`` without the :data:`IMPLIED` keys at their implied value (or null)."""
-  return {k: v for k, v in config.items() if not (k in IMPLIED and _is_implied(v, IMPLIED[k]))}
-
-
-def _is_implied(value: Any, implied: Any) -> bool:
-  return value is None or (type(value) is type(implied) and value == implied)  # not True for 1
 
 
 def fingerprint(config: Mapping | DictConfig) -> str:
@@ -414,9 +399,7 @@ def status(run_dir: str | Path, config: Mapping | None = None) -> str | None:
   """summary.json's status ("completed", "failed", "interrupted"), or None if there is none;
   with ``config``, None also when the summary is of another config."""
   summary = read_summary(run_dir)
-  if summary is None or (
-    config is not None and _explicit(summary.get("config") or {}) != _explicit(plain(config))
-  ):
+  if summary is None or (config is not None and summary.get("config") != plain(config)):
     return None
   return summary.get("status")
 
