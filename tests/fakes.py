@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +77,39 @@ def xsum_jsonl(path: Path, n: int = 40) -> Path:
         + "\n"
       )
   return path
+
+
+# What tensorstore raises (a ValueError) when a write of an orbax checkpoint finds the disk full.
+TENSORSTORE_NO_SPACE = (
+  'RESOURCE_EXHAUSTED: Error writing "{name}" in OCDBT database at local file "{path}": '
+  "Failed to write 2944780 bytes to file 5: No space left on device [os_error_code='28']"
+)
+
+
+def disk_full_from(step: int, raised: str = "tensorstore", setattr=setattr) -> None:
+  """Makes orbax's checkpoints of ``step`` and later meet a full disk: the first array write
+  of each fails as on a full filesystem, the others are written (still running when it fails,
+  as on a real one). ``raised``: ``"tensorstore"`` (the ValueError tensorstore raises for
+  ENOSPC, which orbax passes on) or ``"oserror"`` (``OSError(ENOSPC)``, as a Python write
+  raises it). ``setattr``: ``monkeypatch.setattr`` in a test (the default patches for good, in
+  a process of its own)."""
+  import orbax.checkpoint as ocp
+
+  handler = ocp.type_handlers.NumpyHandler
+  write = handler._open_and_write
+  failed: set[int] = set()
+
+  async def full(self, value, tspec, ts_context):
+    where = json.dumps(tspec)
+    found = re.search(r"/checkpoints/(\d+)\.orbax-checkpoint-tmp", where)
+    saved = int(found.group(1)) if found else -1
+    if saved >= step and saved not in failed:
+      failed.add(saved)
+      path = re.search(r'"(/[^"]*)"', where).group(1)
+      if raised == "oserror":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+      name = tspec.get("kvstore", {}).get("path", "")
+      raise ValueError(TENSORSTORE_NO_SPACE.format(name=name, path=path))
+    return await write(self, value, tspec, ts_context)
+
+  setattr(handler, "_open_and_write", full)

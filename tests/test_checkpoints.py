@@ -6,9 +6,11 @@ epoch."""
 import collections
 import gc
 import json
+import logging
 import signal
 from pathlib import Path
 
+import fakes
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,7 @@ from models.tasks import build_task
 from training import logs, run_record, sharding
 from training import loop as train
 from training.checkpoints import Checkpointer, CheckpointError
-from training.errors import Interrupted
+from training.errors import Interrupted, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 FEW = 10**9  # BUCKET_OVERHEAD giving one bucket per rank (the demo ResNet: one bucket)
@@ -359,6 +361,48 @@ def test_a_save_hands_orbax_host_copies_in_a_thread_and_raises_its_failure(tmp_p
   ):
     checkpointer.wait()
   checkpointer.wait()  # raised once; nothing pending after it
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("raised", ["tensorstore", "oserror"])
+def test_a_full_disk_fails_once_naming_the_checkpoint_and_the_last_good_one(
+  tmp_path, monkeypatch, capfd, caplog, raised
+):
+  """Checkpoint 2 meets a full disk (the first of its array writes fails, as tensorstore or a
+  Python write reports ENOSPC; the others are still running): the failure is raised once, in
+  one line that names checkpoint 2 (also where it surfaces in the save of 3), its directory,
+  the free space there and the last good checkpoint, 1; nothing is written after it, and
+  nothing else is printed or logged (no traceback from orbax's threads, none from writes that
+  end on orbax's closed event loop, which Python reports as unraisable). The partial
+  checkpoint is gone: 1 restores."""
+  fakes.disk_full_from(2, raised, setattr=monkeypatch.setattr)
+  # Many arrays: writes still under way when the first one fails.
+  state = {f"w{i}": jnp.full((64, 32), float(i)) for i in range(48)}
+  checkpointer = Checkpointer(tmp_path)
+  checkpointer.save(1, state)
+  checkpointer.wait()
+  checkpointer.save(2, state)
+  with caplog.at_level(logging.INFO), pytest.raises(TrainingError) as failed:
+    checkpointer.save(3, state)  # the failure of 2 surfaces here, or in wait
+    checkpointer.wait()
+  message = str(failed.value)
+  directory = checkpointer.directory
+  assert message.startswith(
+    f"no space left on device: writing checkpoint 2 to {directory} failed ("
+  ), message
+  assert "B free on that filesystem); the last good checkpoint there is step 1." in message
+  assert message.endswith("then rerun the same command to resume from step 1."), message
+  assert "\n" not in message and "checkpoint 3" not in message
+  checkpointer.wait()  # raised once
+  with pytest.raises(TrainingError, match="writing checkpoint 2 to"):
+    checkpointer.save(4, state)  # no save after a failed one
+  assert sorted(p.name for p in directory.iterdir()) == ["1"]  # no partial checkpoint left
+  out = capfd.readouterr()
+  assert "Traceback" not in out.out + out.err and "Event loop" not in out.out + out.err, out
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+  assert Checkpointer(tmp_path).latest_step() == 1
+  like = jax.tree.map(jnp.zeros_like, state)
+  jax.tree.map(np.testing.assert_array_equal, Checkpointer(tmp_path).restore(like), state)
 
 
 def test_a_corrupt_checkpoint_fails_clearly(tmp_path):

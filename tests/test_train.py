@@ -23,7 +23,7 @@ from training import loop as train
 from training import run_record
 from training.checkpoints import Checkpointer, CheckpointError
 from training.config_check import ConfigError
-from training.errors import NonFiniteLossError
+from training.errors import NonFiniteLossError, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["logger=none", "max_steps=2", "eval_every=2", "log_every=1", "checkpoint_every=2"]
@@ -543,6 +543,85 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
     strict=True,
   ):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# train.py in a process whose orbax meets a full disk from checkpoint argv[1] on (tests/fakes.py).
+FULL_DISK_CLI = (
+  "import runpy, sys; sys.path.insert(0, 'tests'); import fakes; "
+  "fakes.disk_full_from(int(sys.argv[1])); sys.argv = ['train.py', *sys.argv[2:]]; "
+  "runpy.run_path('train.py', run_name='__main__')"
+)
+FULL_DISK = [
+  "experiment=demo",
+  "optimizer=momentum",
+  "logger=none",
+  "max_steps=16",
+  "checkpoint_every=2",
+  "log_every=1",
+  "eval_every=16",
+  "spectrum_every=0",
+]
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_a_rerun_resumes(tmp_path, caplog):
+  """train.py whose checkpoint 4 meets a full disk (tensorstore's ENOSPC inside orbax's
+  writer, its other writes still running): the run stops at once, exit status 1, with one
+  error line naming checkpoint 4, the checkpoints dir, the free space there and the last good
+  checkpoint, 2, and saying what to do; no traceback, no "Event loop is closed" (one per
+  array write that outlived orbax's event loop). summary.json says "failed" with that line;
+  the partial checkpoint is not taken for a good one: a rerun resumes from 2 and finishes."""
+  run_dir = tmp_path / "run"
+  command = [sys.executable, "-c", FULL_DISK_CLI, "4", *FULL_DISK, f"hydra.run.dir={run_dir}"]
+  out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+  text = out.stdout + out.stderr
+  assert out.returncode == 1, text[-3000:]
+  assert "Traceback" not in text and "Event loop" not in text, text[-3000:]
+  errors = [line for line in text.splitlines() if "rror" in line or "failed" in line]
+  directory = run_dir / "checkpoints"
+  assert len(errors) == 1, text[-3000:]
+  assert errors[0].startswith(
+    f"DiskFullError: no space left on device: writing checkpoint 4 to {directory} failed ("
+  ), errors
+  assert errors[0].endswith(
+    " free on that filesystem); the last good checkpoint there is step 2. Free space there, or"
+    " move the run dir to another filesystem and point hydra.run.dir at it; then rerun the same"
+    " command to resume from step 2."
+  ), errors
+  summary = run_record.read_summary(run_dir)
+  assert summary["status"] == "failed" and summary["error"] in errors[0]
+  assert 4 <= summary["steps"] < 16  # stopped at once, not at the end
+  assert Checkpointer(run_dir).steps() == [2]
+
+  with caplog.at_level("INFO", logger="train"):
+    rerun = train.train(config(*FULL_DISK), run_dir)
+  assert f"resumed from {directory} at step 2" in caplog.text
+  assert rerun["status"] == "completed" and rerun["steps"] == 16
+
+
+def test_a_full_disk_under_the_metrics_ends_the_run_in_one_error(tmp_path):
+  """metrics.jsonl meets a full disk at step 5 (from then on it is /dev/full, which refuses
+  every write with ENOSPC): the run stops there with a :class:`TrainingError` of one line
+  naming the file, the step and the last good checkpoint, 4 (the last one written by then),
+  and summary.json says "failed" with it."""
+  if not Path("/dev/full").exists():
+    pytest.skip("no /dev/full")
+  metrics = tmp_path / "metrics.jsonl"
+
+  def full_from_5(done):
+    if done == 5:
+      metrics.unlink()
+      metrics.symlink_to("/dev/full")
+
+  with pytest.raises(TrainingError) as failed:
+    train.train(config(*FULL_DISK), tmp_path, stop=full_from_5)
+  message = str(failed.value)
+  assert message.startswith(f"no space left on device: writing step 5 to {metrics} failed ("), (
+    message
+  )
+  assert f"the last good checkpoint is step 4 in {tmp_path / 'checkpoints'}." in message
+  assert "\n" not in message
+  summary = run_record.read_summary(tmp_path)
+  assert summary["status"] == "failed" and summary["error"] == message and summary["steps"] == 5
 
 
 def test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list(tmp_path):

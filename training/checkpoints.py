@@ -12,11 +12,20 @@ Ginger's momentum (``mu``, kept stacked as ``U`` is) is saved per leaf the same 
 ``(leaf.size,)`` vectors. A checkpoint that does not fit the running state (another
 configuration, or a layout this version does not write) is refused with a
 :class:`CheckpointError` that quotes orbax's reason.
+
+**A failed save** (a full disk) is raised once, naming the checkpoint whose write failed, also
+where it surfaces later (in the next save, or in :meth:`Checkpointer.wait`); a disk full is a
+:class:`~training.errors.DiskFullError` of one line that names the last good checkpoint. The
+failed checkpoint's partial files are removed, and nothing more is saved. orbax's own reports
+of it (a traceback from each of its threads the error passes through) are left out of the log.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
+import shutil
 import threading
 from pathlib import Path
 
@@ -27,7 +36,7 @@ import orbax.checkpoint as ocp
 import ginger
 from ginger.ginger import StackedBasis, StackedSigma
 from training import sharding
-from training.errors import TrainingError
+from training.errors import TrainingError, disk_full, no_space
 
 
 class CheckpointError(TrainingError):
@@ -131,12 +140,20 @@ class _Background:
     self.thread.start()
 
   @classmethod
+  def busy(cls) -> bool:
+    """Whether a thread started is still running."""
+    with cls._lock:
+      return any(background.thread.is_alive() for background in cls._started)
+
+  @classmethod
   def join_all(cls) -> None:
     with cls._lock:
       started, cls._started[:] = list(cls._started), []
     for background in started:
       background.thread.join()
     for background in started:
+      if isinstance(background.error, TrainingError):  # worded by Checkpointer
+        raise background.error
       if background.error is not None:
         raise CheckpointError(
           f"saving {background.name} failed: {background.error!r}"
@@ -155,8 +172,44 @@ def _bases_abstract(tree):
   return jax.tree.map(abstract, tree, is_leaf=lambda x: isinstance(x, StackedBasis))
 
 
+# The tasks of the array writes of one `_NumpyHandler._background_serialize`.
+_WRITES: contextvars.ContextVar[set] = contextvars.ContextVar("writes")
+
+
+class _NumpyHandler(ocp.type_handlers.NumpyHandler):
+  """orbax's writer of numpy arrays, which waits for all of a save's array writes before it
+  raises the failure of one.
+
+  orbax gathers the writes of a save's arrays (``asyncio.gather``) on an event loop of their
+  own, and closes the loop as soon as the gather fails, at the first failed write: on a full
+  disk the other writes then complete on a closed loop, and each prints a "RuntimeError: Event
+  loop is closed" traceback (192 of them for a ResNet checkpoint). Here the first failure is
+  raised once every write has ended.
+  """
+
+  async def _background_serialize(self, values, infos, args=None):
+    writes: set[asyncio.Task] = set()
+    token = _WRITES.set(writes)  # the gather's tasks, made in this context, copy it
+    try:
+      await super()._background_serialize(values, infos, args)
+    except Exception:
+      running = [task for task in writes if not task.done()]
+      if running:
+        await asyncio.wait(running)
+      raise
+    finally:
+      _WRITES.reset(token)
+
+  async def _open_and_write(self, value, tspec, ts_context):
+    writes = _WRITES.get(None)
+    if writes is not None:
+      writes.add(asyncio.current_task())
+    await super()._open_and_write(value, tspec, ts_context)
+
+
 def _numpy_arrays_saved_as_given() -> None:
-  """Makes orbax write the numpy arrays it is handed as they are, without a copy first.
+  """Makes orbax write the numpy arrays it is handed as they are, without a copy first, with
+  :class:`_NumpyHandler`.
 
   orbax deep-copies every numpy array it saves before ``save`` returns (the caller might
   change it while the write goes on in the background). The only numpy arrays this module
@@ -167,25 +220,54 @@ def _numpy_arrays_saved_as_given() -> None:
   process-wide: the option holds for every numpy array saved in this process.
   """
   handler = ocp.type_handlers.get_type_handler(np.ndarray)
-  if getattr(handler, "_deepcopy_host_arrays", False):
+  if not isinstance(handler, _NumpyHandler):
     absl = logging.getLogger("absl")  # orbax warns on every override: this one is meant
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
       ocp.type_handlers.register_type_handler(
-        np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True
+        np.ndarray, _NumpyHandler(deepcopy_host_arrays=False), override=True
       )
     finally:
       absl.setLevel(level)
 
 
+class _OrbaxNoSpace(logging.Filter):
+  """Leaves out orbax's log records of a write that found no space: :class:`Checkpointer`
+  raises that failure itself, in one line, and orbax logs it with its traceback from each of
+  its threads it passes through (four records for one failed save)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not (error is not None and "orbax" in record.pathname and no_space(error))
+
+
+_ORBAX_NO_SPACE = _OrbaxNoSpace()
+
+
+def last_good_in(directory: Path) -> int | None:
+  """The step of the newest complete checkpoint in ``directory`` (orbax's partial ones,
+  ``<step>.orbax-checkpoint-tmp``, are not), None if there is none."""
+  if not directory.is_dir():
+    return None
+  return max(ocp.utils.checkpoint_steps(directory), default=None)
+
+
 class Checkpointer:
   """Keeps the last ``keep`` checkpoints of a run dir's ``checkpoints/`` folder."""
 
+  @staticmethod
+  def folder(run_dir: str | Path) -> Path:
+    """The checkpoints' folder of ``run_dir``."""
+    return Path(run_dir).absolute() / "checkpoints"
+
   def __init__(self, run_dir: str | Path, keep: int = 2):
     _numpy_arrays_saved_as_given()
+    logging.getLogger("absl").addFilter(_ORBAX_NO_SPACE)  # orbax logs through absl
     _Background.join_all()  # a save another Checkpointer handed to a thread
-    self.directory = Path(run_dir).absolute() / "checkpoints"
+    self.writing: int | None = None  # the step orbax is writing (not yet known to be written)
+    self.failed: TrainingError | None = None  # the first failed save (none is made after it)
+    self.directory = self.folder(run_dir)
     self.manager = ocp.CheckpointManager(
       self.directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -196,6 +278,11 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     self._handed_over()
     return self.manager.latest_step()
+
+  def last_good(self) -> int | None:
+    """The newest complete checkpoint on disk (:func:`last_good_in`; a write under way is not
+    one)."""
+    return last_good_in(self.directory)
 
   def steps(self) -> list[int]:
     """The steps that have a checkpoint, ascending."""
@@ -229,22 +316,61 @@ class Checkpointer:
     writes in the background after that; run in the training loop, that bookkeeping would hold
     training at every checkpoint (``python -m bench.checkpoint_stall`` measures the stall). One
     save at a time: a save waits for the thread of the one before; :meth:`wait` (and every
-    other method) for the last, and raises its error if it failed. With several processes
-    orbax's ``save`` coordinates them and is called here, in the loop.
+    other method) for the last, and raises its error if it failed (:meth:`check` without
+    waiting), naming its step. With several processes orbax's ``save`` coordinates them and is
+    called here, in the loop.
     """
+    if self.failed is not None:  # no save after a failed one
+      self._handed_over()  # a thread's failure is raised from here the first time
+      raise self.failed
     single = jax.process_count() == 1
     if single:
       _start_host_copies(state)
     saveable = _to_saveable(ginger.checkpoint_state(_bases_on_host(state)))
     if not single:
-      self.manager.save(step, args=ocp.args.StandardSave(saveable), force=True)
+      self._settle()
+      self._write(step, ocp.args.StandardSave(saveable))
       return
     args = ocp.args.StandardSave(jax.tree.map(_on_host, saveable))
     self._handed_over()
-    _Background(
-      f"checkpoint {step} in {self.directory}",
-      lambda: self.manager.save(step, args=args, force=True),
-    )
+
+    def write():
+      self._settle()
+      self._write(step, args)
+
+    _Background(f"checkpoint {step} in {self.directory}", write)
+
+  def _write(self, step: int, args) -> None:
+    """orbax's ``save`` of ``step``, which returns once the write is under way."""
+    try:
+      self.manager.save(step, args=args, force=True)
+    except Exception as e:  # noqa: BLE001 - a failure of this step, whatever orbax raised
+      raise self._failure(step, e) from e
+    self.writing = step
+
+  def _settle(self) -> None:
+    """Waits until the write orbax has under way is done; raises its failure as that step's
+    (orbax raises it in whichever call comes next)."""
+    step, self.writing = self.writing, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      raise self._failure(step, e) from e
+
+  def _failure(self, step: int | None, e: Exception) -> TrainingError:
+    """The error of the failed save of ``step``, kept: no save is made after it (orbax's
+    manager raises the failure again at every later call). On a full disk, the failed
+    checkpoint's partial files are removed (the space they took is free again) and the error
+    names the last good checkpoint."""
+    if no_space(e):
+      if step is not None and jax.process_index() == 0:
+        for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+          shutil.rmtree(partial, ignore_errors=True)
+      what = f"checkpoint {step}" if step is not None else "a checkpoint"
+      self.failed = disk_full(self.directory, what, self.last_good(), self.directory)
+    else:
+      self.failed = CheckpointError(f"saving checkpoint {step} in {self.directory} failed: {e!r}")
+    return self.failed
 
   def _handed_over(self) -> None:
     """Waits until the saves in threads have handed their arrays to orbax (raising a failed
@@ -252,10 +378,23 @@ class Checkpointer:
     the process, and a save of one beside another's hangs both until orbax's timeout."""
     _Background.join_all()
 
-  def wait(self) -> None:
-    """Waits until every checkpoint saved so far is written (raising a failed save's error)."""
+  def check(self) -> None:
+    """Raises the failure of a save that has failed by now, without waiting for one under
+    way (the training loop asks after every step, so that a failed save stops it at once)."""
+    if _Background.busy():
+      return
     self._handed_over()
-    self.manager.wait_until_finished()
+    if (
+      self.failed is None and self.writing is not None and not self.manager.is_saving_in_progress()
+    ):
+      self._settle()  # done: returns at once, or raises its failure
+
+  def wait(self) -> None:
+    """Waits until every checkpoint saved so far is written (raising a failed save's error,
+    once)."""
+    self._handed_over()
+    if self.failed is None:
+      self._settle()
 
   def restore(self, like, step: int | None = None):
     """Restores the checkpoint at ``step`` (default: latest) into the structure, bucket plan

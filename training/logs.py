@@ -99,11 +99,16 @@ class MetricsLog:
     record.update({k: _plain(v) for k, v in values.items()})
     if not self.writer:
       return record
-    if event == "spectrum":
-      run_record.append_spectrum(self.run_dir, [record])
-      return record
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    path = self.run_dir / run_record.SPECTRUM if event == "spectrum" else self.path
+    try:
+      if event == "spectrum":
+        run_record.append_spectrum(self.run_dir, [record])
+        return record
+      with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a failed write (a full disk) names its file
+      e.filename = e.filename or str(path)
+      raise
     if self.wandb is not None:
       self.wandb.log(
         {

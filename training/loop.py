@@ -6,10 +6,12 @@ evaluation split. The loop knows nothing of the task's kind: the task loads its 
 the examples of an epoch, forms batches, scores evaluations (generation included), says which
 evaluation is the best and counts its forward FLOPs.
 
-A run stops early in three ways, each leaving a summary.json: a NaN/Inf loss (status
-"failed", :class:`NonFiniteLossError`), SIGTERM or SIGINT (a checkpoint at the current step,
-status "interrupted", :class:`Interrupted`; a rerun continues bit for bit), or a bug (raised
-as is).
+A run stops early in four ways, each leaving a summary.json: a NaN/Inf loss (status
+"failed", :class:`NonFiniteLossError`), a full disk (a checkpoint or the metrics could not be
+written: status "failed", a :class:`~training.errors.DiskFullError` of one line naming the
+last good checkpoint, which a rerun resumes from; summary.json only where it still fits),
+SIGTERM or SIGINT (a checkpoint at the current step, status "interrupted",
+:class:`Interrupted`; a rerun continues bit for bit), or a bug (raised as is).
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ import ginger
 from models import flops
 from models.tasks import Task, build_task, per_shard_model
 from training import logs, profiling, program_cache, run_record, sharding
-from training.checkpoints import Checkpointer, CheckpointError
+from training.checkpoints import Checkpointer, CheckpointError, last_good_in
 from training.config_check import ConfigError, check_config
-from training.errors import Interrupted, NonFiniteLossError
+from training.errors import DiskFullError, Interrupted, NonFiniteLossError, disk_full, no_space
 from training.optimizers import (
   CURVATURE,
   build_optimizer,
@@ -839,11 +841,17 @@ def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) ->
       return train(cfg, run_dir, stop=on_signal)
   run_dir = Path(run_dir)
   plan = check(cfg)
-  run_dir.mkdir(parents=True, exist_ok=True)
-  if jax.process_index() != 0:  # process 0 holds the dir for a multi-host run
-    return _train(cfg, run_dir, plan, stop)
-  with run_record.exclusive(run_dir):
-    return _train(cfg, run_dir, plan, stop)
+  try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() != 0:  # process 0 holds the dir for a multi-host run
+      return _train(cfg, run_dir, plan, stop)
+    with run_record.exclusive(run_dir):
+      return _train(cfg, run_dir, plan, stop)
+  except OSError as e:  # a write outside the loop's (run.json, a resume's cut of the metrics)
+    if not no_space(e):
+      raise
+    checkpoints = Checkpointer.folder(run_dir)
+    raise disk_full(e.filename or run_dir, None, last_good_in(checkpoints), checkpoints) from e
 
 
 def _train(cfg: DictConfig, run_dir: Path, plan, stop: StopRequest) -> dict[str, Any]:
@@ -1024,82 +1032,97 @@ def _run(
   interval_start, interval_steps = time.perf_counter(), 0
   last_good = checkpointer.latest_step()  # None: no checkpoint yet
   status, error, stopped_by = "completed", None, _agreed(stop(start))
+  failure: NonFiniteLossError | DiskFullError | None = None  # what ends the run as "failed"
+  done = start
   single = jax.process_count() == 1
   trace = profiling.StepTrace(
     run_dir / profiling.FOLDER, cfg.get("profile_start") or 0, cfg.get("profile_steps") or 0
   )
   try:
-    for step in range(start, total_steps if stopped_by is None else start):
-      run_step = compiled[setup.updates_curvature(step)]
-      trace.before(step, state)
-      state = run_step(state, frozen, train_arrays, batch_indices(step))
-      if setup.reorthonormalises_after(step):
-        state = compiling["reorthonormalise"].result()(state)
-      interval_steps += 1
-      done = step + 1
-      trace.after(done, state)
-      at_eval = done % eval_every == 0 or done == total_steps
-      at_ckpt = done % int(cfg.checkpoint_every) == 0 or done == total_steps
-      at_log = done % int(cfg.log_every) == 0 or at_eval or at_ckpt
-      if done < total_steps and not single and _preempted(done):
-        stopped_by = signal.SIGTERM
-      elif done < total_steps and (single or at_log):  # multi-host: agree at the log steps
-        stopped_by = _agreed(stop(done))
-      if at_log or stopped_by:
-        stats = jax.device_get(state.stats)
-        if stats["nonfinite"]:
-          raise NonFiniteLossError(_nonfinite_message(cfg, done, stats, last_good, checkpointer))
-      if at_log:
-        elapsed = time.perf_counter() - interval_start
-        if interval_steps and step + 1 - interval_steps > start:  # skip the compile interval
-          step_times.append(elapsed / interval_steps)
-        metrics.write(
-          "train",
-          done,
-          train_loss=stats["last_loss"],
-          min_train_loss=stats["loss_min"],
-          grad_norm=stats["grad_norm"],
-          **{k: stats[k] for k in ("clip_fraction",) if k in stats},
-          lr=schedule(done - 1),
-          epoch=done / steps_per_epoch,
-          step_time_s=elapsed / max(interval_steps, 1),
-          examples_per_s=batch_size * interval_steps / max(elapsed, 1e-9),
-        )
-        progress.update(done, loss=float(stats["last_loss"]))
-        if cfg.spectrum_every and done % int(cfg.spectrum_every) == 0:
-          spectrum = jax.device_get(ginger.curvature_spectrum(state.opt_state))
-          if spectrum:
-            metrics.write("spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()})
-      elif progress.due():  # no terminal, log steps far apart: a line with rate and ETA
-        progress.update(done, loss=float(jax.device_get(state.stats["last_loss"])))
-      if at_eval:
-        result = evaluate(task, eval_step, state, frozen, val_arrays, cfg)
-        epoch_mean = float(stats["loss_sum"] / max(int(stats["loss_count"]), 1))
-        record = metrics.write("eval", done, **result, train_loss_mean=epoch_mean)
-        evals.append(record)
-        progress.line(
-          f"step {done}/{total_steps} "
-          + " ".join(f"{k}={v:.4g}" for k, v in result.items() if isinstance(v, float))
-        )
-      if at_ckpt or stopped_by:
-        checkpointer.save(done, state)
-        last_good = done
-      if stopped_by:
-        break
-      if at_log:
-        interval_start, interval_steps = time.perf_counter(), 0
-  except NonFiniteLossError as e:
-    status, error = "failed", str(e)
-  finally:
-    trace.close()
-    progress.close()
-    checkpointer.wait()
-    # No compilation outlives the run (a sweep runs the next one in this process).
-    futures.wait(compiling.values())
-    for key, future in compiling.items():
-      if future.exception() is not None:
-        log.warning("compiling %s failed: %r", program_name(key), future.exception())
-  if stopped_by:
+    try:
+      for step in range(start, total_steps if stopped_by is None else start):
+        run_step = compiled[setup.updates_curvature(step)]
+        trace.before(step, state)
+        state = run_step(state, frozen, train_arrays, batch_indices(step))
+        if setup.reorthonormalises_after(step):
+          state = compiling["reorthonormalise"].result()(state)
+        interval_steps += 1
+        done = step + 1
+        trace.after(done, state)
+        at_eval = done % eval_every == 0 or done == total_steps
+        at_ckpt = done % int(cfg.checkpoint_every) == 0 or done == total_steps
+        at_log = done % int(cfg.log_every) == 0 or at_eval or at_ckpt
+        if done < total_steps and not single and _preempted(done):
+          stopped_by = signal.SIGTERM
+        elif done < total_steps and (single or at_log):  # multi-host: agree at the log steps
+          stopped_by = _agreed(stop(done))
+        if at_log or stopped_by:
+          stats = jax.device_get(state.stats)
+          if stats["nonfinite"]:
+            raise NonFiniteLossError(_nonfinite_message(cfg, done, stats, last_good, checkpointer))
+        if at_log:
+          elapsed = time.perf_counter() - interval_start
+          if interval_steps and step + 1 - interval_steps > start:  # skip the compile interval
+            step_times.append(elapsed / interval_steps)
+          metrics.write(
+            "train",
+            done,
+            train_loss=stats["last_loss"],
+            min_train_loss=stats["loss_min"],
+            grad_norm=stats["grad_norm"],
+            **{k: stats[k] for k in ("clip_fraction",) if k in stats},
+            lr=schedule(done - 1),
+            epoch=done / steps_per_epoch,
+            step_time_s=elapsed / max(interval_steps, 1),
+            examples_per_s=batch_size * interval_steps / max(elapsed, 1e-9),
+          )
+          progress.update(done, loss=float(stats["last_loss"]))
+          if cfg.spectrum_every and done % int(cfg.spectrum_every) == 0:
+            spectrum = jax.device_get(ginger.curvature_spectrum(state.opt_state))
+            if spectrum:
+              metrics.write("spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()})
+        elif progress.due():  # no terminal, log steps far apart: a line with rate and ETA
+          progress.update(done, loss=float(jax.device_get(state.stats["last_loss"])))
+        if at_eval:
+          result = evaluate(task, eval_step, state, frozen, val_arrays, cfg)
+          epoch_mean = float(stats["loss_sum"] / max(int(stats["loss_count"]), 1))
+          record = metrics.write("eval", done, **result, train_loss_mean=epoch_mean)
+          evals.append(record)
+          progress.line(
+            f"step {done}/{total_steps} "
+            + " ".join(f"{k}={v:.4g}" for k, v in result.items() if isinstance(v, float))
+          )
+        if single:
+          # A failed save stops the run at the step that finds it failed (a write fails while
+          # the loop waits for the device, at a log step), not at the next save.
+          checkpointer.check()
+        if at_ckpt or stopped_by:
+          checkpointer.save(done, state)
+          last_good = done
+        if stopped_by:
+          break
+        if at_log:
+          interval_start, interval_steps = time.perf_counter(), 0
+    finally:
+      trace.close()
+      progress.close()
+      # No compilation outlives the run (a sweep runs the next one in this process).
+      futures.wait(compiling.values())
+      for key, future in compiling.items():
+        if future.exception() is not None:
+          log.warning("compiling %s failed: %r", program_name(key), future.exception())
+      checkpointer.wait()  # a failed save raises here at the latest
+  except (NonFiniteLossError, DiskFullError) as e:
+    failure = e
+  except OSError as e:  # metrics.jsonl or spectrum.jsonl.gz (named by MetricsLog.write)
+    if not no_space(e):
+      raise
+    failure = disk_full(
+      e.filename or run_dir, f"step {done}", checkpointer.last_good(), checkpointer.directory
+    )
+  if failure is not None:
+    status, error = "failed", str(failure)
+  elif stopped_by:
     status = "interrupted"
     error = (
       f"stopped by {signal.Signals(stopped_by).name} at step {int(state.step)} of {total_steps}"
@@ -1136,11 +1159,18 @@ def _run(
     | task.train_summary(mean_loss)
   )
   if jax.process_index() == 0:
-    run_record.write_summary(run_dir, summary)
+    try:
+      run_record.write_summary(run_dir, summary)
+    except OSError as e:  # a failed run's summary is left out where it does not fit
+      if not no_space(e):
+        raise
+      if failure is None and not stopped_by:
+        path = run_dir / run_record.SUMMARY
+        failure = disk_full(path, None, checkpointer.last_good(), checkpointer.directory)
+  if failure is not None:
+    raise failure
   if stopped_by:
     raise Interrupted(error, stopped_by)
-  if error:
-    raise NonFiniteLossError(error)
   return summary
 
 

@@ -541,5 +541,10 @@ def _lines(chunks: list[bytes]) -> list[str]:
 def _replace(path: Path, data: bytes) -> None:
   """Writes ``data`` to ``path`` via a temporary file and a rename: never half a file."""
   tmp = path.with_name(path.name + ".tmp")
-  tmp.write_bytes(data)
+  try:
+    tmp.write_bytes(data)
+  except OSError as e:  # a full disk: no partial file left behind, and the error names the file
+    tmp.unlink(missing_ok=True)
+    e.filename = str(path)
+    raise
   os.replace(tmp, path)
