@@ -3,6 +3,7 @@ with SIGKILL blocks nothing (the kernel drops its lock)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -73,3 +74,28 @@ def test_train_refuses_a_held_run_dir_before_writing(tmp_path: Path, holder) -> 
   with pytest.raises(run_record.RunDirBusy):
     loop.train(cfg, tmp_path, stop=lambda: None)
   assert sorted(p.name for p in tmp_path.iterdir()) == [run_record.LOCK]
+
+
+def test_a_refused_train_py_leaves_the_holders_files_as_they_were(tmp_path: Path, holder) -> None:
+  """train.py started into a held dir: exit status 1 with the holder named, every file of the
+  holder's (its train.log, the .hydra/ files Hydra rewrote for this attempt) as it was."""
+  root = Path(__file__).resolve().parents[1]
+  (tmp_path / "train.log").write_text("the holder's line\n")
+  (tmp_path / ".hydra").mkdir()
+  hydra = {name: f"{name}: the holder's\n" for name in run_record.HYDRA_FILES}
+  for name, text in hydra.items():
+    (tmp_path / ".hydra" / name).write_text(text)
+  (tmp_path / run_record.RECORD).write_text(json.dumps({"hydra": hydra}))
+  before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  done = subprocess.run(
+    [sys.executable, "train.py", "experiment=demo", "logger=none", f"hydra.run.dir={tmp_path}"],
+    cwd=root,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert f"pid {holder.pid}" in done.stdout + done.stderr
+  after = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  assert after == before
