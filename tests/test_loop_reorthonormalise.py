@@ -140,6 +140,7 @@ def test_period_follows_the_state_dtype_and_only_ginger_has_one():
   assert train.build(config(*BASE, "optimizer=adam")).reorthonormalise_step is None
 
 
+@pytest.mark.slow  # ~40 s; resuming bit for bit: test_train.py (SIGTERM), fast
 def test_a_run_resumed_after_a_reorthonormalisation_continues_bit_for_bit(period_two, tmp_path):
   """Stopped after step 2 (the program ran after step 1) and resumed: the same losses and
   gradient norms as the run straight through, and the program ran at the same counts."""

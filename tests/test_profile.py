@@ -87,6 +87,7 @@ def test_union_of_intervals():
   assert profile_summary.union_ns([(5, 9), (0, 2), (1, 3), (8, 10), (6, 7)]) == 3 + 5
 
 
+@pytest.mark.slow  # a whole demo run with the profiler (~12 s); the summary's arithmetic is fast
 def test_a_demo_run_writes_a_trace_of_its_window(tmp_path, capsys):
   """profile_steps=2 from step 1 of a 4-step run: one XSpace under <run dir>/profile that
   jax.profiler reads back; on the CPU it holds no device kernels, and the summary says so."""

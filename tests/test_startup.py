@@ -239,6 +239,7 @@ def test_compile_all_one_by_one():
 # ---- compilation_cache_dir -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two processes (~40 s); the same program for another seed is fast
 def test_compilation_cache_dir_keeps_the_steps_for_a_later_process(tmp_path):
   """train.py with ``compilation_cache_dir`` (and no JAX_COMPILATION_CACHE_DIR: the test
   suite's own cache is off in the child) writes the compiled training and evaluation steps

@@ -563,6 +563,8 @@ FULL_DISK = [
 ]
 
 
+@pytest.mark.slow  # a train.py process and its rerun (~30 s); the checkpoint layer's and the
+# metrics' full-disk tests are fast
 def test_a_full_disk_ends_the_run_in_one_line_and_a_rerun_resumes(tmp_path, caplog):
   """train.py whose checkpoint 4 meets a full disk (tensorstore's ENOSPC inside orbax's
   writer, its other writes still running): the run stops at once, exit status 1, with one

@@ -68,6 +68,7 @@ def wheel(tmp_path_factory) -> Path:
   return path
 
 
+@pytest.mark.slow  # builds the wheel (~20 s)
 def test_wheel_holds_only_the_library(wheel: Path) -> None:
   with zipfile.ZipFile(wheel) as archive:
     names = archive.namelist()
