@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from results import records, stats
+from results import records, series, stats
 from training import run_record
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
@@ -1107,10 +1107,8 @@ def _times_cell(values: Sequence[float], n: int) -> str:
 
 
 def _accuracy_times(run: Run, levels: Sequence[float]) -> dict[str, float] | None:
-  """results/plots.py's accuracy_times of the run's metrics.jsonl (None without one)."""
-  from results import plots  # imported here: plots imports this module (and matplotlib)
-
-  return plots.accuracy_times(plots.read_series(run["path"], spectrum=False), levels)
+  """:func:`results.series.accuracy_times` of the run's metrics (None without them)."""
+  return series.accuracy_times(series.read_series(run["path"], spectrum=False), levels)
 
 
 def build_curvature_every(
@@ -1353,12 +1351,12 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
     columns,
   )
   for run in logged:
-    series = _clip_series(run)
+    logged_share = _clip_series(run)
     cells = [f"{rfield(run, 'lr'):g}", str(rfield(run, "seed"))]
     for a, b in CLIP_EPOCHS:
-      part = [f for e, f in series if e > a and (b is None or e <= b)]
+      part = [f for e, f in logged_share if e > a and (b is None or e <= b)]
       cells.append(f"{100 * statistics.mean(part):.1f} %" if part else "")
-    cells += [f"{100 * statistics.mean(f for _, f in series):.1f} %"]
+    cells += [f"{100 * statistics.mean(f for _, f in logged_share):.1f} %"]
     cells += [fmt_num(run.get("best_val_accuracy"), "f2")]
     clip = "clip ρ=1" if rfield(run, "rho") is not None else "no clip (share |u| ≥ 1)"
     label = f"{optimizer_label(rfield(run, 'optimizer'), rfield(run, 'tau'))}, {clip}"
