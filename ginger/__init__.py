@@ -15,6 +15,7 @@ tx = optax.apply_if_finite(ginger.ginger(1e-3, tau=8), max_consecutive_errors=5)
 """
 
 from ginger import fisher, lowrank, sharding
+from ginger._stacked import StackedBasis, StackedRows, StackedSigma
 from ginger.ginger import (
   ScaleByGingerState,
   checkpoint_state,
@@ -30,6 +31,9 @@ from ginger.qng import ScaleByQNGState, qng, scale_by_qng
 __all__ = [
   "ScaleByGingerState",
   "ScaleByQNGState",
+  "StackedBasis",
+  "StackedRows",
+  "StackedSigma",
   "checkpoint_state",
   "curvature_spectrum",
   "default_reorthonormalise_every",

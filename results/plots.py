@@ -28,7 +28,7 @@ import math
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +39,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from results import records, tables  # noqa: E402
+from results.series import (  # noqa: E402
+  Series,
+  accuracy_times,
+  as_float,
+  first_time_at,
+  read_series,
+)
 
 DEFAULT_OUT = "results/local/plots"  # ignored by git, like tables.DEFAULT_OUT
 LABEL_KEYS = ("optimizer", "tau", "alpha", "rho", "block", "gamma", "lr", "curvature_every")
 GROUP_KEYS = ("sweep", "experiment", "dataset", "model", "setting", "length")
-VAL_METRICS = ("val_accuracy", "rougeL")
 METRIC_NAMES = {"val_accuracy": "val. accuracy (%)", "rougeL": "ROUGE-L (%)"}
-
-
-@dataclass
-class Series:
-  """The numeric content of one metrics.jsonl, as arrays (NaN where a value is missing)."""
-
-  train: dict[str, np.ndarray] = field(default_factory=dict)  # step, wall, loss
-  eval: dict[str, np.ndarray] = field(default_factory=dict)  # step, wall, value
-  eval_metric: str | None = None
-  spectrum_steps: list[int] = field(default_factory=list)
-  spectrum: list[dict[str, list[float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -75,37 +70,6 @@ def slug(text: str) -> str:
 def read_events(run_dir: str | Path) -> Iterable[dict[str, Any]]:
   """metrics.jsonl's events (lenient: a run killed mid-write still plots); archived runs too."""
   return records.read_events(run_dir)
-
-
-def _num(x: Any) -> float:
-  return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
-
-
-def _arrays(rows: list[tuple[float, ...]], names: Sequence[str]) -> dict[str, np.ndarray]:
-  data = np.array(rows, dtype=float).reshape(-1, len(names))
-  return {name: data[:, i] for i, name in enumerate(names)}
-
-
-def read_series(run_dir: str | Path, *, spectrum: bool = True) -> Series:
-  """Train, eval and (unless ``spectrum=False``: the largest part to read) spectrum events of a
-  run as arrays."""
-  train, evals, series = [], [], Series()
-  for event in read_events(run_dir):
-    kind, step = event.get("event"), _num(event.get("step"))
-    if kind == "train":
-      train.append((step, _num(event.get("wall_time_s")), _num(event.get("train_loss"))))
-    elif kind == "eval":
-      series.eval_metric = series.eval_metric or next((m for m in VAL_METRICS if m in event), None)
-      value = _num(event.get(series.eval_metric)) if series.eval_metric else math.nan
-      evals.append((step, _num(event.get("wall_time_s")), value))
-  for event in records.read_spectrum(run_dir) if spectrum else ():
-    if isinstance(event.get("sigma"), dict):
-      step = _num(event.get("step"))
-      series.spectrum_steps.append(int(step) if math.isfinite(step) else len(series.spectrum))
-      series.spectrum.append(event["sigma"])
-  series.train = _arrays(train, ("step", "wall", "loss"))
-  series.eval = _arrays(evals, ("step", "wall", "value"))
-  return series
 
 
 def _shared(info: RunInfo) -> bool:
@@ -371,27 +335,6 @@ def plot_final_vs_tau(runs: Sequence[tables.Run], out: Path) -> list[Path]:
 TABLE_SWEEPS = ("table1", "table2", "table34", "ablation", "curvature_every")
 
 
-def first_time_at(series: Series, level: float) -> float:
-  """Wall-clock seconds at the first eval whose metric reached `level` (NaN if never)."""
-  value, wall = series.eval.get("value"), series.eval.get("wall")
-  if value is None or not value.size:
-    return math.nan
-  hit = np.flatnonzero(np.nan_to_num(value, nan=-np.inf) >= level)
-  return float(wall[hit[0]]) if hit.size else math.nan
-
-
-def accuracy_times(series: Series, levels: Sequence[float]) -> dict[str, float] | None:
-  """One run's validation accuracy over time: its best ("best"), last ("final"), the
-  wall-clock seconds to first reach its best ("to_best") and each level (``str(level)``; NaN
-  if never). None for runs without accuracy evaluations (seq2seq runs)."""
-  if series.eval_metric != "val_accuracy":
-    return None
-  value = series.eval["value"]
-  best = float(np.nanmax(value))
-  times = {"best": best, "final": float(value[-1]), "to_best": first_time_at(series, best)}
-  return times | {str(level): first_time_at(series, level) for level in levels}
-
-
 def time_to_accuracy(
   infos: Sequence[RunInfo], levels: Sequence[float] = (80.0, 85.0)
 ) -> dict[str, list[dict[str, Any]]]:
@@ -482,7 +425,7 @@ def plot_time_to_accuracy(
 
 def spectrum_matrix(series: Series, param: str) -> np.ndarray:
   """(events x rank) eigenvalues of one parameter block, NaN-padded."""
-  rows = [list(map(_num, s.get(param) or [])) for s in series.spectrum]
+  rows = [list(map(as_float, s.get(param) or [])) for s in series.spectrum]
   width = max((len(r) for r in rows), default=0)
   return np.array([r + [math.nan] * (width - len(r)) for r in rows], dtype=float)
 
@@ -495,7 +438,7 @@ def pick_params(series: Series, params: Sequence[str] | None, limit: int = 4) ->
   last = series.spectrum[-1] if series.spectrum else {}
 
   def top(p: str) -> float:
-    values = [_num(v) for v in last.get(p) or []]
+    values = [as_float(v) for v in last.get(p) or []]
     finite = [v for v in values if math.isfinite(v)]
     return max(finite, default=-math.inf)
 

@@ -38,11 +38,30 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from results import records, stats
+from results import records, series, stats
+from results.runs import (  # noqa: F401 (the run list, read through this module too)
+  DEFAULT_ROOTS,
+  DONE_STATUSES,
+  NOT_SETTINGS,
+  NUMBER_KEYS,
+  DamagedRecordError,
+  Run,
+  check_numbers,
+  collect_runs,
+  find_run_dirs,
+  is_done,
+  is_number,
+  length_text,
+  load_summary,
+  missing_roots,
+  rfield,
+  run_length,
+  settings_of,
+  skip_reason,
+)
 from training import run_record
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
-DEFAULT_ROOTS = ("outputs", "multirun")
 # Where tables of your own runs go by default: beside the source, ignored by git (.gitignore);
 # the committed campaign's are written with --out results/cifar10 (make tables).
 DEFAULT_OUT = "results/local"
@@ -60,7 +79,6 @@ DEFAULT_VARIANT = {
   "ginger": {"rho": 1.0, "block": "per_tensor"},
   "qng": {"rho": None, "block": "global"},
 }
-DONE_STATUSES = ("completed", None)  # a summary without "status" counts as completed
 CONFIG_KEYS = (
   "experiment",
   "model",
@@ -81,26 +99,6 @@ CONFIG_KEYS = (
   "state_dtype",
   "settings",
 )
-# Config keys (dotted) that differ between the runs of one configuration: the seed, the sweep
-# that ran it and the sweep's labels and bookkeeping (arm, scale, sweep_epochs; default_hparams:
-# the optimizer's defaults kept for the lr fallback), the length (the "length" field says it),
-# the experiment's name (the "experiment" field) and where the data lies. Every other key
-# run_record fingerprints is a setting: runs that differ in one are two configurations
-# (settings_of).
-NOT_SETTINGS = frozenset(
-  {
-    "seed",
-    "sweep",
-    "arm",
-    "scale",
-    "sweep_epochs",
-    "default_hparams",
-    "epochs",
-    "max_steps",
-    "name",
-    "data.path",
-  }
-)
 # The paper's protocols: only runs matching one fill the paper's tables.
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
 PAPER_TEXT = {"dataset": "xsum", "model": "t5-small", "length": "1ep"}
@@ -115,132 +113,7 @@ TABLE_SWEEPS = {
   "table4": ("table3", "table4", "table34"),
 }
 
-Run = dict[str, Any]
-
-
-# ----------------------------------------------------------------------------- run dirs
-
-
-def find_run_dirs(roots: Iterable[str | Path]) -> list[Path]:
-  """Every dir under `roots` holding a summary.json or a metrics.jsonl, and every run of the
-  archives there (results/records.py), sorted."""
-  return records.find_run_dirs(roots)
-
-
-def run_length(summary: dict[str, Any]) -> str | None:
-  """How long the run was configured to train: "<max_steps>steps", else "<epochs>ep"
-  (None without a recorded config)."""
-  config = summary.get("config")
-  if not isinstance(config, dict):
-    return None
-  if config.get("max_steps") is not None:
-    return f"{config['max_steps']}steps"
-  return f"{config['epochs']}ep" if config.get("epochs") is not None else None
-
-
-def length_text(length: str | None) -> str:
-  """ "30ep" -> "30 epochs", "450steps" -> "450 steps"."""
-  if length is None:
-    return "any length"
-  number, unit = re.fullmatch(r"(\d+)(ep|steps)", length).groups()
-  return f"{number} {'epoch' if unit == 'ep' else 'step'}{'' if number == '1' else 's'}"
-
-
-def load_summary(run_dir: str | Path) -> Run | None:
-  """The run's summary.json plus "path", "mtime" and the derived ``run["length"]``; None if
-  absent, unreadable or without a "run" block."""
-  data = records.read_summary(run_dir)
-  if data is None or not isinstance(data.get("run"), dict):
-    return None
-  data["path"] = str(run_dir)
-  data["mtime"] = records.summary_mtime(run_dir)
-  data["run"]["length"] = run_length(data)
-  data["settings"] = settings_of(data.get("config"))
-  data["run"]["settings"] = json.dumps(run_record._canonical(data["settings"]), sort_keys=True)
-  return data
-
-
-def settings_of(config: Any) -> dict[str, Any]:
-  """A run's settings: its fingerprinted config (``run_record.fingerprinted``: what changes its
-  result) as dotted keys, without :data:`NOT_SETTINGS`; {} without a config."""
-  if not isinstance(config, dict):
-    return {}
-
-  def flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-      name = prefix + str(key)
-      if name in NOT_SETTINGS:
-        continue
-      out.update(flat(value, name + ".") if isinstance(value, dict) else {name: value})
-    return out
-
-  return flat(run_record.fingerprinted(config))
-
-
-# summary.json's numbers: a present value of another type is a damaged record, not a blank.
-NUMBER_KEYS = (
-  "best_val_accuracy",
-  "val_loss_at_best",
-  "min_train_loss",
-  "final_train_loss",
-  "step_time_s",
-  "peak_memory_bytes",
-  "step_memory_bytes",
-  "rouge1",
-  "rouge2",
-  "rougeL",
-  "train_perplexity",
-)
-
-
-class DamagedRecordError(ValueError):
-  """A summary.json whose value has the wrong type (a table would show it as a blank)."""
-
-
-def check_numbers(run: Run) -> None:
-  """Every :data:`NUMBER_KEYS` value of ``run`` is a number or null, else
-  :class:`DamagedRecordError` naming the file and the key."""
-  for key in NUMBER_KEYS:
-    value = run.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-      where = Path(run["path"]) / run_record.SUMMARY
-      raise DamagedRecordError(f"{where}: {key} is {value!r}, not a number")
-
-
-def skip_reason(run_dir: str | Path) -> str:
-  """Why a run dir has no usable summary.json."""
-  if not records.has_summary(run_dir):
-    return "no summary.json (a run still going, or killed)"
-  if records.read_summary(run_dir) is None:
-    return "summary.json is not a readable JSON object"
-  return 'summary.json has no "run" block'
-
-
-def collect_runs(roots: Iterable[str | Path]) -> list[Run]:
-  """Summaries of all run dirs under `roots`; dirs without a usable summary.json are skipped
-  (:func:`run_report` names them); a damaged value raises :class:`DamagedRecordError`."""
-  runs = [r for r in (load_summary(d) for d in find_run_dirs(roots)) if r is not None]
-  for run in runs:
-    check_numbers(run)
-  return runs
-
-
-def rfield(run: Run, key: str) -> Any:
-  """A field of the run's "run" block (None when missing)."""
-  return (run.get("run") or {}).get(key)
-
-
-def is_done(run: Run) -> bool:
-  """Whether the run finished (status "completed", or no status recorded)."""
-  return run.get("status") in DONE_STATUSES
-
-
 # ----------------------------------------------------------------------------- selection
-
-
-def is_number(x: Any) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -1107,10 +980,8 @@ def _times_cell(values: Sequence[float], n: int) -> str:
 
 
 def _accuracy_times(run: Run, levels: Sequence[float]) -> dict[str, float] | None:
-  """results/plots.py's accuracy_times of the run's metrics.jsonl (None without one)."""
-  from results import plots  # imported here: plots imports this module (and matplotlib)
-
-  return plots.accuracy_times(plots.read_series(run["path"], spectrum=False), levels)
+  """:func:`results.series.accuracy_times` of the run's metrics (None without them)."""
+  return series.accuracy_times(series.read_series(run["path"], spectrum=False), levels)
 
 
 def build_curvature_every(
@@ -1353,12 +1224,12 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
     columns,
   )
   for run in logged:
-    series = _clip_series(run)
+    logged_share = _clip_series(run)
     cells = [f"{rfield(run, 'lr'):g}", str(rfield(run, "seed"))]
     for a, b in CLIP_EPOCHS:
-      part = [f for e, f in series if e > a and (b is None or e <= b)]
+      part = [f for e, f in logged_share if e > a and (b is None or e <= b)]
       cells.append(f"{100 * statistics.mean(part):.1f} %" if part else "")
-    cells += [f"{100 * statistics.mean(f for _, f in series):.1f} %"]
+    cells += [f"{100 * statistics.mean(f for _, f in logged_share):.1f} %"]
     cells += [fmt_num(run.get("best_val_accuracy"), "f2")]
     clip = "clip ρ=1" if rfield(run, "rho") is not None else "no clip (share |u| ≥ 1)"
     label = f"{optimizer_label(rfield(run, 'optimizer'), rfield(run, 'tau'))}, {clip}"
@@ -1706,15 +1577,6 @@ def tables_to_write(args: argparse.Namespace, runs: Sequence[Run]) -> list[tuple
   paper = [] if args.standin_only else [(t.name, t) for t in build_all(runs, flops=args.flops)]
   tables = paper + standin_tables(runs, args.flops) + curvature_every_tables(runs)
   return tables + comparison_tables(runs)
-
-
-def missing_roots(roots: Sequence[str]) -> str | None:
-  """The error for roots named on the command line that do not exist (a typo would otherwise
-  give blank tables); None if all exist. The default roots may be absent: no runs yet."""
-  missing = [r for r in roots if not Path(r).exists()]
-  if not missing:
-    return None
-  return f"no such run root(s): {', '.join(missing)} (give dirs that hold run dirs)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,7 +36,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from results.records import ArchiveError
-from results.tables import (
+from results.runs import (
   DEFAULT_ROOTS,
   DamagedRecordError,
   Run,
@@ -132,7 +132,7 @@ def newest_per_setting(runs: Iterable[Run]) -> list[Run]:
     "model",
     "dataset",
     "setting",
-    "settings",  # every other setting the run's fingerprint covers (results.tables.settings_of)
+    "settings",  # every other setting the run's fingerprint covers (results.runs.settings_of)
   )
   best: dict[tuple, Run] = {}
   for run in runs:

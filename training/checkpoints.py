@@ -34,7 +34,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import ginger
-from ginger.ginger import StackedBasis, StackedSigma
 from training import sharding
 from training.errors import TrainingError, disk_full, no_space
 
@@ -82,7 +81,7 @@ def _bases_on_host(tree):
   Bases spread over several processes cannot be read whole by one: they stay on the
   devices, and the per-leaf view is then a device copy of this process's part of ``U``.
   """
-  stacked = lambda x: isinstance(x, StackedBasis | StackedSigma)  # noqa: E731
+  stacked = lambda x: isinstance(x, ginger.StackedBasis | ginger.StackedSigma)  # noqa: E731
 
   def to_host(x):
     if not stacked(x) or not all(s.is_fully_addressable for s in x.stacks):
@@ -165,11 +164,11 @@ def _bases_abstract(tree):
   (all that restoring into them reads); the rest, small, as it is."""
 
   def abstract(x):
-    if not isinstance(x, StackedBasis):
+    if not isinstance(x, ginger.StackedBasis):
       return x
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, x)
 
-  return jax.tree.map(abstract, tree, is_leaf=lambda x: isinstance(x, StackedBasis))
+  return jax.tree.map(abstract, tree, is_leaf=lambda x: isinstance(x, ginger.StackedBasis))
 
 
 # The tasks of the array writes of one `_NumpyHandler._background_serialize`.

@@ -210,15 +210,17 @@ def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
 
 def fingerprint(config: Mapping | DictConfig) -> str:
   """sha256 of the fingerprinted config (canonical JSON: sorted keys, 4 == 4.0)."""
-  text = json.dumps(_canonical(fingerprinted(config)), sort_keys=True, separators=(",", ":"))
+  text = json.dumps(canonical(fingerprinted(config)), sort_keys=True, separators=(",", ":"))
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _canonical(x):
+def canonical(x):
+  """``x`` in the form fingerprints and comparisons use: dict keys as strings, tuples as lists,
+  integral floats as ints (so that ``1.0`` and ``1`` compare equal)."""
   if isinstance(x, dict):
-    return {str(k): _canonical(v) for k, v in x.items()}
+    return {str(k): canonical(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_canonical(v) for v in x]
+    return [canonical(v) for v in x]
   if isinstance(x, float) and math.isfinite(x) and x == int(x):
     return int(x)
   return x
@@ -231,7 +233,7 @@ def differences(old: Mapping, new: Mapping, prefix: str = "") -> list[str]:
     a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
     if isinstance(a, dict) and isinstance(b, dict):
       out += differences(a, b, f"{prefix}{key}.")
-    elif _canonical(a) != _canonical(b):
+    elif canonical(a) != canonical(b):
       out.append(f"{prefix}{key}: {a!r} -> {b!r}")
   return out
 
