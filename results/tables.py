@@ -1022,7 +1022,7 @@ def build_curvature_every(
   labels = ["K", "seeds", "Best acc", "Final acc", "ms/step", "× Adam"]
   labels += [f"s to {level:g}%", "s to best"]
   table = Table(
-    f"curvature_every_{slug(dataset)}" + (f"_{slug(length)}" if length else ""),
+    _set_name("curvature_every", dataset, length),
     title,
     caption,
     "Optimizer",
@@ -1084,6 +1084,11 @@ def curvature_every_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
 
 
 # ----------------------------------------------------------------------------- comparisons
+
+
+def _set_name(prefix: str, dataset: str, length: str | None) -> str:
+  """ "comparisons_cifar10_30ep": a table's file name for a set of runs."""
+  return f"{prefix}_{slug(dataset)}" + (f"_{slug(length)}" if length else "")
 
 
 def _set_text(dataset: str, length: str | None) -> str:
@@ -1167,7 +1172,7 @@ def build_comparisons(
   )
   columns = [Column("", label) for label in ("A", "B", "A − B [95 % CI]", "Reading")]
   table = Table(
-    f"comparisons_{slug(dataset)}" + (f"_{slug(length)}" if length else ""),
+    _set_name("comparisons", dataset, length),
     f"Comparisons with 95 % intervals: {what}",
     caption,
     "Comparison",
@@ -1217,7 +1222,7 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
     "(rho = 1) would change."
   )
   table = Table(
-    f"clip_fraction_{slug(dataset)}" + (f"_{slug(length)}" if length else ""),
+    _set_name("clip_fraction", dataset, length),
     f"How much the clip acts: {what}",
     caption,
     "Run",
