@@ -25,6 +25,8 @@ def four_devices():
   return run_on_cpu_devices(_SCRIPT)
 
 
+@pytest.mark.slow  # four CPU devices in a process of their own (~15 s); the per-device pull-back
+# itself is checked in tests/test_sharding.py
 def test_local_backward_matches_and_does_not_gather(four_devices):
   rows = {row["backward"]: row for row in four_devices["rows"]}
   assert "all-gather" in rows["batched"]["collectives"]  # why the loop avoids it on 4 devices

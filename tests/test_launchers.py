@@ -108,6 +108,7 @@ def test_submitit_local_multirun_runs_every_job_in_its_run_dir(tmp_path):
   assert sorted(row.split("|")[1].strip() for row in rows[1:]) == ["adam", "ginger"], compare.stdout
 
 
+@pytest.mark.slow  # ~20 s; failed jobs listed with the default launcher: tests/test_train.py, fast
 def test_submitit_local_multirun_lists_failed_jobs(tmp_path):
   out = multirun(
     "experiment=demo", "optimizer=ginger", "tau=0,-1", *FAST, f"hydra.sweep.dir={tmp_path}"

@@ -62,7 +62,10 @@ def test_xla_reports_a_donated_state_as_aliased_on_cpu():
   assert held(donated) == state.nbytes + x.nbytes
 
 
-@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize(
+  "every",
+  [1, pytest.param(2, marks=pytest.mark.slow)],  # K = 2 adds a program (~12 s)
+)
 def test_summary_reports_the_steps_own_memory(tmp_path, monkeypatch, every):
   cfg = config(
     "experiment=demo",
