@@ -184,8 +184,8 @@ def make_steps(
   mesh and model (``build`` resolves it once); None where the step has no shared d-pass.
   ``graphdef_per_shard``: the training model for one device's shard
   (``models.tasks.per_shard_model``), for ``backward="local"``. ``schedule``: the learning
-  rate, for the ``clip_fraction`` statistic (:func:`clip_fraction`; kept where
-  ``optimizers.clip_bound(cfg)`` is set and ``schedule`` given).
+  rate, for the ``clip_fraction`` statistic (:func:`clip_fraction`), which the step keeps
+  where the state's statistics have it (:func:`initial_stats`).
   """
   from ginger.fisher import (
     cross_entropy,
@@ -195,7 +195,7 @@ def make_steps(
   )
 
   clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
-  rho = clip_bound(cfg) if schedule is not None else None
+  rho = clip_bound(cfg)
   separate_d_pass = cfg.fisher_forward == "eval"
   per_shard = backward == "local"
   if per_shard and graphdef_per_shard is None:
@@ -272,7 +272,7 @@ def make_steps(
       "last_loss": loss,
       "grad_norm": grad_norm,
     }
-    if rho is not None:
+    if "clip_fraction" in state.stats:  # initial_stats(clip_bound(cfg)) decides
       stats["clip_fraction"] = clip_fraction(updates, schedule(state.step), rho)
     return TrainState(state.step + 1, trainable, rest, opt_state, rng, stats)
 
