@@ -1210,8 +1210,15 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
   """The share of update entries that the element-wise clip changes (training log's
   ``clip_fraction``), by stretch of training, per run that logged it."""
   protocol = image_protocol(dataset, length)
-  logged = [r for r in runs if is_done(r) and matches(r, protocol) and _clip_series(r)]
-  logged.sort(key=lambda r: tuple_key(tuple(rfield(r, k) for k in CLIP_ROW)))
+  shares = {
+    r["path"]: share
+    for r in runs
+    if is_done(r) and matches(r, protocol) and (share := _clip_series(r))
+  }  # each run's metrics read once
+  logged = sorted(
+    (r for r in runs if r["path"] in shares),
+    key=lambda r: tuple_key(tuple(rfield(r, k) for k in CLIP_ROW)),
+  )
   spans = [f"epochs {a}-{b}" if b else f"epochs {a}-end" for a, b in CLIP_EPOCHS]
   columns = [Column("", label) for label in ("lr", "seed", *spans, "whole run", "Best acc")]
   what = _set_text(dataset, length)
@@ -1229,7 +1236,7 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
     columns,
   )
   for run in logged:
-    logged_share = _clip_series(run)
+    logged_share = shares[run["path"]]
     cells = [f"{rfield(run, 'lr'):g}", str(rfield(run, "seed"))]
     for a, b in CLIP_EPOCHS:
       part = [f for e, f in logged_share if e > a and (b is None or e <= b)]
