@@ -379,7 +379,7 @@ class Checkpointer:
 
   def check(self) -> None:
     """Raises the failure of a save that has failed by now, without waiting for one under
-    way (the training loop asks after every step, so that a failed save stops it at once)."""
+    way (the training loop asks at every log step, so that a failed save stops it there)."""
     if _Background.busy():
       return
     self._handed_over()

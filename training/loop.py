@@ -1092,9 +1092,10 @@ def _run(
             f"step {done}/{total_steps} "
             + " ".join(f"{k}={v:.4g}" for k, v in result.items() if isinstance(v, float))
           )
-        if single:
-          # A failed save stops the run at the step that finds it failed (a write fails while
-          # the loop waits for the device, at a log step), not at the next save.
+        if single and at_log:
+          # A failed save stops the run at the log step that finds it failed (a write fails
+          # while the loop waits for the device, which it does at log steps), not at the next
+          # save; the steps between log steps stay free of host work.
           checkpointer.check()
         if at_ckpt or stopped_by:
           checkpointer.save(done, state)
