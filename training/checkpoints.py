@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import shutil
 import threading
@@ -218,6 +219,8 @@ def _numpy_arrays_saved_as_given() -> None:
   pass over ``U`` in host memory at every checkpoint. orbax's handler registry is
   process-wide: the option holds for every numpy array saved in this process.
   """
+  if "deepcopy_host_arrays" not in inspect.signature(_NumpyHandler.__init__).parameters:
+    return  # an orbax older than requirements.txt's: its own handler, which copies first
   handler = ocp.type_handlers.get_type_handler(np.ndarray)
   if not isinstance(handler, _NumpyHandler):
     absl = logging.getLogger("absl")  # orbax warns on every override: this one is meant
