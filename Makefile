@@ -143,7 +143,7 @@ ablation: $(STAMP)
 	$(SWEEP_RUN) +sweep=ablation $(SWEEP_OVERRIDES)
 
 # The clip control: QNG with Ginger's authors' clip (rho=1) and per-tensor blocks, its lr tuned
-# by the paper's protocol (lr_tune's qng_clip arm), then tau 4 and 8 (table_qng_control_*.md).
+# by the paper's protocol (lr_tune's qng_clip arm), then tau 4 and 8 (comparisons_<set>.md).
 qng_control: $(STAMP)
 	$(SWEEP_RUN) +sweep=lr_tune $(LR_TUNE_$(SCALE)) +sweep/arm=qng_clip $(SWEEP_OVERRIDES)
 	$(PY) -m sweeps.best_lr
