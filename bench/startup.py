@@ -159,6 +159,7 @@ def run(
 ) -> dict:
   spec = {"overrides": [*RUNS[name], *extra], "mode": mode, "data": data, "cache_dir": cache_dir}
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env["GINGER_COMPILATION_CACHE_DIR"] = "none"  # the user's cache off unless --extra sets one
   done = train_step.run_child(
     [sys.executable, "-m", "bench.startup", "--child", json.dumps(spec)],
     f"{name} ({mode})",

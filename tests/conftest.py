@@ -18,6 +18,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
+# Runs' own cache (config compilation_cache_dir, by default in the user's ~/.cache/ginger) off:
+# a test sees the start-up it sets up, not what an earlier test or the user's runs left behind.
+os.environ.setdefault("GINGER_COMPILATION_CACHE_DIR", "none")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

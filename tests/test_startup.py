@@ -342,6 +342,36 @@ def test_compilation_cache_dir_is_not_part_of_the_run():
   assert "compilation_cache_dir" in hydra.job.config.override_dirname.exclude_keys
 
 
+def test_the_default_cache_is_the_users(monkeypatch, tmp_path):
+  """By default every run of a user shares one cache folder, so every run after the first
+  starts warm: ``$GINGER_COMPILATION_CACHE_DIR``, else ``compiled/`` in the data cache
+  (``$GINGER_CACHE_DIR``, else ``$XDG_CACHE_HOME/ginger``, else ``~/.cache/ginger``);
+  ``GINGER_COMPILATION_CACHE_DIR=none`` (or empty) and ``compilation_cache_dir=null`` turn it
+  off."""
+  from training import run_record
+  from training.config_check import check_config
+
+  monkeypatch.delenv("GINGER_COMPILATION_CACHE_DIR")
+  monkeypatch.delenv("GINGER_CACHE_DIR", raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert config(*BASE).compilation_cache_dir == str(tmp_path / "xdg" / "ginger" / "compiled")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  expected = tmp_path / "home" / ".cache" / "ginger" / "compiled"
+  assert run_record.user_compilation_cache_dir() == str(expected)
+  monkeypatch.setenv("GINGER_CACHE_DIR", str(tmp_path / "data"))
+  assert config(*BASE).compilation_cache_dir == str(tmp_path / "data" / "compiled")
+  monkeypatch.setenv("GINGER_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+  assert config(*BASE).compilation_cache_dir == str(tmp_path / "mine")
+  for off in ("none", "", "OFF"):
+    monkeypatch.setenv("GINGER_COMPILATION_CACHE_DIR", off)
+    assert config(*BASE).compilation_cache_dir is None
+  monkeypatch.setenv("GINGER_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+  cfg = config(*BASE, "compilation_cache_dir=null")
+  check_config(cfg)
+  assert cfg.compilation_cache_dir is None
+
+
 @pytest.mark.parametrize("value", ["5", "''"])
 def test_bad_compilation_cache_dir_is_refused(value):
   from training.config_check import ConfigError, check_config

@@ -40,6 +40,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from data import cache
 from training.errors import TrainingError
 
 log = logging.getLogger(__name__)
@@ -110,13 +111,35 @@ def lr_key(optimizer: str, rho: float | None) -> str:
   return str(optimizer)
 
 
+COMPILATION_CACHE_ENV = "GINGER_COMPILATION_CACHE_DIR"
+CACHE_OFF = ("", "none", "null", "off")
+
+
+def user_compilation_cache_dir() -> str | None:
+  """``${user_compilation_cache_dir:}``, the default ``compilation_cache_dir``:
+  ``$GINGER_COMPILATION_CACHE_DIR`` when set (empty, ``none`` or ``off``: no cache, None), else
+  ``compiled/`` in the user's cache folder of decoded data (:func:`data.cache.cache_root`:
+  ``$GINGER_CACHE_DIR``, else ``$XDG_CACHE_HOME/ginger``, else ``~/.cache/ginger``).
+
+  One folder for every run of the user: the first run of a program compiles it, every later
+  run of it (another seed, a resume, the next day) reads it back. The folder can be deleted at
+  any time; nothing in it changes a result."""
+  if COMPILATION_CACHE_ENV in os.environ:
+    value = os.environ[COMPILATION_CACHE_ENV].strip()
+    return None if value.lower() in CACHE_OFF else value
+  return str(cache.cache_root() / "compiled")
+
+
 def register_resolvers() -> None:
   """``${run_name:...}`` of configs/config.yaml: the override string, or "default";
-  ``${lr_key:optimizer,rho}`` of configs/sweep/common/layout.yaml (`lr_key`)."""
+  ``${lr_key:optimizer,rho}`` of configs/sweep/common/layout.yaml (`lr_key`);
+  ``${user_compilation_cache_dir:}`` of configs/config.yaml (:func:`user_compilation_cache_dir`)."""
   if not OmegaConf.has_resolver("run_name"):
     OmegaConf.register_new_resolver("run_name", _run_name)
   if not OmegaConf.has_resolver("lr_key"):
     OmegaConf.register_new_resolver("lr_key", lr_key)
+  if not OmegaConf.has_resolver("user_compilation_cache_dir"):
+    OmegaConf.register_new_resolver("user_compilation_cache_dir", user_compilation_cache_dir)
 
 
 register_resolvers()
