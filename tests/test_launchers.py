@@ -53,6 +53,21 @@ def test_slurm_config_gives_each_job_one_gpu_and_keeps_the_run_dirs():
   assert (local.gpus_per_node, local.tasks_per_node) == (0, 1)
 
 
+def test_submitit_local_pins_every_job_to_the_same_gpu(tmp_path):
+  """Why one machine's GPUs go through sweeps/gpu_pool.py and not submitit's local executor:
+  asked for one GPU a job, the executor gives every job the first GPU
+  (``CUDA_VISIBLE_DEVICES=0``) and starts them all at once, where the pool gives each job a
+  device of its own and waits for a free one (tests/test_sweeps.py
+  ``test_gpu_pool_pins_distinct_devices``). Real submitit, real processes: no GPU is needed to
+  see what each job is pinned to."""
+  import submitit
+
+  executor = submitit.LocalExecutor(folder=tmp_path)
+  executor.update_parameters(gpus_per_node=1, timeout_min=2)
+  jobs = [executor.submit(os.getenv, "CUDA_VISIBLE_DEVICES") for _ in range(3)]
+  assert [job.result() for job in jobs] == ["0", "0", "0"]
+
+
 def test_slurm_jobs_ask_for_one_gpu_and_sigterm_before_the_time_limit(tmp_path, monkeypatch):
   """The sbatch script submitit writes for submitit_slurm's config (no cluster: a stand-in
   `srun` on PATH lets submitit build its SLURM executor)."""
