@@ -195,9 +195,9 @@ def test_summary_flops_are_the_mean_over_k_steps(runs, runs_setup):
   cfg, summary, setup = runs["cfg"], runs["summary"], runs_setup
   forward = setup.task.forward_flops_per_example() * int(cfg.batch_size)
   sizes, tau, block = setup.sizes, int(cfg.tau), cfg.block
-  full = flops.train_step_flops(
-    forward, fisher_forward=cfg.fisher_forward
-  ) + registry.update_flops("ginger", sizes, tau=tau, block=block)
+  full = flops.train_step_flops(forward, fisher_forward=cfg.fisher_forward) + registry.update_flops(
+    "ginger", sizes, tau=tau, block=block
+  )
   light = flops.train_step_flops(forward, fisher_forward=None) + registry.update_flops(
     "ginger", sizes, tau=tau, block=block, curvature_update=False
   )
