@@ -203,7 +203,7 @@ def get(name: str) -> Optimizer:
 
 def find(name: str | None) -> Optimizer | None:
   """The optimizer ``name``, or None (a run record of an optimizer not registered here)."""
-  return _REGISTRY.get(name)  # type: ignore[arg-type]
+  return _REGISTRY.get(name)
 
 
 def keeps_curvature(name: str | None) -> bool:
