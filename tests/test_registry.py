@@ -156,6 +156,7 @@ def test_a_new_optimizer_is_checked_like_the_others(lion, caplog):
 
 def test_a_new_optimizer_trains_and_is_tabulated(lion, tmp_path, capsys, caplog):
   from results import compare, tables
+  from results.runs import collect_runs
   from training import loop
 
   cfg = config(lion, "experiment=demo", "optimizer=lion", *FAST)
@@ -172,7 +173,7 @@ def test_a_new_optimizer_trains_and_is_tabulated(lion, tmp_path, capsys, caplog)
   rows = capsys.readouterr().out.splitlines()
   assert rows[0].startswith("| optimizer | lr |") and rows[2].startswith("| lion | 0.0001 |")
 
-  runs = tables.collect_runs([tmp_path / "runs"])
+  runs = collect_runs([tmp_path / "runs"])
   table = tables.build_table1(runs, "digits", ["resnet_tiny"], length="2steps")
   [row] = [r for r in table.rows if r.label == "Lion"]
   assert row.cells[0] != ""  # its best validation accuracy
