@@ -3,7 +3,9 @@
 XLA's ``cost_analysis`` is unreliable for convolutions on GPU, so the training loop reports
 FLOPs from these counts instead: the model's forward pass per example (ResNets traced from the
 real module, T5 from its shapes), how many forward-pass equivalents a training step costs
-(:func:`train_step_flops`) and the optimizer's own update (:func:`optimizer_update_flops`).
+(:func:`train_step_flops`) and the parts of an optimizer's own update (element-wise work,
+:func:`ginger_update_flops`, :func:`qng_update_flops`), which each optimizer's entry in
+training/registry.py adds up.
 
 Conventions (the usual ones in papers that quote "GFLOPs" for ResNets):
   * Only convolutions (``k*k*cin/groups*cout*Hout*Wout`` MACs) and dense layers / matmuls
@@ -166,27 +168,6 @@ def ginger_precondition_flops(sizes: list[int], tau: int, block: str) -> float:
 def qng_update_flops(sizes: list[int], tau: int) -> float:
   """QNG's curvature work per update: 3 tau sequential rank-one applications of 2 n each."""
   return 3 * tau * 2.0 * FLOPS_PER_MAC * sum(sizes)
-
-
-def optimizer_update_flops(
-  name: str,
-  sizes: list[int],
-  *,
-  tau: int | None = None,
-  block: str | None = None,
-  curvature_update: bool = True,
-) -> float:
-  """FLOPs of one update of optimizer ``name`` over parameter leaves of ``sizes``: the
-  element-wise work (~10 FLOPs per parameter) plus Ginger's or QNG's curvature part
-  (``curvature_update=False``: a Ginger step that only preconditions)."""
-  elementwise = ELEMENTWISE_FLOPS_PER_PARAM * sum(sizes)
-  if name == "ginger" and not curvature_update:
-    return elementwise + ginger_precondition_flops(sizes, int(tau), block)
-  if name == "ginger":
-    return elementwise + ginger_update_flops(sizes, int(tau), block)
-  if name == "qng":
-    return elementwise + qng_update_flops(sizes, int(tau))
-  return elementwise
 
 
 def t5_forward_flops(config: Any, batch: int, src_len: int, tgt_len: int) -> int:

@@ -46,6 +46,7 @@ from results.series import (  # noqa: E402
   first_time_at,
   read_series,
 )
+from training import registry  # noqa: E402
 
 DEFAULT_OUT = "results/local/plots"  # ignored by git, like tables.DEFAULT_OUT
 LABEL_KEYS = ("optimizer", "tau", "alpha", "rho", "block", "gamma", "lr", "curvature_every")
@@ -238,10 +239,12 @@ def _paper_points(dataset: str, crit: dict[str, Any], optimizer: str) -> dict[in
 
 
 def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dict) -> bool:
-  """Ginger and QNG against tau; Adam/Momentum as lines; paper dashed. False if empty."""
+  """The optimizers with a rank (Ginger, QNG) against tau, the others (Adam, Momentum) as
+  lines; paper dashed. False if empty."""
   key = _final_metric(dataset)[0]
   drawn, taus = False, set()
-  for i, optimizer in enumerate(("ginger", "qng")):
+  ranked = [o for o in registry.names() if registry.reads(o, "tau")]
+  for i, optimizer in enumerate(ranked):
     pts = []
     for tau in sorted(
       {
@@ -269,7 +272,8 @@ def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dic
         label=f"{optimizer} (paper)",
       )
       taus |= set(paper)
-  for i, optimizer in enumerate(("adam", "momentum"), start=2):
+  flat = [o for o in registry.names() if not registry.reads(o, "tau")]
+  for i, optimizer in enumerate(flat, start=len(ranked)):
     stat = tables.aggregate(
       r.get(key) for r in tables.select_runs(runs, dict(crit, optimizer=optimizer)).runs
     )

@@ -59,7 +59,7 @@ from results.runs import (  # noqa: F401 (the run list, read through this module
   settings_of,
   skip_reason,
 )
-from training import run_record
+from training import registry
 
 PAPER_DIR = Path(__file__).resolve().parent / "paper"
 # Where tables of your own runs go by default: beside the source, ignored by git (.gitignore);
@@ -103,7 +103,6 @@ CONFIG_KEYS = (
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
 PAPER_TEXT = {"dataset": "xsum", "model": "t5-small", "length": "1ep"}
 DATASET_NAMES = {"cifar100": "CIFAR-100", "cifar10": "CIFAR-10", "xsum": "XSUM"}
-OPTIMIZER_NAMES = {"momentum": "Momentum", "adam": "Adam", "qng": "QNG", "ginger": "Ginger"}
 MODEL_NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
 FLOPS_SOURCES = ("analytic", "xla")
 TABLE_SWEEPS = {
@@ -226,7 +225,7 @@ def default_variant(optimizer: str) -> dict[str, Any]:
   """The run fields of `optimizer`'s default variant: DEFAULT_VARIANT's, and float32 numerics
   (compute, and the curvature state where there is one)."""
   numerics = {"precision": "float32"}
-  if optimizer in run_record.CURVATURE:
+  if registry.keeps_curvature(optimizer):
     numerics["state_dtype"] = "float32"
   return {**DEFAULT_VARIANT.get(optimizer, {}), **numerics}
 
@@ -533,7 +532,7 @@ def _tau_text(tau: Any) -> str:
 
 def optimizer_label(optimizer: str, tau: Any) -> str:
   """ "QNG (τ=4)", "Adam", as in the paper."""
-  return OPTIMIZER_NAMES.get(optimizer, optimizer) + _tau_text(tau)
+  return registry.display_name(optimizer) + _tau_text(tau)
 
 
 def provenance_note(runs: Iterable[Run]) -> str | None:
@@ -614,10 +613,12 @@ PAPER_TEXT_TEXT = "pretrained t5-small, 1 ep."
 def _optimizer_keys(
   found: Iterable[tuple[str, Any]], order: Sequence[str]
 ) -> list[tuple[str, Any]]:
-  """The paper's (optimizer, tau) rows plus any other tau found in our runs, in paper order."""
-  keys = {(o, None) for o in order if o in ("momentum", "adam")}
-  keys |= {(o, t) for o in order if o in ("qng", "ginger") for t in TAUS}
-  keys |= {(o, None if o in ("momentum", "adam") else t) for o, t in found if o in order}
+  """The paper's (optimizer, tau) rows plus any other optimizer or tau found in our runs, in
+  `order`. An optimizer without tau has one row; the paper's with tau one per paper tau."""
+  paper = [o for o in order if o in registry.PAPER_ORDER]
+  keys = {(o, None) for o in paper if not registry.reads(o, "tau")}
+  keys |= {(o, t) for o in paper if registry.reads(o, "tau") for t in TAUS}
+  keys |= {(o, t if registry.reads(o, "tau") else None) for o, t in found if o in order}
   return sorted(keys, key=lambda k: (order.index(k[0]), sort_key(k[1])))
 
 
@@ -733,7 +734,7 @@ def build_table1(
     runs,
     groups,
     metrics,
-    ("momentum", "adam", "qng", "ginger"),
+    registry.table_order(),
     load_paper("table1_cifar100"),
     TABLE_SWEEPS["table1"],
     ("model",),
@@ -772,7 +773,7 @@ def build_table2(
     runs,
     groups,
     metrics,
-    ("adam", "momentum", "qng", "ginger"),
+    registry.table_order(first=("adam",)),  # the paper's Table 2 lists Adam first
     load_paper("table2_xsum"),
     TABLE_SWEEPS["table2"],
     ("setting",),

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from training import config_check, config_doc
+from training import config_check, config_doc, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -54,14 +54,14 @@ def test_every_key_of_the_default_config_has_a_row(committed):
 @pytest.mark.parametrize(
   "key, allowed",
   [
-    ("optimizer.name", config_check.OPTIMIZERS),
+    ("optimizer.name", registry.names()),
     ("schedule", config_check.SCHEDULES),
-    ("block", config_check.BLOCKS),
+    ("block", registry.BLOCKS),
     ("fisher", config_check.FISHERS),
     ("fisher_backward", config_check.FISHER_BACKWARDS),
     ("precision", config_check.PRECISIONS),
-    ("optimizer.state_dtype", config_check.STATE_DTYPES),
-    ("passes", config_check.PASSES),
+    ("optimizer.state_dtype", registry.STATE_DTYPES),
+    ("passes", registry.PASSES),
     ("logger.name", config_check.LOGGERS),
     ("logger.mode", config_check.WANDB_MODES),
     ("batchnorm", config_check.BATCHNORMS),

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 import ginger
 from models import flops
 from training import loop as train
-from training import run_record
+from training import registry, run_record
 from training.checkpoints import Checkpointer
 from training.config_check import ConfigError, check_config
 from training.errors import Interrupted
@@ -195,10 +195,10 @@ def test_summary_flops_are_the_mean_over_k_steps(runs, runs_setup):
   cfg, summary, setup = runs["cfg"], runs["summary"], runs_setup
   forward = setup.task.forward_flops_per_example() * int(cfg.batch_size)
   sizes, tau, block = setup.sizes, int(cfg.tau), cfg.block
-  full = flops.train_step_flops(
-    forward, fisher_forward=cfg.fisher_forward
-  ) + flops.optimizer_update_flops("ginger", sizes, tau=tau, block=block)
-  light = flops.train_step_flops(forward, fisher_forward=None) + flops.optimizer_update_flops(
+  full = flops.train_step_flops(forward, fisher_forward=cfg.fisher_forward) + registry.update_flops(
+    "ginger", sizes, tau=tau, block=block
+  )
+  light = flops.train_step_flops(forward, fisher_forward=None) + registry.update_flops(
     "ginger", sizes, tau=tau, block=block, curvature_update=False
   )
   assert light < full
@@ -282,10 +282,10 @@ def test_precondition_only_update_flops():
   """A Ginger step without a curvature update: U^T g and U z, 2 n k multiply-adds a block."""
   sizes = [1000, 10]
   elementwise = 10 * 1010
-  assert flops.optimizer_update_flops(
+  assert registry.update_flops(
     "ginger", sizes, tau=4, block="per_tensor", curvature_update=False
   ) == elementwise + 2 * 2 * (1000 * 4 + 10 * 4)
   assert (
-    flops.optimizer_update_flops("ginger", sizes, tau=4, block="global", curvature_update=False)
+    registry.update_flops("ginger", sizes, tau=4, block="global", curvature_update=False)
     == elementwise + 2 * 2 * 1010 * 4
   )

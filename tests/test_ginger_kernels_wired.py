@@ -364,10 +364,10 @@ def test_auto_is_left_to_the_library_also_where_the_state_is_split(mesh, expecte
 
 
 def test_config_passes_reaches_the_optimizer():
-  from training import config_check
+  from training import registry
   from training.optimizers import build_optimizer
 
-  assert config_check.PASSES == ginger._common.PASSES
+  assert registry.PASSES == ginger._common.PASSES
   params = {"w": jnp.zeros((6, 2))}
   for passes, has_kernels in (("jnp", False), ("pallas", True)):
     tx = build_optimizer(_config(f"passes={passes}"), optax.constant_schedule(1e-3))

@@ -13,7 +13,6 @@ from models.flops import (
   conv2d_macs,
   count_macs,
   dense_macs,
-  optimizer_update_flops,
   resnet_forward_macs,
   train_step_flops,
 )
@@ -205,20 +204,6 @@ def test_resnet18_macs():
   assert train_step_flops(forward, fisher_forward=None) == 6 * macs  # forward + backward
   assert train_step_flops(forward, fisher_forward="shared") == 10 * macs  # + a backward
   assert train_step_flops(forward, fisher_forward="eval") == 12 * macs  # + forward, backward
-
-
-def test_optimizer_update_flops():
-  sizes = [1000, 10]
-  assert optimizer_update_flops("adam", sizes) == 10 * 1010
-  assert optimizer_update_flops("qng", sizes, tau=2) == 10 * 1010 + 3 * 2 * 4 * 1010
-  # Ginger per block, rank k = min(tau, n): 2 (4nk + nk(k+1) + 2nk) + 9 (k+1)^3
-  per_block = lambda n, k: 2 * (4 * n * k + n * k * (k + 1) + 2 * n * k) + 9 * (k + 1) ** 3
-  assert optimizer_update_flops("ginger", sizes, tau=4, block="per_tensor") == (
-    10 * 1010 + per_block(1000, 4) + per_block(10, 4)
-  )
-  assert optimizer_update_flops("ginger", sizes, tau=4, block="global") == (
-    10 * 1010 + per_block(1010, 4)
-  )
 
 
 def test_resnet50_macs():

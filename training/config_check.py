@@ -20,22 +20,18 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from training import registry
+
 log = logging.getLogger("train")
 
 # What the rest of the framework accepts (kept here, not imported, so that checking a config
-# imports neither JAX nor the data loaders; tests/test_config_check.py checks they agree).
-OPTIMIZERS = ("ginger", "qng", "adam", "momentum")
-CURVATURE = ("ginger", "qng")
+# imports neither JAX nor the data loaders; tests/test_config_check.py checks they agree). The
+# optimizers, the keys each reads and their values are training/registry.py's.
 SCHEDULES = ("constant", "warmup_constant", "cosine")
-BLOCKS = ("per_tensor", "global")
 FISHERS = ("sampled", "empirical")
 FISHER_FORWARDS = ("eval", "shared")
 FISHER_BACKWARDS = ("auto", "batched", "sequential", "local")  # + ginger.fisher.BACKWARDS
 PRECISIONS = ("float32", "bfloat16")
-# A float64 state needs JAX's 64-bit mode, which a training run does not use (the library takes
-# it: ginger.scale_by_ginger(..., state_dtype="float64") under jax_enable_x64).
-STATE_DTYPES = ("float32", "bfloat16", "float16")
-PASSES = ("jnp", "pallas", "auto")  # Ginger's passes over U (ginger.scale_by_ginger)
 DISTRIBUTED = ("auto", True, False)
 LOGGERS = ("wandb", "none")
 WANDB_MODES = ("online", "offline", "disabled", "shared")
@@ -46,20 +42,6 @@ IMAGE_SOURCES = ("hf", "tfds", "local")
 XSUM_SOURCES = ("hf", "tfds", "local", "demo")
 XSUM_EVAL_SPLITS = ("validation", "test")
 SEED_LIMIT = 2**32  # jax.random.key keeps only the low 32 bits of larger seeds
-
-# Settings an optimizer ignores: the paper-notation keys it has no use for. Each optimizer's
-# config sets these to null, so a value here was asked for (command line or experiment).
-IGNORED = {
-  "ginger": (),
-  "qng": ("gamma",),
-  "adam": ("tau", "alpha", "gamma", "rho", "block"),
-  "momentum": ("tau", "alpha", "gamma", "rho", "block"),
-}
-# Keys with config defaults that only the curvature optimizers read: a warning only when the
-# command line set them (overrides), since their defaults are always present.
-CURVATURE_ONLY = ("fisher", "fisher_forward", "fisher_backward")
-# The optimizers that can update their curvature every K-th step only (curvature_every = K > 1).
-CURVATURE_EVERY = ("ginger",)
 
 
 class ConfigError(ValueError):
@@ -299,59 +281,13 @@ def _check_run(c: _Checker) -> None:
 
 
 def _check_optimizer(c: _Checker) -> str | None:
-  name = c.choice("optimizer.name", OPTIMIZERS)
+  name = c.choice("optimizer.name", registry.names())
   if name is None:
     return None
-  c.number("optimizer.b1", 0, 1, closed=(True, False))
-  if name == "adam":
-    c.number("optimizer.b2", 0, 1, closed=(True, False))
-    c.number("optimizer.eps", 0, closed=(False, True))
-  if name in CURVATURE:
-    if c.get("optimizer.state_dtype") == "float64":
-      c.bad(
-        "optimizer.state_dtype",
-        "float64",
-        f"one of {list(STATE_DTYPES)} (a float64 state needs JAX's 64-bit mode, which training "
-        "runs do not use: without it JAX would store the state in float32; the library takes "
-        "state_dtype='float64' under jax_enable_x64)",
-      )
-    elif c.choice("optimizer.state_dtype", STATE_DTYPES) == "float16" and name == "ginger":
-      c.bad(
-        "optimizer.state_dtype",
-        "float16",
-        "float32 or bfloat16 for optimizer=ginger (its update G^{-1} g is about g / gamma: "
-        "with gamma = 1e-5 it overflows float16's largest value 65504, and gamma itself lies "
-        "below float16's smallest normal 6e-5; bfloat16 has float32's range)",
-      )
-    c.integer("tau", 1)
-    c.number("alpha", 0, 1, closed=(False, False))
-    c.choice("block", BLOCKS)
-  if name == "ginger":
-    c.number("gamma", 0, closed=(False, True))
-  if name in CURVATURE:
-    c.number("rho", 0, closed=(False, True), optional=True)
-  if name in CURVATURE:
-    _check_curvature_every(c, name)
-  if name == "ginger":
-    c.choice("passes", PASSES, optional=True)  # null: the library's default, jnp
+  optimizer = registry.get(name)
+  for key, check in optimizer.keys.items():
+    check(c, key, optimizer)
   return name
-
-
-def _check_curvature_every(c: _Checker, name: str) -> None:
-  # null: every step, as 1.
-  value = c.check(
-    "curvature_every",
-    lambda v: _is_int(v) and v >= 1,
-    "an integer >= 1 (steps between curvature updates)",
-    optional=True,
-  )
-  if value is not None and name not in CURVATURE_EVERY and value != 1:
-    c.bad(
-      "curvature_every",
-      value,
-      f"1 for optimizer={name} (it updates its curvature every step; only "
-      f"{', '.join(CURVATURE_EVERY)} take curvature_every > 1)",
-    )
 
 
 def _check_model_and_data(c: _Checker) -> None:
@@ -427,28 +363,32 @@ def _check_devices_and_logger(c: _Checker) -> None:
 def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[str]:
   """One message per setting that ``optimizer`` ignores but the config sets."""
   out = []
-  for key in IGNORED[optimizer]:
+  reads = registry.get(optimizer).keys
+  for key in registry.PAPER_KEYS:
     value = OmegaConf.select(cfg, key, default=None)
-    if value is not None:
+    if key not in reads and value is not None:
       out.append(
         f"{key}={_show(value)} is ignored: optimizer={optimizer} has no {key} "
-        f"(only {', '.join(o for o in OPTIMIZERS if key not in IGNORED[o])} use it)."
+        f"(only {', '.join(o for o in registry.names() if registry.reads(o, key))} use it)."
       )
   every = OmegaConf.select(cfg, "curvature_every", default=None)
-  if optimizer not in CURVATURE and every is not None:
+  if "curvature_every" not in reads and every is not None:
     out.append(
       f"curvature_every={_show(every)} is ignored: optimizer={optimizer} has no curvature to "
-      f"update (only {', '.join(CURVATURE_EVERY)} use it)."
+      f"update (only {', '.join(_names(lambda o: o.curvature_every))} use it)."
     )
-  if optimizer not in CURVATURE:
-    for key in CURVATURE_ONLY:
+  curvature = registry.keeps_curvature(optimizer)
+  if not curvature:
+    # These keys have defaults in configs/config.yaml: warned about only where the command
+    # line set them.
+    for key in registry.FISHER_KEYS:
       if key in given:
         out.append(
           f"{key}={_show(OmegaConf.select(cfg, key))} is ignored: optimizer={optimizer} "
-          f"uses no Fisher vector (only {', '.join(CURVATURE)} do)."
+          f"uses no Fisher vector (only {', '.join(_names(lambda o: o.curvature))} do)."
         )
   if (
-    optimizer in CURVATURE
+    curvature
     and "fisher_backward" in given
     and OmegaConf.select(cfg, "fisher_forward", default=None) == "eval"
   ):
@@ -464,6 +404,11 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
       "(only schedule=warmup_constant uses it)."
     )
   return out
+
+
+def _names(has: Callable[[registry.Optimizer], bool]) -> list[str]:
+  """The registered optimizers for which ``has`` is true."""
+  return [n for n in registry.names() if has(registry.get(n))]
 
 
 __all__ = [

@@ -30,7 +30,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from training import config_check
+from training import config_check, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -602,7 +602,7 @@ def render(config_dir: Path = CONFIG_DIR) -> str:
     )
 
   optimizers = options(ref.config_dir, "optimizer")
-  order = [o for o in config_check.OPTIMIZERS if o in optimizers]
+  order = [o for o in registry.names() if o in optimizers]
   order += [o for o in optimizers if o not in order]
   by_name = {
     c.option or defaults.get("optimizer"): c for c in ref.contexts if c.group in (None, "optimizer")

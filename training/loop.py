@@ -48,7 +48,6 @@ from training.checkpoints import Checkpointer, CheckpointError, last_good_in
 from training.config_check import ConfigError, check_config
 from training.errors import DiskFullError, Interrupted, NonFiniteLossError, disk_full, no_space
 from training.optimizers import (
-  CURVATURE,
   build_optimizer,
   clip_bound,
   curvature_every,
@@ -57,6 +56,7 @@ from training.optimizers import (
   passes,
   reorthonormalise_every,
 )
+from training.registry import keeps_curvature, update_flops
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout (train.py's folder)
 log = logging.getLogger("train")
@@ -143,7 +143,7 @@ def device_shared() -> bool:
 def shared_d_pass(cfg) -> bool:
   """Whether the training step's d-pass reuses its forward (a curvature optimizer with
   ``fisher_forward=shared``), the only case ``fisher_backward`` applies to."""
-  return cfg.optimizer.name in CURVATURE and cfg.fisher_forward != "eval"
+  return keeps_curvature(cfg.optimizer.name) and cfg.fisher_forward != "eval"
 
 
 def make_steps(
@@ -290,7 +290,7 @@ def make_steps(
       out_shardings=state_shardings,
     )
 
-  curvature = cfg.optimizer.name in CURVATURE
+  curvature = keeps_curvature(cfg.optimizer.name)
   precondition_step = jitted(False) if curvature and curvature_every(cfg) > 1 else None
   train_step = jitted(curvature)
   reorthonormalise_step = None
@@ -729,14 +729,14 @@ def analytic_flops(task: Task, cfg, sizes: list[int]) -> float:
   update, K - 1 with neither (they only precondition).
   """
   name = cfg.optimizer.name
-  curvature = name in CURVATURE
+  curvature = keeps_curvature(name)
   forward = task.forward_flops_per_example() * int(cfg.batch_size)
 
   def step(update: bool) -> float:
     pass_flops = flops.train_step_flops(
       forward, fisher_forward=cfg.fisher_forward if curvature and update else None
     )
-    return pass_flops + flops.optimizer_update_flops(
+    return pass_flops + update_flops(
       name, sizes, tau=cfg.tau, block=cfg.block, curvature_update=update
     )
 

@@ -41,6 +41,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from data import cache
+from training import registry
 from training.errors import TrainingError
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,9 @@ NOT_FINGERPRINTED = frozenset(
   }
 )
 
-# The paper-notation hyperparameters each optimizer reads (the others are not its identity).
-OPTIMIZER_KEYS = {
-  "ginger": ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward"),
-  "qng": ("tau", "alpha", "rho", "block", "fisher", "fisher_forward"),
-  "adam": (),
-  "momentum": (),
-}
+# The paper-notation hyperparameters of a run's identity: those its optimizer reads
+# (registry.Optimizer.hyperparameters), None for the others.
 IDENTITY_HYPERPARAMETERS = ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward")
-CURVATURE = ("ginger", "qng")  # the optimizers with a state_dtype
 # The identity's numerics fields: the compute dtype and the curvature state's dtype.
 NUMERICS = ("precision", "state_dtype")
 
@@ -163,7 +158,8 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
   """
   c = plain(config)
   name = c["optimizer"]["name"]
-  used = OPTIMIZER_KEYS.get(name, ())
+  optimizer = registry.find(name)
+  used = () if optimizer is None else optimizer.hyperparameters
   model = c["model"]
   setting = ("lora" if model.get("lora") else "full") if "lora" in model else None
   return {
@@ -190,7 +186,7 @@ def numerics(config: Mapping, optimizer: str | None) -> dict[str, Any]:
   state_dtype = (config.get("optimizer") or {}).get("state_dtype")
   return {
     "precision": config.get("precision") or "float32",
-    "state_dtype": (state_dtype or "float32") if optimizer in CURVATURE else None,
+    "state_dtype": (state_dtype or "float32") if registry.keeps_curvature(optimizer) else None,
   }
 
 
@@ -211,9 +207,10 @@ def batchnorm(config: Mapping) -> dict[str, Any]:
 
 
 def curvature_every(config: Mapping) -> int | None:
-  """How many steps apart the curvature updates are: the config's value for Ginger (1, the
-  paper, when unset), None for optimizers without the option."""
-  if config["optimizer"]["name"] != "ginger":
+  """How many steps apart the curvature updates are: the config's value for an optimizer that
+  takes ``curvature_every`` (Ginger; 1, the paper, when unset), None for the others."""
+  optimizer = registry.find(config["optimizer"]["name"])
+  if optimizer is None or not optimizer.curvature_every:
     return None
   return int(config.get("curvature_every") or 1)
 

@@ -1,0 +1,403 @@
+"""The optimizers train.py can run, each described once: what the rest of the code knows of it.
+
+An :class:`Optimizer` entry holds an optimizer's name (``optimizer.name`` in the config), the
+name tables print, the config keys it reads with the check each value must pass, whether it keeps
+a curvature estimate (takes the sampled-Fisher vector of the d-pass and stores its state in
+``optimizer.state_dtype``) and whether that curvature may be updated every K-th step only
+(``curvature_every``), the function that builds its optax transformation and the FLOPs of one
+of its updates. Everything else reads the entries:
+
+* ``training/config_check.py``: the allowed ``optimizer.name`` values, each key's check, and
+  the warnings for a key the chosen optimizer ignores;
+* ``training/optimizers.py``: the transformation (:attr:`Optimizer.build`);
+* ``training/loop.py``: whether a step has a d-pass (:func:`keeps_curvature`) and the analytic
+  FLOPs (:func:`update_flops`);
+* ``training/run_record.py``: which hyperparameters are part of a run's identity;
+* ``training/config_doc.py``, ``results/tables.py``, ``results/plots.py``: names and order.
+
+A new optimizer is one entry (:func:`register`) and one ``configs/optimizer/<name>.yaml``
+(docs/adding-an-optimizer.md). This module imports no JAX: the builders and FLOP counts import
+what they need when called, so the config check, the results and the sweeps read the entries
+in milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+# The values the optimizer keys accept (config_check checks them against the entries below).
+BLOCKS = ("per_tensor", "global")  # ginger._common.BLOCKS
+# A float64 state needs JAX's 64-bit mode, which a training run does not use (the library takes
+# it: ginger.scale_by_ginger(..., state_dtype="float64") under jax_enable_x64).
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+PASSES = ("jnp", "pallas", "auto")  # Ginger's passes over U (ginger.scale_by_ginger)
+
+# The paper-notation keys at the top of the config (configs/config.yaml): an optimizer's YAML
+# sets those it does not read to null, so a value there was asked for, and is warned about.
+PAPER_KEYS = ("tau", "alpha", "gamma", "rho", "block")
+# Keys with config defaults that only the curvature optimizers read (the d-pass's).
+FISHER_KEYS = ("fisher", "fisher_forward", "fisher_backward")
+# The paper's optimizers in the row order of its Table 1: the tables list them first, then every
+# other optimizer in the order it was registered.
+PAPER_ORDER = ("momentum", "adam", "qng", "ginger")
+
+# A check of one config key: ``check(checker, key, optimizer)`` reads ``key`` through the
+# checker of training/config_check.py (its ``number``, ``integer``, ``choice``, ``check`` and
+# ``bad`` methods), which records any problem with the key, the bad value and what is allowed.
+Check = Callable[[Any, str, "Optimizer"], Any]
+# ``build(cfg, schedule, sharding)``: the optax transformation, before weight decay and
+# ``with_extra_args_support`` (training/optimizers.py adds both). ``cfg`` is the resolved
+# config, ``schedule`` the learning rate, ``sharding`` where the state's big arrays are split
+# (``ginger.sharding.StateSharding``) or None.
+Build = Callable[[Any, Any, Any], Any]
+# ``update_flops(sizes, *, tau, block, curvature_update)``: FLOPs of one update over parameter
+# leaves of ``sizes`` (``curvature_update=False``: a step that only preconditions).
+UpdateFlops = Callable[..., float]
+
+
+def number(low: float, high: float | None = None, *, closed=(True, True), optional=False) -> Check:
+  """A finite number in the interval from ``low`` to ``high`` (None: unbounded); ``closed``
+  says which ends are allowed; ``optional``: null too."""
+  return lambda c, key, _: c.number(key, low, high, closed=closed, optional=optional)
+
+
+def integer(minimum: int, *, optional=False) -> Check:
+  """An integer >= ``minimum`` (booleans refused)."""
+  return lambda c, key, _: c.integer(key, minimum, optional=optional)
+
+
+def choice(values: Sequence[Any], *, optional=False) -> Check:
+  """One of ``values`` (compared with their types: 1 is not true)."""
+  return lambda c, key, _: c.choice(key, values, optional=optional)
+
+
+def state_dtype(*, float16: bool = True) -> Check:
+  """``optimizer.state_dtype``: one of :data:`STATE_DTYPES` (float64 refused with the reason);
+  ``float16=False`` refuses float16 too, for a state whose values leave float16's range."""
+
+  def check(c, key: str, optimizer: Optimizer) -> Any:
+    if c.get(key) == "float64":
+      return c.bad(
+        key,
+        "float64",
+        f"one of {list(STATE_DTYPES)} (a float64 state needs JAX's 64-bit mode, which training "
+        "runs do not use: without it JAX would store the state in float32; the library takes "
+        "state_dtype='float64' under jax_enable_x64)",
+      )
+    value = c.choice(key, STATE_DTYPES)
+    if value == "float16" and not float16:
+      c.bad(
+        key,
+        "float16",
+        f"float32 or bfloat16 for optimizer={optimizer.name} (its update G^{{-1}} g is about "
+        "g / gamma: with gamma = 1e-5 it overflows float16's largest value 65504, and gamma "
+        "itself lies below float16's smallest normal 6e-5; bfloat16 has float32's range)",
+      )
+    return value
+
+  return check
+
+
+def steps_between_curvature_updates(c, key: str, optimizer: Optimizer) -> Any:
+  """``curvature_every``: an integer >= 1 or null (every step, as 1); only an optimizer with
+  :attr:`Optimizer.curvature_every` takes a value above 1."""
+  value = c.check(
+    key,
+    lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+    "an integer >= 1 (steps between curvature updates)",
+    optional=True,
+  )
+  if value is not None and not optimizer.curvature_every and value != 1:
+    c.bad(
+      key,
+      value,
+      f"1 for optimizer={optimizer.name} (it updates its curvature every step; only "
+      f"{', '.join(n for n in names() if get(n).curvature_every)} take curvature_every > 1)",
+    )
+  return value
+
+
+def elementwise_flops(sizes: Sequence[int], **_: Any) -> float:
+  """An element-wise update's FLOPs (momentum, Adam's moments, weight decay, the update):
+  ``models.flops.ELEMENTWISE_FLOPS_PER_PARAM`` per parameter."""
+  from models import flops
+
+  return flops.ELEMENTWISE_FLOPS_PER_PARAM * sum(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """What the code knows of one optimizer.
+
+  Attributes:
+    name: its ``optimizer.name``, also the name of its ``configs/optimizer/<name>.yaml``.
+    display: its name in tables ("Adam", "QNG").
+    keys: the config keys it reads (dotted, e.g. ``optimizer.b1``, ``tau``), each with its
+      check, in the order config_check reports problems. The :data:`PAPER_KEYS` it does not
+      list are the ones its YAML sets to null.
+    build: the optax transformation from the config (:data:`Build`); imports JAX when called.
+    curvature: whether it keeps a curvature estimate: its step takes the sampled-Fisher vector
+      of a d-pass (``fisher``, ``fisher_forward``, ``fisher_backward`` apply) and its state has
+      an ``optimizer.state_dtype``.
+    curvature_every: whether its curvature may be updated every K-th step only
+      (``curvature_every`` = K > 1; the other steps precondition with the curvature they have).
+    update_flops: FLOPs of one update (:data:`UpdateFlops`): by default the element-wise work.
+  """
+
+  name: str
+  display: str
+  keys: Mapping[str, Check]
+  build: Build
+  curvature: bool = False
+  curvature_every: bool = False
+  update_flops: UpdateFlops = elementwise_flops
+
+  @property
+  def hyperparameters(self) -> tuple[str, ...]:
+    """The top-level keys it reads: its own and, for a curvature optimizer, the d-pass's."""
+    own = tuple(k for k in self.keys if "." not in k)
+    return own + (FISHER_KEYS if self.curvature else ())
+
+
+_REGISTRY: dict[str, Optimizer] = {}
+
+
+def register(optimizer: Optimizer) -> Optimizer:
+  """Adds ``optimizer``; an optimizer of the same name must be unregistered first."""
+  if optimizer.name in _REGISTRY:
+    raise ValueError(f"an optimizer named {optimizer.name!r} is already registered.")
+  _REGISTRY[optimizer.name] = optimizer
+  return optimizer
+
+
+def unregister(name: str) -> None:
+  """Removes the optimizer ``name``."""
+  del _REGISTRY[name]
+
+
+@contextlib.contextmanager
+def registered(optimizer: Optimizer) -> Iterator[Optimizer]:
+  """``optimizer`` registered inside the ``with`` block only (a test's own optimizer)."""
+  register(optimizer)
+  try:
+    yield optimizer
+  finally:
+    unregister(optimizer.name)
+
+
+def names() -> tuple[str, ...]:
+  """The registered optimizers' names, in the order they were registered."""
+  return tuple(_REGISTRY)
+
+
+def get(name: str) -> Optimizer:
+  """The optimizer ``name``; a ValueError naming the registered ones if there is none."""
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(f"optimizer.name must be one of {names()}, got {name!r}.") from None
+
+
+def find(name: str | None) -> Optimizer | None:
+  """The optimizer ``name``, or None (a run record of an optimizer not registered here)."""
+  return _REGISTRY.get(name)
+
+
+def keeps_curvature(name: str | None) -> bool:
+  """Whether ``name`` keeps a curvature estimate (:attr:`Optimizer.curvature`)."""
+  optimizer = find(name)
+  return optimizer is not None and optimizer.curvature
+
+
+def reads(name: str | None, key: str) -> bool:
+  """Whether optimizer ``name`` reads config key ``key`` (False for an unknown name)."""
+  optimizer = find(name)
+  return optimizer is not None and key in optimizer.keys
+
+
+def display_name(name: str) -> str:
+  """The name tables print ("QNG"); an optimizer not registered here prints as its name."""
+  optimizer = find(name)
+  return name if optimizer is None else optimizer.display
+
+
+def table_order(first: Sequence[str] = ()) -> tuple[str, ...]:
+  """The rows of an optimizer table: ``first``, then :data:`PAPER_ORDER`, then every other
+  registered optimizer in the order it was registered."""
+  head = [n for n in (*first, *PAPER_ORDER) if n in _REGISTRY]
+  head = list(dict.fromkeys(head))
+  return (*head, *(n for n in names() if n not in head))
+
+
+def update_flops(
+  name: str,
+  sizes: Sequence[int],
+  *,
+  tau: int | None = None,
+  block: str | None = None,
+  curvature_update: bool = True,
+) -> float:
+  """FLOPs of one update of optimizer ``name`` over parameter leaves of ``sizes``
+  (``curvature_update=False``: a step that only preconditions, see ``curvature_every``)."""
+  return get(name).update_flops(
+    list(sizes), tau=tau, block=block, curvature_update=curvature_update
+  )
+
+
+def curvature_every(cfg) -> int:
+  """Steps between curvature updates (``curvature_every``; 1 = every step, the paper).
+
+  Only an optimizer with :attr:`Optimizer.curvature_every` has it (config_check refuses another
+  value for the other curvature optimizers and warns that the rest ignore it); 1 for them, and
+  where null. Returned as given otherwise: ``ginger.ginger`` refuses what is not an int >= 1
+  (no silent ``int(2.5)``).
+  """
+  value = cfg.curvature_every
+  optimizer = find(cfg.optimizer.name)
+  return 1 if value is None or optimizer is None or not optimizer.curvature_every else value
+
+
+def passes(cfg) -> str:
+  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto; null: the library's
+  default, "jnp"). "auto" is left to the library (``ginger.kernels.resolve_impl``: the Pallas
+  kernels on GPUs, the jnp passes elsewhere), also on an optimizer state split over several
+  devices, where the kernels run per device under ``shard_map`` on each device's rows and are
+  still faster than the jnp passes."""
+  return cfg.passes or "jnp"
+
+
+# ----------------------------------------------------------------------------- the optimizers
+
+
+def _rho(cfg) -> float | None:
+  return None if cfg.rho is None else float(cfg.rho)
+
+
+def _build_ginger(cfg, schedule, sharding):
+  import ginger
+
+  return ginger.ginger(
+    schedule,
+    tau=int(cfg.tau),
+    alpha=float(cfg.alpha),
+    gamma=float(cfg.gamma),
+    b1=float(cfg.optimizer.b1),
+    rho=_rho(cfg),
+    block=cfg.block,
+    state_dtype=cfg.optimizer.state_dtype,
+    # The loop re-orthonormalises as a program of its own (optimizers.reorthonormalise_every):
+    # a lax.cond in every step would stop the host on GPUs.
+    reorthonormalise_every=0,
+    curvature_every=curvature_every(cfg),
+    passes=passes(cfg),
+    sharding=sharding,
+  )
+
+
+def _ginger_flops(sizes, *, tau, block, curvature_update=True, **_) -> float:
+  from models import flops
+
+  if not curvature_update:
+    return elementwise_flops(sizes) + flops.ginger_precondition_flops(sizes, int(tau), block)
+  return elementwise_flops(sizes) + flops.ginger_update_flops(sizes, int(tau), block)
+
+
+def _build_qng(cfg, schedule, sharding):
+  import ginger
+
+  return ginger.qng(
+    schedule,
+    tau=int(cfg.tau),
+    alpha=float(cfg.alpha),
+    b1=float(cfg.optimizer.b1),
+    block=cfg.block,
+    rho=_rho(cfg),
+    state_dtype=cfg.optimizer.state_dtype,
+  )
+
+
+def _qng_flops(sizes, *, tau, **_) -> float:
+  from models import flops
+
+  return elementwise_flops(sizes) + flops.qng_update_flops(sizes, int(tau))
+
+
+def _build_adam(cfg, schedule, sharding):
+  import optax
+
+  opt = cfg.optimizer
+  return optax.adam(schedule, b1=float(opt.b1), b2=float(opt.b2), eps=float(opt.eps))
+
+
+def _build_momentum(cfg, schedule, sharding):
+  import optax
+
+  return optax.sgd(schedule, momentum=float(cfg.optimizer.b1))
+
+
+DECAY = number(0, 1, closed=(True, False))  # an EMA's decay rate, in [0, 1)
+ALPHA = number(0, 1, closed=(False, False))
+RHO = number(0, closed=(False, True), optional=True)  # the element-wise clip; null: none
+
+register(
+  Optimizer(
+    name="ginger",
+    display="Ginger",
+    keys={
+      "optimizer.b1": DECAY,
+      "optimizer.state_dtype": state_dtype(float16=False),
+      "tau": integer(1),
+      "alpha": ALPHA,
+      "block": choice(BLOCKS),
+      "gamma": number(0, closed=(False, True)),
+      "rho": RHO,
+      "curvature_every": steps_between_curvature_updates,
+      "passes": choice(PASSES, optional=True),  # null: the library's default, jnp
+    },
+    build=_build_ginger,
+    curvature=True,
+    curvature_every=True,
+    update_flops=_ginger_flops,
+  )
+)
+register(
+  Optimizer(
+    name="qng",
+    display="QNG",
+    keys={
+      "optimizer.b1": DECAY,
+      "optimizer.state_dtype": state_dtype(),
+      "tau": integer(1),
+      "alpha": ALPHA,
+      "block": choice(BLOCKS),
+      "rho": RHO,
+      "curvature_every": steps_between_curvature_updates,
+    },
+    build=_build_qng,
+    curvature=True,
+    update_flops=_qng_flops,
+  )
+)
+register(
+  Optimizer(
+    name="adam",
+    display="Adam",
+    keys={
+      "optimizer.b1": DECAY,
+      "optimizer.b2": DECAY,
+      "optimizer.eps": number(0, closed=(False, True)),
+    },
+    build=_build_adam,
+  )
+)
+register(
+  Optimizer(
+    name="momentum",
+    display="Momentum",
+    keys={"optimizer.b1": DECAY},
+    build=_build_momentum,
+  )
+)
