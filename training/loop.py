@@ -189,7 +189,7 @@ def _run(
   # The whole dataset on every device; each step gathers its batch by index on the devices.
   train_arrays = sharding.put(task.train_arrays, plan.replicated)
   val_arrays = sharding.put(task.val_arrays, plan.replicated)
-  batch_indices = _batch_order(setup, cfg)
+  batch_indices = _batch_indices_by_step(setup, cfg)
   compiled = compilation.compile_run(
     setup, setup.frozen, train_arrays, val_arrays, batch_indices(start), cfg, start
   )
@@ -228,7 +228,7 @@ def _run(
   return record
 
 
-def _batch_order(setup: Setup, cfg) -> Callable[[int], jax.Array]:
+def _batch_indices_by_step(setup: Setup, cfg) -> Callable[[int], jax.Array]:
   """A step's batch indices, placed on the mesh (split on its ``data`` axis)."""
   batch_size, steps_per_epoch = int(cfg.batch_size), setup.steps_per_epoch
   # One shuffle per epoch, not per step (the order is a pure function of seed and epoch).
@@ -242,6 +242,7 @@ def _batch_order(setup: Setup, cfg) -> Callable[[int], jax.Array]:
 
 
 def _log_startup(setup: Setup, cfg, compiled: CompiledRun, flops_per_iter: dict, build_s):
+  """The start-up's lines: build and compile times, the run's length and FLOPs per step."""
   log.info(
     "built in %.1f s; %d programs lowered and compiled in %.1f s",
     build_s,
@@ -261,7 +262,9 @@ def _log_startup(setup: Setup, cfg, compiled: CompiledRun, flops_per_iter: dict,
     log.info("curvature update on every %d-th step (steps 0, %d, %d, ...)", every, every, 2 * every)
 
 
-def _train_steps_until_stopped(loop: _Loop, at: _Position) -> Exception | None:
+def _train_steps_until_stopped(
+  loop: _Loop, at: _Position
+) -> NonFiniteLossError | DiskFullError | None:
   """Runs :func:`_train_steps`; returns what ends the run as "failed" (a NaN/Inf loss, a full
   disk), None where it completed or was stopped; raises anything else (a bug)."""
   try:
