@@ -54,13 +54,13 @@ def _check_key(cfg, override: str, config_file: Path) -> None:
 
 
 def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = ()) -> dict:
-  from training import loop, sharding
+  from training import loop, run_setup, sharding
   from training.checkpoints import Checkpointer
 
   cfg = load_run_config(run_dir, list(overrides))
   checkpointer = Checkpointer(run_dir)
   step = checkpointer.check_step(step)  # before any data is loaded or compiled
-  setup = loop.build(cfg, materialize=False)  # no fresh optimizer state beside the saved one
+  setup = run_setup.build(cfg, materialize=False)  # no fresh optimizer state beside the saved one
   state = checkpointer.restore(setup.init_state, step)
   metrics = loop.evaluate(
     setup.task,

@@ -34,7 +34,9 @@ from omegaconf import DictConfig
 
 from training import config_check, launchers, loop, multirun
 from training.errors import Interrupted, NonFiniteLossError, user_errors
-from training.loop import TrainState, build, evaluate, initial_stats, train
+from training.loop import evaluate, train
+from training.run_setup import build
+from training.steps import TrainState, initial_stats
 
 # The loop's API, re-exported for scripts that `import train` (tests/test_sharding.py).
 __all__ = ["NonFiniteLossError", "TrainState", "build", "evaluate", "initial_stats", "train"]

@@ -39,7 +39,7 @@ def child(spec: dict) -> dict:
   import numpy as np
   from hydra import compose, initialize_config_dir
 
-  from training import loop, sharding
+  from training import compilation, run_setup, sharding
   from training.checkpoints import Checkpointer
 
   data = spec["data"]
@@ -51,12 +51,14 @@ def child(spec: dict) -> dict:
   overrides = startup.BASE + ["data.source=local", f"data.path={data}"] + spec["overrides"]
   with initialize_config_dir(config_dir=str(startup.ROOT / "configs"), version_base=None):
     cfg = compose(config_name="config", overrides=overrides)
-  setup = loop.build(cfg)
+  setup = run_setup.build(cfg)
   train_arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
   val_arrays = sharding.put(setup.task.val_arrays, setup.plan.replicated)
   indices = setup.plan.indices(np.arange(int(cfg.batch_size)))
-  lower = loop.programs(setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, cfg)
-  compiled = loop.compile_all({k: v for k, v in lower.items() if isinstance(k, bool)})
+  lower = compilation.programs(
+    setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, cfg
+  )
+  compiled = compilation.compile_all({k: v for k, v in lower.items() if isinstance(k, bool)})
   state, step = setup.state, 0
 
   def steps(n: int):

@@ -7,17 +7,17 @@ per measurement.
     python -m bench.startup --only "ginger tau=8" --extra passes=pallas
 
 For each configuration (ResNet-18, batch 128, CIFAR-10 shapes) a child process builds the run
-as ``training.loop`` does (``build``: data, model, optimizer state; then the arrays placed on
-the device) and lowers and compiles every program the loop compiles before its first step
-(``loop.programs``: the training step, with ``curvature_every`` > 1 the step without the
-curvature update, the evaluation step; not ``loop.LATER``'s, which the loop compiles while it
-trains), in one of two modes:
+as ``training.loop`` does (``run_setup.build``: data, model, optimizer state; then the arrays
+placed on the device) and lowers and compiles every program the loop compiles before its first
+step (``compilation.programs``: the training step, with ``curvature_every`` > 1 the step without
+the curvature update, the evaluation step; not ``compilation.LATER``'s, which the loop compiles
+while it trains), in one of two modes:
 
 * ``one-by-one``: each program lowered and compiled in turn (the baseline: no overlap between
   programs);
-* ``concurrent``: ``loop.compile_all``, what the training loop does (the first of
-  ``loop.programs`` alone: with K > 1 the step without the curvature update, else the training
-  step; then the others at once).
+* ``concurrent``: ``compilation.compile_all``, what the training loop does (the first of
+  ``compilation.programs`` alone: with K > 1 the step without the curvature update, else the
+  training step; then the others at once).
 
 The table gives, per program, the lowering and compilation seconds (wall clock and this
 process's CPU seconds: on a busy machine the wall clock includes waiting for a core) and the
@@ -76,7 +76,7 @@ def child(spec: dict) -> dict:
   import numpy as np
   from hydra import compose, initialize_config_dir
 
-  from training import loop, sharding
+  from training import compilation, run_setup, sharding
 
   data = spec["data"]
   if data is None:
@@ -93,7 +93,7 @@ def child(spec: dict) -> dict:
     cfg = compose(config_name="config", overrides=overrides)
 
   start = time.perf_counter()
-  setup = loop.build(cfg)
+  setup = run_setup.build(cfg)
   jax.block_until_ready(setup.state)
   built = time.perf_counter()
   train_arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
@@ -101,8 +101,12 @@ def child(spec: dict) -> dict:
   indices = setup.plan.indices(np.arange(int(cfg.batch_size)))
   jax.block_until_ready((train_arrays, val_arrays))
   placed = time.perf_counter()
-  lower = loop.programs(setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, cfg)
-  lower = {key: fn for key, fn in lower.items() if key not in loop.LATER}  # compiled while training
+  lower = compilation.programs(
+    setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, cfg
+  )
+  lower = {
+    key: fn for key, fn in lower.items() if key not in compilation.LATER
+  }  # compiled while training
   device = jax.devices()[0]
   out = {
     "device": f"{device.platform} {device.device_kind} x{jax.device_count()}",
@@ -139,7 +143,7 @@ def child(spec: dict) -> dict:
 
   cpu = time.process_time()
   threads = 1 if spec["mode"] == "one-by-one" else None
-  loop.compile_all({key: timed(key, fn) for key, fn in lower.items()}, threads)
+  compilation.compile_all({key: timed(key, fn) for key, fn in lower.items()}, threads)
   done = time.perf_counter()
   out |= {
     "lower_and_compile_s": done - placed,

@@ -4,8 +4,8 @@ A task owns the NNX model, the dataset arrays it trains on and everything that d
 between image classification and seq2seq: loading its data from the config, the example order
 of an epoch, how a batch is formed (inside the jitted step), the forward pass, evaluation
 (additive statistics per batch, and generation where the task has it), which evaluation is the
-best and what the summary reports about it, and the forward FLOP count. The loop
-(training/loop.py) only ever sees ``(logits, labels, mask)``, which is all that the loss and the
+best and what the summary reports about it, and the forward FLOP count. The steps
+(training/steps.py) only ever see ``(logits, labels, mask)``, which is all that the loss and the
 sampled-Fisher vector need, and never asks which kind of task it runs.
 """
 

@@ -364,7 +364,7 @@ def test_per_shard_batchnorm_copies_the_statistics_for_one_shard():
 
 def test_per_device_pull_back_refuses_a_model_that_draws_randomness():
   from training.config_check import ConfigError
-  from training.loop import _per_shard_graphdef
+  from training.steps import per_shard_graphdef
 
   class Net(nnx.Module):
     def __init__(self):
@@ -372,6 +372,6 @@ def test_per_device_pull_back_refuses_a_model_that_draws_randomness():
       self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(1))
 
   with pytest.raises(ConfigError, match=r"fisher_backward=local: .*\(Rng"):
-    _per_shard_graphdef(Net(), 8, 4)
+    per_shard_graphdef(Net(), 8, 4)
   with pytest.raises(ConfigError, match="batch_size=10 must split evenly over the 4 devices"):
-    _per_shard_graphdef(Net(), 10, 4)
+    per_shard_graphdef(Net(), 10, 4)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ginger
-from training.loop import clip_fraction
+from training.steps import clip_fraction
 
 
 def _updates(optimizer, rho, lr=0.1, seed=0):

@@ -247,7 +247,7 @@ def test_auto_backward_takes_the_per_device_pull_back_where_the_batch_is_split()
   from omegaconf import OmegaConf
 
   from models.resnet import build_resnet
-  from training.loop import fisher_backward
+  from training.steps import fisher_backward
 
   resnet = build_resnet("resnet_tiny", 10, rngs=nnx.Rngs(0))
 
@@ -267,7 +267,7 @@ def test_auto_backward_takes_the_per_device_pull_back_where_the_batch_is_split()
     ("batched", 4, resnet, "batched"),  # asked for: as asked
     ("sequential", 4, resnet, "sequential"),
     ("sequential", 1, resnet, "sequential"),
-    ("local", 4, dropout, "local"),  # refused by build (_per_shard_graphdef), not here
+    ("local", 4, dropout, "local"),  # refused by build (per_shard_graphdef), not here
   ]:
     cfg = OmegaConf.create({"fisher_backward": value})
     plan = SimpleNamespace(data_size=devices)

@@ -809,14 +809,14 @@ def test_a_run_that_shared_its_device_counts_for_accuracy_not_memory(tmp_path: P
 
 
 def test_train_records_whether_the_device_was_shared(monkeypatch) -> None:
-  from training import loop
+  from training import summary
 
   monkeypatch.delenv("GINGER_DEVICE_SHARED", raising=False)
-  assert loop.device_shared() is False
+  assert summary.device_shared() is False
   monkeypatch.setenv("GINGER_DEVICE_SHARED", "1")
-  assert loop.device_shared() is True
+  assert summary.device_shared() is True
   monkeypatch.setenv("GINGER_DEVICE_SHARED", "0")
-  assert loop.device_shared() is False
+  assert summary.device_shared() is False
 
 
 def test_damaged_records_are_named(tmp_path: Path, capsys) -> None:

@@ -5,7 +5,7 @@ what compiling them one after the other gives.
 Checked on the demo experiment (curvature_every = 3: the step with the curvature update, the
 step without it, the evaluation step and Ginger's re-orthonormalisation): no training or
 evaluation program is compiled after the first step (before, the evaluation step compiled at
-the first evaluation, in the middle of training), :func:`training.loop.compile_all` really
+the first evaluation, in the middle of training), :func:`training.compilation.compile_all` really
 compiles in that order, and a run whose programs were compiled concurrently logs exactly the
 numbers of one compiled one after the other.
 """
@@ -21,7 +21,9 @@ import pytest
 from conftest import SELECTED_ITEMS
 from hydra import compose, initialize_config_dir
 
+from training import compilation, sharding
 from training import loop as train
+from training.steps import eval_batch_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
@@ -58,7 +60,7 @@ def run_logging_compiles(run_dir: Path, monkeypatch, threads) -> list[tuple]:
   compilation (JAX's backend-compile event, also for ahead-of-time compilations) and
   ``("stop asked", step)`` for every time the loop asked whether to stop (once before the
   first step, then after every step)."""
-  monkeypatch.setattr(train, "COMPILE_THREADS", threads)
+  monkeypatch.setattr(compilation, "COMPILE_THREADS", threads)
   log: list[tuple] = []
 
   def compiled(event, start, end, **kwargs):
@@ -117,7 +119,7 @@ def test_every_program_is_compiled_before_the_first_step(runs, which):
   assert sorted(before) == ["jit(eval_step)"] * 2 + ["jit(step)"] * 2
   assert after == []
   # Ginger's re-orthonormalisation, first needed after its 1000th curvature update, is not
-  # compiled by a run of 4 steps (training.loop.LATER; tests/test_loop_reorthonormalise.py).
+  # compiled by a run of 4 steps (training.compilation.LATER; tests/test_loop_reorthonormalise.py).
   assert "jit(reorthonormalise)" not in [name for _, name in log]
   assert [step for kind, step in log if kind == "stop asked"] == [0, 1, 2, 3]  # 4 steps ran
 
@@ -135,7 +137,7 @@ def test_ahead_of_time_evaluation_equals_the_jitted_one():
   """The evaluation step's executable compiled ahead of time gives bit for bit the statistics
   of the jitted function (which the loop used before, and still uses for other sizes)."""
   setup = train.build(config(*BASE))
-  arrays = train.sharding.put(setup.task.val_arrays, setup.plan.replicated)
+  arrays = sharding.put(setup.task.val_arrays, setup.plan.replicated)
   state = setup.state
   idx = np.arange(100)
   lowered = setup.eval_step.lower(state.trainable, setup.frozen, state.rest, arrays, idx)
@@ -154,7 +156,7 @@ def test_ahead_of_time_evaluation_equals_the_jitted_one():
 )
 def test_eval_batch_sizes_are_those_evaluate_runs(num_val, batch_size, sizes):
   ran = {min(batch_size, num_val - start) for start in range(0, num_val, batch_size)}
-  assert sorted(train.eval_batch_sizes(num_val, batch_size), reverse=True) == sizes
+  assert sorted(eval_batch_sizes(num_val, batch_size), reverse=True) == sizes
   assert set(sizes) == ran
 
 
@@ -201,7 +203,7 @@ def test_compile_all_compiles_the_first_alone_then_the_others_at_once():
     return program
 
   times: dict = {}
-  got = train.compile_all({n: (lambda n=n: lower(n)) for n in names}, times=times)
+  got = compilation.compile_all({n: (lambda n=n: lower(n)) for n in names}, times=times)
   assert got == {n: f"executable of {n}" for n in names}
   assert first_saw == [True]
   assert [e for e in log if e[0] == "lowered"] == [("lowered", n, True) for n in names]
@@ -223,17 +225,20 @@ def test_the_step_without_curvature_update_compiles_first(every, first):
   against 14.5-15.0 s with the training step first); else the training step."""
   cfg = config(*BASE, f"curvature_every={every}")
   setup = train.build(cfg)
-  arrays = train.sharding.put(setup.task.train_arrays, setup.plan.replicated)
-  val = train.sharding.put(setup.task.val_arrays, setup.plan.replicated)
+  arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
+  val = sharding.put(setup.task.val_arrays, setup.plan.replicated)
   idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
-  keys = list(train.programs(setup, setup.state, setup.frozen, arrays, val, idx, cfg))
+  keys = list(compilation.programs(setup, setup.state, setup.frozen, arrays, val, idx, cfg))
   assert keys[0] is first
   assert (False in keys) == (every > 1) and True in keys
 
 
 def test_compile_all_one_by_one():
   lower = {n: (lambda n=n: _Lowered(n, threading.Barrier(1), [])) for n in ("a", "b")}
-  assert train.compile_all(lower, threads=1) == {"a": "executable of a", "b": "executable of b"}
+  assert compilation.compile_all(lower, threads=1) == {
+    "a": "executable of a",
+    "b": "executable of b",
+  }
 
 
 # ---- compilation_cache_dir -------------------------------------------------------------------
@@ -285,7 +290,7 @@ def test_compilation_cache_dir_keeps_the_steps_for_a_later_process(tmp_path):
 
 @contextlib.contextmanager
 def cache_settings_restored():
-  """JAX's settings that ``train.use_compilation_cache`` changes (process-wide), as they were
+  """JAX's settings that ``compilation.use_compilation_cache`` changes (process-wide), as they were
   before the block: the suite's other tests keep the suite's cache."""
   names = ["jax_compilation_cache_dir", "jax_hlo_source_file_canonicalization_regex"]
   saved = [getattr(jax.config, n) for n in names]
@@ -323,7 +328,7 @@ def test_the_cached_ginger_kernels_do_not_depend_on_where_the_checkout_is(tmp_pa
 
   assert f"{ROOT}/ginger/kernels.py" in text()  # the kernels carry their source paths
   with cache_settings_restored():
-    train.use_compilation_cache(str(tmp_path / "cache"))
+    compilation.use_compilation_cache(str(tmp_path / "cache"))
     lowered = text()
   assert str(ROOT) not in lowered and "ginger/kernels.py" in lowered
 
@@ -387,10 +392,10 @@ def test_another_seed_is_the_same_program():
   texts = []
   for seed in (0, 1):
     setup = train.build(config(*BASE, f"seed={seed}"))
-    arrays = train.sharding.put(setup.task.train_arrays, setup.plan.replicated)
-    val = train.sharding.put(setup.task.val_arrays, setup.plan.replicated)
+    arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
+    val = sharding.put(setup.task.val_arrays, setup.plan.replicated)
     idx = setup.plan.indices(np.arange(64))  # the demo's batch_size
-    lower = train.programs(setup, setup.state, setup.frozen, arrays, val, idx, config(*BASE))
+    lower = compilation.programs(setup, setup.state, setup.frozen, arrays, val, idx, config(*BASE))
     texts.append({key: fn().as_text() for key, fn in lower.items()})
   assert texts[0].keys() == texts[1].keys() and len(texts[0]) == 5
   for key in texts[0]:

@@ -11,7 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bench import train_step as bench
+from training import compilation
 from training import loop as train
+from training.summary import step_memory_bytes, xla_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,32 +34,32 @@ def analysis(argument, output, alias, temp):
 
 def test_step_memory_is_arguments_plus_outputs_minus_aliased_plus_temp():
   # A donated state of 100 bytes updated in place: counted once, not twice.
-  assert train.step_memory_bytes([analysis(130, 100, 100, 7)]) == 137
+  assert step_memory_bytes([analysis(130, 100, 100, 7)]) == 137
   # Without donation the new state is a second buffer beside the old one.
-  assert train.step_memory_bytes([analysis(130, 100, 0, 7)]) == 237
+  assert step_memory_bytes([analysis(130, 100, 0, 7)]) == 237
 
 
 def test_step_memory_is_the_largest_of_the_compiled_steps():
   with_curvature, without = analysis(130, 100, 100, 50), analysis(130, 100, 100, 20)
-  assert train.step_memory_bytes([with_curvature, without]) == 180
-  assert train.step_memory_bytes([without, with_curvature]) == 180
-  assert train.step_memory_bytes([with_curvature, None]) == 180  # K = 1: no second step
+  assert step_memory_bytes([with_curvature, without]) == 180
+  assert step_memory_bytes([without, with_curvature]) == 180
+  assert step_memory_bytes([with_curvature, None]) == 180  # K = 1: no second step
 
 
 def test_step_memory_is_none_without_an_analysis():
-  assert train.step_memory_bytes([None]) is None
-  assert train.step_memory_bytes([{"temp_size_in_bytes": 3}]) is None  # incomplete: no guess
+  assert step_memory_bytes([None]) is None
+  assert step_memory_bytes([{"temp_size_in_bytes": 3}]) is None  # incomplete: no guess
 
 
 def test_xla_reports_a_donated_state_as_aliased_on_cpu():
   """The formula's alias term is what donation saves: a 4 MB state updated in place."""
   state, x = jnp.zeros((1000, 1000)), jnp.ones((500,))
   update = lambda s, x: s + x.sum()
-  donated = train._xla_memory(jax.jit(update, donate_argnums=0).lower(state, x).compile())
-  kept = train._xla_memory(jax.jit(update).lower(state, x).compile())
+  donated = xla_memory(jax.jit(update, donate_argnums=0).lower(state, x).compile())
+  kept = xla_memory(jax.jit(update).lower(state, x).compile())
   assert donated["alias_size_in_bytes"] == state.nbytes
   # Buffers live across the step (XLA's temporaries differ between the two programs).
-  held = lambda a: train.step_memory_bytes([a]) - a["temp_size_in_bytes"]
+  held = lambda a: step_memory_bytes([a]) - a["temp_size_in_bytes"]
   assert held(kept) - held(donated) == state.nbytes
   assert held(donated) == state.nbytes + x.nbytes
 
@@ -86,20 +88,20 @@ def test_summary_reports_the_steps_own_memory(tmp_path, monkeypatch, every):
   assert bases  # Ginger's stacked U outgrows every parameter
   del state
   seen = []
-  compile_all = train.compile_all
+  compile_all = compilation.compile_all
 
   def recording(lower, threads=None, times=None):
     gc.collect()
     seen.append({(x.shape, x.dtype) for x in jax.live_arrays()})
     return compile_all(lower, threads, times)
 
-  monkeypatch.setattr(train, "compile_all", recording)
+  monkeypatch.setattr(compilation, "compile_all", recording)
   summary = train.train(cfg, tmp_path)
   assert len(seen) == 1 and not bases & seen[0]
   step = summary["step_memory_bytes"]
   analyses = [summary["xla_memory_analysis"], summary["xla_memory_analysis_precondition"]]
   assert (analyses[1] is None) == (every == 1)
-  assert step == train.step_memory_bytes(analyses)
+  assert step == step_memory_bytes(analyses)
   # At least the parameters (float32), which the state holds, and the data resident beside them.
   assert step >= 4 * summary["parameters"] + summary["train_data_bytes_per_device"]
   assert summary["train_data_bytes_per_device"] > 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from hydra import compose, initialize_config_dir
 
+from training import compilation, sharding
 from training import loop as train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +38,10 @@ def test_the_training_steps_trace_the_model_once(monkeypatch):
     return forward(self, model, inputs)
 
   monkeypatch.setattr(type(setup.task), "forward", counting)
-  arrays = train.sharding.put(setup.task.train_arrays, setup.plan.replicated)
-  val = train.sharding.put(setup.task.val_arrays, setup.plan.replicated)
+  arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
+  val = sharding.put(setup.task.val_arrays, setup.plan.replicated)
   idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
-  lower = train.programs(setup, setup.state, setup.frozen, arrays, val, idx, cfg)
+  lower = compilation.programs(setup, setup.state, setup.frozen, arrays, val, idx, cfg)
   lower[True]()
   assert len(calls) == traces
   lower[False]()

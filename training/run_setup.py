@@ -1,0 +1,246 @@
+"""Everything a run needs, built from its config: the task's data, the model, the optimizer,
+the initial state and the jitted steps (:func:`build`, shared by the training loop and
+evaluate.py), after the checks that need neither data nor compilation (:func:`check`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from omegaconf import DictConfig
+
+from models.tasks import Task, build_task
+from training import sharding
+from training.compilation import use_compilation_cache
+from training.config_check import ConfigError, check_config
+from training.optimizers import (
+  build_optimizer,
+  clip_bound,
+  curvature_every,
+  learning_rate,
+  passes,
+  reorthonormalise_every,
+)
+from training.steps import (
+  TrainState,
+  fisher_backward,
+  initial_stats,
+  make_steps,
+  per_shard_graphdef,
+  shared_d_pass,
+)
+
+log = logging.getLogger("train")
+
+
+class Setup(NamedTuple):
+  """Everything built from a config before the first step (shared with evaluate.py)."""
+
+  task: Task
+  # The initial state (the template for restoring checkpoints); with build(materialize=False)
+  # its optimizer state is shapes and shardings only (init_state builds it).
+  state: TrainState
+  frozen: Any  # frozen parameters (LoRA's base model), never checkpointed
+  train_step: Any
+  eval_step: Any
+  schedule: optax.Schedule
+  steps_per_epoch: int
+  total_steps: int
+  sizes: list[int]  # sizes of the trained leaves
+  n_model: int  # all model parameters
+  plan: sharding.Plan  # the device mesh and where arrays live on it
+  # curvature_every = K > 1: the step between curvature updates (train_step runs on steps
+  # 0, K, 2K, ...; see training.steps.make_steps); None for K = 1.
+  precondition_step: Any = None
+  curvature_every: int = 1
+  # The initial state on the devices (a fresh one each call); build(materialize=False)
+  # leaves it to the caller, to compile before the optimizer state takes device memory.
+  init_state: Callable[[], TrainState] | None = None
+  # Ginger: the program that re-orthonormalises U, run after every reorthonormalise_every-th
+  # curvature update (training.steps.reorthonormalise_step); None (and 0) otherwise.
+  reorthonormalise_step: Any = None
+  reorthonormalise_every: int = 0
+  # The shared d-pass's backward as fisher_backward resolved it for this mesh and model
+  # (batched, sequential or local); None where the step has no shared d-pass.
+  fisher_backward: str | None = None
+
+  def updates_curvature(self, step: int) -> bool:
+    """Whether step ``step`` (0-based) runs ``train_step`` (else ``precondition_step``).
+    Decided on the host from the step index alone, so a resumed run picks as the
+    uninterrupted one did."""
+    return step % self.curvature_every == 0
+
+  def reorthonormalises_after(self, step: int) -> bool:
+    """Whether ``reorthonormalise_step`` runs after step ``step`` (0-based): after the
+    ``reorthonormalise_every``-th, ``2 x``-th... curvature update, as the update's own
+    ``reorthonormalise_every`` counts them. From the step index alone, like
+    :meth:`updates_curvature`."""
+    if not self.reorthonormalise_every or not self.updates_curvature(step):
+      return False
+    return (step // self.curvature_every + 1) % self.reorthonormalise_every == 0
+
+  def first_reorthonormalisation(self, start: int) -> int | None:
+    """The first step ``>= start`` after which ``reorthonormalise_step`` runs (None: never):
+    steps ``K (N m - 1)``, ``m >= 1``, for ``K = curvature_every`` and ``N =
+    reorthonormalise_every``."""
+    if not self.reorthonormalise_every:
+      return None
+    every, n = self.curvature_every, self.reorthonormalise_every
+    m = max(1, -(-(-(-start // every) + 1) // n))
+    return every * (n * m - 1)
+
+
+def check(cfg: DictConfig) -> sharding.Plan:
+  """Everything about ``cfg`` that can be checked without data or compiling; the mesh."""
+  sharding.initialize_distributed(cfg.get("distributed", "auto"))  # before any JAX work
+  check_config(cfg)
+  use_compilation_cache(cfg.get("compilation_cache_dir"))  # before the first compilation
+  build_optimizer(cfg, learning_rate(cfg, 1, 1))  # the library's own checks of its arguments
+  if cfg.optimizer.name == "ginger" and passes(cfg) == "pallas" and jax.default_backend() != "gpu":
+    log.warning(
+      "passes=pallas on %s: the Pallas kernels run in JAX's interpreter there, a test harness "
+      "(the demo on 2 CPU cores: 2.5 steps/s against 52 with passes=jnp); passes=auto takes the "
+      "kernels on GPUs and the jnp passes elsewhere.",
+      jax.default_backend(),
+    )
+  plan = sharding.plan_from_config(cfg.get("mesh"))
+  if int(cfg.batch_size) % plan.data_size:
+    raise ConfigError(
+      f"batch_size {cfg.batch_size} must be divisible by the {plan.data_size} "
+      "devices of the mesh's data axis (mesh.data)."
+    )
+  return plan
+
+
+class ModelGraphs(NamedTuple):
+  """The model split for the steps (:func:`split_model`)."""
+
+  train: Any  # the graph in training mode
+  eval: Any  # in inference mode (BatchNorm's running statistics, no dropout)
+  per_shard: Any  # the training graph for one device's shard (fisher_backward=local), or None
+  params: Any
+  rest: Any  # non-parameter state: BatchNorm statistics, dropout RNG counts
+  # The shared d-pass's backward, resolved once for this mesh and model (None: no shared d-pass).
+  backward: str | None
+
+
+def split_model(model, cfg, plan: sharding.Plan) -> ModelGraphs:
+  """``model``'s graphs in training and inference mode, its parameters and its other state."""
+  model.train()
+  graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
+  model.eval()
+  graphdef_eval = nnx.split(model, nnx.Param, ...)[0]
+  model.train()
+  backward = fisher_backward(cfg, plan, model) if shared_d_pass(cfg) else None
+  graphdef_per_shard = None
+  if backward == "local":
+    graphdef_per_shard = per_shard_graphdef(model, int(cfg.batch_size), plan.data_size)
+  return ModelGraphs(graphdef_train, graphdef_eval, graphdef_per_shard, params, rest, backward)
+
+
+def schedule_length(task: Task, cfg) -> tuple[int, int]:
+  """``(steps_per_epoch, total_steps)`` of a run of ``cfg`` on ``task``."""
+  steps_per_epoch = task.num_train // int(cfg.batch_size)
+  if steps_per_epoch < 1:
+    raise ConfigError(
+      f"batch_size {cfg.batch_size} is larger than the training set ({task.num_train})."
+    )
+  total_steps = int(cfg.max_steps) if cfg.max_steps else int(cfg.epochs) * steps_per_epoch
+  return steps_per_epoch, total_steps
+
+
+def initial_state(tx, trainable, rest, cfg, plan: sharding.Plan, materialize: bool):
+  """``(state, init_state, state_shardings)``: the initial state, with ``materialize=False``
+  its optimizer state as shapes and shardings only; ``init_state()``, the initial state on
+  the devices (a fresh one each call); where :class:`TrainState`'s leaves live."""
+  state = TrainState(
+    jnp.zeros([], jnp.int32),
+    trainable,
+    rest,
+    jax.eval_shape(tx.init, trainable),  # shapes only: built by init_state
+    jax.random.key(int(cfg.seed)),
+    initial_stats(clip_bound(cfg)),
+  )
+  state_shardings = plan.state(state)
+  # Everything but the optimizer state on the devices now (small next to it).
+  placed = sharding.put(state._replace(opt_state=None), state_shardings._replace(opt_state=None))
+
+  def init_state() -> TrainState:
+    """The initial state on the devices, the optimizer's built where its shardings put it
+    (one program: run op by op, Ginger's init compiles dozens of small ones, a reshape per
+    tensor, a basis per bucket, several seconds of start-up; the values, zeros and unit
+    vectors, are exact either way)."""
+    init = jax.jit(tx.init, out_shardings=state_shardings.opt_state)
+    return placed._replace(opt_state=init(placed.trainable))
+
+  if materialize:
+    return init_state(), init_state, state_shardings
+  shapes = jax.tree.map(
+    lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+    state.opt_state,
+    state_shardings.opt_state,
+  )
+  return placed._replace(opt_state=shapes), init_state, state_shardings
+
+
+def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool = True) -> Setup:
+  """Checks ``cfg``, loads the task's data, builds model, optimizer and the jitted steps.
+
+  ``materialize=False``: ``Setup.state``'s optimizer state is shapes and shardings only
+  (``jax.ShapeDtypeStruct``), enough to compile every program; ``Setup.init_state()`` builds
+  it on the devices. The training loop compiles first, so that on a GPU the autotuner's
+  scratch (of the order of the programs' operands) and the optimizer state (Ginger's U) are
+  never on the device at once: together they would set the run's memory high-water mark far
+  above the state's own size.
+  """
+  plan = check(cfg) if plan is None else plan
+  task = build_task(cfg)
+  graphs = split_model(task.model, cfg, plan)
+  trainable = task.trainable_params(graphs.params)
+  sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(trainable)]
+  n_model = int(sum(np.prod(x.shape) for x in jax.tree.leaves(graphs.params)))
+  steps_per_epoch, total_steps = schedule_length(task, cfg)
+  schedule = learning_rate(cfg, steps_per_epoch, total_steps)
+  tx = build_optimizer(cfg, schedule, plan.optimizer_sharding)
+  state, init_state, state_shardings = initial_state(
+    tx, trainable, graphs.rest, cfg, plan, materialize
+  )
+  frozen = sharding.put(task.frozen_params(graphs.params), plan.replicated)
+  steps = make_steps(
+    task,
+    graphs.train,
+    graphs.eval,
+    tx,
+    cfg,
+    plan,
+    state_shardings,
+    graphs.backward,
+    graphs.per_shard,
+    schedule,
+  )
+  return Setup(
+    task,
+    state,
+    frozen,
+    steps.train_step,
+    steps.eval_step,
+    schedule,
+    steps_per_epoch,
+    total_steps,
+    sizes,
+    n_model,
+    plan,
+    steps.precondition_step,
+    curvature_every(cfg) if steps.precondition_step is not None else 1,
+    init_state,
+    steps.reorthonormalise_step,
+    reorthonormalise_every(cfg),
+    graphs.backward,
+  )
