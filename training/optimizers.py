@@ -26,8 +26,8 @@ def clip_bound(cfg) -> float | None:
 def reorthonormalise_every(cfg) -> int:
   """Curvature updates between the training loop's re-orthonormalisations of Ginger's ``U``
   (``ginger.default_reorthonormalise_every`` of ``optimizer.state_dtype``); 0 for the other
-  optimizers. The loop runs them as a program of their own (``training.steps.make_steps``), so Ginger's
-  registry entry builds it with ``reorthonormalise_every=0``."""
+  optimizers. The loop runs them as a program of their own (``training.steps.make_steps``), so
+  Ginger's registry entry builds it with ``reorthonormalise_every=0``."""
   if cfg.optimizer.name != "ginger":
     return 0
   return ginger.default_reorthonormalise_every(cfg.optimizer.get("state_dtype") or "float32")

@@ -25,8 +25,8 @@ from models.tasks import per_shard_model
 from training import sharding
 from training.config_check import ConfigError
 from training.optimizers import clip_bound, curvature_every, passes
-from training.registry import keeps_curvature
 from training.optimizers import reorthonormalise_every as reorthonormalise_every_of
+from training.registry import keeps_curvature
 
 
 class TrainState(NamedTuple):
