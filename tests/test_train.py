@@ -276,7 +276,8 @@ def test_cli_help_and_multirun_dirs(tmp_path):
       "train.py",
       "-m",
       "experiment=demo",
-      "optimizer=adam,momentum",
+      "optimizer=adam",
+      "seed=0,1",  # the second job's programs are the first's: read from the compilation cache
       "max_steps=1",
       "eval_every=1",
       f"hydra.sweep.dir={tmp_path}",
@@ -287,7 +288,7 @@ def test_cli_help_and_multirun_dirs(tmp_path):
   )
   assert out.returncode == 0, out.stderr[-2000:]
   dirs = sorted(p.parent.name for p in tmp_path.glob("*/summary.json"))
-  assert dirs == ["optimizer=adam", "optimizer=momentum"]
+  assert dirs == ["optimizer=adam,seed=0", "optimizer=adam,seed=1"]
   bad = subprocess.run(
     [sys.executable, "train.py", "experiment=demo", "tau=0", f"hydra.run.dir={tmp_path / 'bad'}"],
     cwd=ROOT,
