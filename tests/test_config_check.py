@@ -166,14 +166,14 @@ def test_check_loads_and_compiles_nothing(monkeypatch):
 
 def test_allowed_values_agree_with_the_code_that_uses_them():
   from data import images, xsum
-  from ginger import _common
+  from ginger._src import common
   from models import tasks
   from training import config_check, optimizers
 
   assert config_check.OPTIMIZERS == optimizers.OPTIMIZERS
   assert config_check.CURVATURE == optimizers.CURVATURE
   assert config_check.SCHEDULES == optimizers.SCHEDULES
-  assert config_check.BLOCKS == _common.BLOCKS
+  assert config_check.BLOCKS == common.BLOCKS
   assert set(config_check.PRECISIONS) == set(tasks.DTYPES)
   assert set(config_check.IMAGE_DATASETS) == set(images.DATASETS)
   assert set(config_check.IMAGE_SOURCES) == set(images.SOURCES)

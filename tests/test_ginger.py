@@ -16,7 +16,7 @@ from reference import (
 )
 
 import ginger
-from ginger import lowrank
+from ginger._src import lowrank
 
 PYTREES = {
   "matrix+vectors": {"w": (5, 3), "b": (4,), "tiny": (2,)},

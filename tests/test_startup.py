@@ -313,7 +313,7 @@ def test_the_cached_ginger_kernels_do_not_depend_on_where_the_checkout_is(tmp_pa
 
   import jax.numpy as jnp
 
-  from ginger import kernels
+  from ginger._src import kernels
 
   args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(1, 1000, 8), (1, 8), (1, 1000)]]
   fn = jax.jit(functools.partial(kernels.precondition, gamma=1e-5, impl="pallas", interpret=False))

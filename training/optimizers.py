@@ -43,7 +43,7 @@ def reorthonormalise_every(cfg) -> int:
 
 def passes(cfg) -> str:
   """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto; null: the library's
-  default, "jnp"). "auto" is left to the library (``ginger.kernels.resolve_impl``: the Pallas
+  default, "jnp"). "auto" is left to the library (``ginger._src.kernels.resolve_impl``: the Pallas
   kernels on GPUs, the jnp passes elsewhere), also on an optimizer state split over several
   devices, where the kernels run per device under ``shard_map`` on each device's rows and are
   still faster than the jnp passes."""

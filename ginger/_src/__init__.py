@@ -1,0 +1,1 @@
+"""The implementation of :mod:`ginger`: private, imported only through the public modules."""
