@@ -4,7 +4,7 @@
 :func:`fisher_vector` is the d-pass alone (a forward of its own);
 :func:`value_grad_and_fisher_per_device` splits the batch over devices. ``d_t`` is what
 ``tx.update(grads, state, params, fisher_grads=d_t)`` of :func:`ginger.ginger` and
-:func:`ginger.qng` folds into the curvature. The math is in ``ginger._src.fisher``'s docstring.
+:func:`ginger.qng` folds into the curvature (the math: docs/ginger-math.md, section 2).
 """
 
 from ginger._src.fisher import (

@@ -7,8 +7,7 @@ device mesh, replicate the small ones (``sigma``, counts, Brand's ``(k+1) x (k+1
 
 An array of at least ``min_size`` (:data:`MIN_SIZE`) elements is split along its largest axis
 that the mesh axis divides, never a basis's rank; :class:`StateSharding` also tells Ginger's
-step where the state lives, so that its temporaries follow the rows of ``U``. The rule and its
-reasons are in ``ginger._src.sharding``'s docstring.
+step where the state lives, so that its temporaries follow the rows of ``U`` (docs/multi-gpu.md).
 """
 
 from ginger._src.sharding import (

@@ -1,1 +1,2 @@
-"""The implementation of :mod:`ginger`: private, imported only through the public modules."""
+"""The implementation of :mod:`ginger`. Private: its modules and names may change; the API is
+what :mod:`ginger`, :mod:`ginger.fisher` and :mod:`ginger.sharding` export."""
