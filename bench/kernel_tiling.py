@@ -5,7 +5,7 @@
     python -m bench.kernel_tiling --taus 8 --min-padded-ranks 8 16  # rank 8 in 8 or 16 lanes
     python -m bench.kernel_tiling --taus 32 --tile-rows 64 --steps 1 --rotate-tile-rows 0 128
 
-The kernels of :mod:`ginger.kernels` stream each program's rows as ``STEPS`` tiles of
+The kernels of :mod:`ginger._src.kernels` stream each program's rows as ``STEPS`` tiles of
 ``tile x kp`` elements of ``U`` (``tile = min(MAX_TILE_ROWS, TILE_ELEMENTS / kp)``, ``kp``
 the rank padded to a power of two >= ``MIN_PADDED_RANK``; ``TILE_ROWS[kp]`` where given;
 pass 3 pads to ``ROTATE_MIN_PADDED_RANK`` and takes ``ROTATE_TILE_ROWS[kp]`` where given) with
@@ -32,7 +32,7 @@ import optax
 
 import ginger
 from bench.optimizer_step import resnet18_shapes, time_update
-from ginger import kernels
+from ginger._src import kernels
 
 TILE_ROWS = (64, 128, 256, 512, 1024)
 STEPS = (1, 2, 4, 8)

@@ -1,11 +1,11 @@
-"""Each Pallas kernel of ginger.kernels compiled for the GPU against the jnp reference.
+"""Each Pallas kernel of ginger._src.kernels compiled for the GPU against the jnp reference.
 
     python -m bench.kernels_check                       # GPU: ResNet-18 shapes, tau 8 and 32
     python -m bench.kernels_check --taus 8 --blocks global
     python -m bench.kernels_check --interpret --tiny    # any machine: interpreted, tiny shapes
 
 For every bucket of Ginger's stacked bases (``block=per_tensor``: ResNet-18's buckets as
-``ginger._common.plan_layout`` makes them; ``global``: one ``(1, d, k)`` block) it runs each
+``ginger._src.common.plan_layout`` makes them; ``global``: one ``(1, d, k)`` block) it runs each
 pass (:data:`PASSES`) with ``impl="pallas", interpret=False`` and ``impl="jnp"`` on the same
 random operands (:func:`random_inputs`, the ranges a step produces) and checks, per output
 entry, the bounds of tests/test_kernels.py (Higham's ``gamma_N A``, valid for every
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ginger
-from ginger import _common, kernels
+from ginger._src import common, kernels
 
 PASSES = (
   "project",
@@ -150,7 +150,7 @@ def bounds(name: str, x: dict, rows: int | None = None) -> list[tuple[np.ndarray
 def kernel_rows_depth(rows: int, rank: int) -> int:
   """Rounded additions a row sum of a Pallas kernel chains at most: the ``steps`` tiles of a
   program into one accumulator, the ``tile`` rows of that accumulator, the programs of a block
-  (``ginger.kernels.tiling``)."""
+  (``ginger._src.kernels.tiling``)."""
   tile, chunk, _ = kernels.tiling(rows, rank)
   return chunk // tile + tile + -(-rows // chunk)
 
@@ -160,7 +160,7 @@ def bucket_shapes(size: str, tau: int, block: str) -> list[tuple[int, int, int]]
   from bench.optimizer_step import SIZES
 
   sizes = [math.prod(s) for s in SIZES[size]()]
-  layout = _common.plan_layout(sizes, tau, block, None)
+  layout = common.plan_layout(sizes, tau, block, None)
   return [(len(b.members), b.rows, b.rank) for b in layout.buckets]
 
 
@@ -223,7 +223,7 @@ def check_shape(m, n, k, interpret: bool, seed: int = 0) -> list[dict]:
 
 def step_memory(rows: int, tau: int, passes: str) -> tuple[float, float]:
   """``(temporary bytes, bytes of U)`` of the compiled Ginger update with the state donated.
-  The jnp rotation is traced with its row blocks (:data:`ginger.kernels.JNP_ROW_BLOCKS`), as
+  The jnp rotation is traced with its row blocks (:data:`ginger._src.kernels.JNP_ROW_BLOCKS`), as
   on a GPU, also where it runs: the CPU rotates ``U`` in one piece, which is faster there but
   holds a second ``U`` by design, so only the GPU's form has the bound below."""
   tx = ginger.scale_by_ginger(tau, block="global", passes=passes)
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", default="resnet18", help="bench.optimizer_step size")
   parser.add_argument("--taus", nargs="+", type=int, default=[8, 32])
-  parser.add_argument("--blocks", nargs="+", default=list(_common.BLOCKS), choices=_common.BLOCKS)
+  parser.add_argument("--blocks", nargs="+", default=list(common.BLOCKS), choices=common.BLOCKS)
   parser.add_argument(
     "--interpret", action="store_true", help="interpret the kernels (any machine; slow)"
   )

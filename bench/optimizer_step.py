@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 import ginger
+from ginger._src import common
 
 # Data-sheet peak HBM bandwidth (bytes/s) by device-kind substring (SXM parts).
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -110,8 +111,7 @@ def make_optimizer(
 @contextlib.contextmanager
 def solo_buckets(rows: int):
   """With ``rows`` > 0, per-tensor blocks of >= ``rows`` rows planned as buckets of their own
-  (``_common.SOLO_BUCKETS``, ``SOLO_ROWS``) while the state is initialised; 0: the library's."""
-  common = ginger._common
+  (``common.SOLO_BUCKETS``, ``SOLO_ROWS``) while the state is initialised; 0: the library's."""
   saved = common.SOLO_BUCKETS, common.SOLO_ROWS
   if rows:
     common.SOLO_BUCKETS, common.SOLO_ROWS = True, rows
@@ -221,7 +221,7 @@ def main(argv=None) -> None:
     "--passes",
     nargs="+",
     default=["jnp"],
-    choices=list(ginger._common.PASSES),
+    choices=list(common.PASSES),
     help="how Ginger's passes over U run (column 'passes'): jnp (XLA's fusions), pallas "
     "(fused Pallas kernels; interpreted, so slow, off GPUs), auto",
   )
@@ -247,7 +247,7 @@ def main(argv=None) -> None:
     default=[0],
     metavar="N",
     help="Ginger's bucket plan (column 'block'): 0, the library's; N, every per-tensor block "
-    "of >= N rows a bucket of its own (_common.SOLO_BUCKETS, SOLO_ROWS = N): its g and d are "
+    "of >= N rows a bucket of its own (common.SOLO_BUCKETS, SOLO_ROWS = N): its g and d are "
     "read where they are instead of copied into a stack",
   )
   parser.add_argument(

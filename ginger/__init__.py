@@ -12,11 +12,20 @@ tx = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(learning_rate
 
 # A NaN or Inf gradient would enter U and sigma for good (as any optax state): skip such steps.
 tx = optax.apply_if_finite(ginger.ginger(1e-3, tau=8), max_consecutive_errors=5)
+
+The API is what ``__all__`` names: the optimizers (:func:`ginger`, :func:`qng`) and their
+preconditioners alone (:func:`scale_by_ginger`, :func:`scale_by_qng`), their states, the
+helpers that read or rewrite a state holding Ginger's (:func:`curvature_spectrum`,
+:func:`reorthonormalise`, :func:`checkpoint_state`, :func:`restore_checkpoint_state`) and
+the types of its bucket-stacked arrays, and two submodules: :mod:`ginger.fisher` (the
+sampled-Fisher vector ``d_t``) and :mod:`ginger.sharding` (where a state's arrays live on a
+device mesh). ``ginger._src`` holds the implementation (the passes over ``U`` and their Pallas
+kernels, Brand's eigen-update, the secular solver, the bucket layout); its modules and names
+are private and may change.
 """
 
-from ginger import fisher, lowrank, sharding
-from ginger._stacked import StackedBasis, StackedRows, StackedSigma
-from ginger.ginger import (
+from ginger import fisher, sharding
+from ginger._src.ginger_transform import (
   ScaleByGingerState,
   checkpoint_state,
   curvature_spectrum,
@@ -26,7 +35,8 @@ from ginger.ginger import (
   restore_checkpoint_state,
   scale_by_ginger,
 )
-from ginger.qng import ScaleByQNGState, qng, scale_by_qng
+from ginger._src.qng_transform import ScaleByQNGState, qng, scale_by_qng
+from ginger._src.stacked import StackedBasis, StackedRows, StackedSigma
 
 __all__ = [
   "ScaleByGingerState",
@@ -39,7 +49,6 @@ __all__ = [
   "default_reorthonormalise_every",
   "fisher",
   "ginger",
-  "lowrank",
   "qng",
   "reorthonormalise",
   "restore_checkpoint_state",

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from bench import checkpoint_stall, kernel_tiling, scaling, train_step
-from ginger import kernels
+from ginger._src import kernels
 
 SUMMARY = {
   "step_time_s": 0.01,
@@ -280,7 +280,7 @@ def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypa
   (the plan is read when the state is built, inside time_update), labelled in the block
   column; 0 is the library's plan; the module's plan is restored after each row."""
   from bench import optimizer_step
-  from ginger import _common
+  from ginger._src import common
 
   seen = []
 
@@ -291,16 +291,16 @@ def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypa
 
   monkeypatch.setattr(optimizer_step, "time_update", fake_time)
   monkeypatch.setitem(optimizer_step.SIZES, "tiny", lambda: [(64, 4), (64, 4), (3,)])
-  before = _common.SOLO_BUCKETS, _common.SOLO_ROWS
+  before = common.SOLO_BUCKETS, common.SOLO_ROWS
   optimizer_step.main(
     ["--sizes", "tiny", "--optimizers", "ginger", "--taus", "2", "--blocks", "per_tensor"]
     + ["--solo-rows", "0", "100", "--reorthonormalise-every", "0"]
   )
-  assert (_common.SOLO_BUCKETS, _common.SOLO_ROWS) == before
+  assert (common.SOLO_BUCKETS, common.SOLO_ROWS) == before
   out = capsys.readouterr().out
   _check(out, expect_rows=3)
   assert "| per_tensor solo>=100 |" in out
-  library = len(_common.plan_layout([256, 256, 3], 2, "per_tensor", None).buckets)
+  library = len(common.plan_layout([256, 256, 3], 2, "per_tensor", None).buckets)
   assert library < 3 and seen == [None, library, 3]  # Adam's row first; then both 256s alone
 
 

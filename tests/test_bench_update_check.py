@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from bench import update_check
-from ginger import kernels
+from ginger._src import kernels
 
 
 def test_update_check_passes_and_restores_x64(capsys):

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import ginger
-from ginger import _common
+from ginger._src import common
 from models.tasks import build_task
 from training import logs, run_record, sharding
 from training import loop as train
@@ -104,8 +104,8 @@ def across_plans(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("plans")
   out = {"new": tmp / "new"}
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(_common, "BUCKET_OVERHEAD", FEW)
-    patch.setattr(_common, "SOLO_BUCKETS", False)  # the plans of every backend
+    patch.setattr(common, "BUCKET_OVERHEAD", FEW)
+    patch.setattr(common, "SOLO_BUCKETS", False)  # the plans of every backend
     with pytest.raises(Interrupted, match="stopped by SIGTERM at step 2 of 4"):
       train.train(config(*RUN), out["new"], stop=lambda s: signal.SIGTERM if s == 2 else None)
     few = train.build(config(*RUN))
@@ -113,8 +113,8 @@ def across_plans(tmp_path_factory):
     out["at_2"], _ = _steps(few, few.state, 0, 2)
     out["few_restored"] = Checkpointer(out["new"]).restore(few.state, 2)
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(_common, "BUCKET_OVERHEAD", MANY)
-    patch.setattr(_common, "SOLO_BUCKETS", False)  # the plans of every backend
+    patch.setattr(common, "BUCKET_OVERHEAD", MANY)
+    patch.setattr(common, "SOLO_BUCKETS", False)  # the plans of every backend
     many = train.build(config(*RUN))
     out["many"] = many
     moved = sharding.put(

@@ -167,12 +167,12 @@ def test_check_loads_and_compiles_nothing(monkeypatch):
 
 def test_allowed_values_agree_with_the_code_that_uses_them():
   from data import images, xsum
-  from ginger import _common
+  from ginger._src import common
   from models import tasks
   from training import config_check, optimizers, registry
 
   assert config_check.SCHEDULES == optimizers.SCHEDULES
-  assert registry.BLOCKS == _common.BLOCKS
+  assert registry.BLOCKS == common.BLOCKS
   assert set(config_check.PRECISIONS) == set(tasks.DTYPES)
   assert set(config_check.IMAGE_DATASETS) == set(images.DATASETS)
   assert set(config_check.IMAGE_SOURCES) == set(images.SOURCES)

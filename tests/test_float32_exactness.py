@@ -165,51 +165,9 @@ def test_float32_direction_within_the_bound_over_30000_steps(x64):
     assert np.max(np.asarray(delta)) < 1e-5, (k, float(np.max(np.asarray(delta))))
 
 
-@pytest.mark.parametrize(
-  ("make", "name"),
-  [
-    (lambda: ginger.ginger(0.1, tau=2), "ScaleByGingerState"),
-    (lambda: ginger.ginger(0.1, tau=2, block="global", rho=1.0), "ScaleByGingerState"),
-    (lambda: ginger.scale_by_ginger(2), "ScaleByGingerState"),
-    (lambda: ginger.qng(0.1, tau=2), "ScaleByQNGState"),
-    (
-      lambda: optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(0.1, tau=2),
-      "ScaleByGingerState",
-    ),
-  ],
-)
-def test_optax_tree_utilities_on_the_state(make, name):
-  """optax.tree.map_params finds no params-shaped tree in Ginger's stacked state (its U, sigma
-  and momentum reach transform_non_params whole) and works as on Adam's; tree_get / tree_set
-  read and write the count; the state still updates afterwards."""
-  params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
-  tx = make()
-  state = tx.init(params)
-  same = optax.tree.map_params(tx, lambda p: p, state)
-  assert jax.tree.structure(same) == jax.tree.structure(state)
-  marked = optax.tree.map_params(tx, lambda p: p, state, transform_non_params=lambda _: "x")
-  inner = optax.tree.get(marked, name)
-  if name == "ScaleByGingerState":  # no params-shaped tree: everything reached the transform
-    assert inner.u == inner.sigma == inner.count == "x", inner
-  own = optax.tree.get(state, name)
-  bumped = optax.tree.set(own, count=own.count + 5)
-  assert int(optax.tree.get(bumped, "count")) == int(own.count) + 5
-  updates, _ = tx.update(params, same, params)
-  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(updates))
-
-
 def test_inject_hyperparams_needs_tau_static():
   with pytest.raises(ValueError, match=r"static_args=\('tau',\)"):
     optax.inject_hyperparams(ginger.ginger)(0.1, tau=2).init({"w": jnp.ones(3)})
-
-
-@pytest.mark.parametrize(
-  "make", [lambda: ginger.ginger(0.1, tau=2), lambda: ginger.qng(0.1, tau=2)]
-)
-def test_integer_params_are_refused_naming_the_leaf(make):
-  params = {"w": jnp.ones(3), "steps": jnp.zeros(2, jnp.int32)}
-  with pytest.raises(ValueError, match=r"\['steps'\] \(int32\).*optax.masked"):
-    make().init(params)
 
 
 def test_apply_if_finite_keeps_a_nan_gradient_out_of_the_state():

@@ -16,7 +16,7 @@ from reference import (
 )
 
 import ginger
-from ginger import lowrank
+from ginger._src import lowrank
 
 PYTREES = {
   "matrix+vectors": {"w": (5, 3), "b": (4,), "tiny": (2,)},
@@ -224,8 +224,6 @@ def test_state_shapes_and_dtypes():
   assert state.u["w"].shape == (20, 4) and state.u["w"].dtype == jnp.float32
   assert state.u["b"].shape == (3, 3)
   assert state.sigma["w"].shape == (4,) and state.sigma["b"].shape == (3,)
-  out, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state)
-  assert out["w"].dtype == jnp.bfloat16 and state.u["w"].dtype == jnp.float32
   glob = ginger.scale_by_ginger(4, block="global").init(params)
   assert glob.u["w"].shape == (20, 4) and glob.u["b"].shape == (3, 4)
   assert glob.sigma.shape == (4,)
@@ -279,14 +277,7 @@ def test_works_with_optax_wrappers():
   params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
   grads = jax.tree.map(lambda x: 0.1 * x, params)
 
-  injected = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(
-    learning_rate=0.1, tau=2, alpha=0.9
-  )
-  state = injected.init(params)
-  out, state = jax.jit(injected.update)(grads, state, params, fisher_grads=grads)
-  assert state.hyperparams["alpha"] == pytest.approx(0.9)
-  assert all(jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(out))
-
+  # jit, optax.chain, inject_hyperparams, multi_transform: tests/test_contract.py.
   multi = optax.MultiSteps(ginger.ginger(0.1, tau=2), every_k_schedule=2)
   state = multi.init(params)
   update = jax.jit(multi.update)
@@ -301,13 +292,6 @@ def test_works_with_optax_wrappers():
   out, state = jax.jit(masked.update)(grads, state, params, fisher_grads=grads)
   np.testing.assert_array_equal(out["b"], grads["b"])  # passed through untouched
   assert not np.allclose(out["w"], grads["w"])
-
-  chained = optax.chain(
-    optax.clip_by_global_norm(1.0), ginger.scale_by_ginger(2), optax.scale(-0.1)
-  )
-  state = chained.init(params)
-  out, _ = jax.jit(chained.update)(grads, state, params, fisher_grads=grads)
-  assert out["w"].shape == (3, 2)
 
 
 def test_learning_rate_schedule():
@@ -652,12 +636,12 @@ def test_reorthonormalise_then_update_equals_the_update_that_reorthonormalises(x
 
 
 @pytest.mark.parametrize("block", ["per_tensor", "global"])
-@pytest.mark.parametrize("passes", ["jnp", "pallas"])
 @pytest.mark.parametrize("every", [1, 2])
-def test_zero_size_leaves_change_nothing(block, passes, every):
-  """A leaf with no entries (a (0, n) weight) changes no other leaf's update, with either
-  passes (before: per_tensor with the Pallas passes, the default on GPUs, raised a
-  ZeroDivisionError from reshaping its empty bucket for a kernel)."""
+def test_zero_size_leaves_change_nothing_with_the_pallas_passes(block, every):
+  """A leaf with no entries (a (0, n) weight) changes no other leaf's update with the Pallas
+  passes too (before: per_tensor with them, the default on GPUs, raised a ZeroDivisionError
+  from reshaping its empty bucket for a kernel); the jnp passes: tests/test_contract.py."""
+  passes = "pallas"
   rng = np.random.default_rng(0)
   full = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.ones(3)}
   empty = dict(full, e=jnp.zeros((0, 4)))

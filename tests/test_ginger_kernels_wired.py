@@ -36,7 +36,7 @@ from reference import (
 )
 
 import ginger
-from ginger import kernels, secular
+from ginger._src import kernels, secular
 
 SHAPES = {"w": (19, 3), "b": (7,), "tiny": (2,)}  # 57 rows: several 16-row tiles, a masked tail
 
@@ -338,7 +338,7 @@ def test_config_passes_is_checked_up_front():
   check_config(_config(), overrides=())  # ginger.yaml: passes=auto
   check_config(_config("passes=pallas"), overrides=())
   check_config(_config("passes=pallas", "mesh.data=2", "mesh.shard_optimizer_state=false"), ())
-  # The kernels run per device on a split state (ginger.ginger._per_shard).
+  # The kernels run per device on a split state (ginger._src.ginger_transform._per_shard).
   check_config(_config("passes=pallas", "mesh.data=2"), overrides=())
   with pytest.raises(ConfigError, match=r"passes='triton': must be one of \['jnp', 'pallas'"):
     check_config(_config("passes=triton"), overrides=())
@@ -367,7 +367,7 @@ def test_config_passes_reaches_the_optimizer():
   from training import registry
   from training.optimizers import build_optimizer
 
-  assert registry.PASSES == ginger._common.PASSES
+  assert registry.PASSES == ginger._src.common.PASSES
   params = {"w": jnp.zeros((6, 2))}
   for passes, has_kernels in (("jnp", False), ("pallas", True)):
     tx = build_optimizer(_config(f"passes={passes}"), optax.constant_schedule(1e-3))

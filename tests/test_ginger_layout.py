@@ -11,8 +11,8 @@ import pytest
 from reference import ginger_direction, ginger_step
 
 import ginger
-from ginger import _common, lowrank
-from ginger.ginger import StackedBasis, StackedSigma
+from ginger import StackedBasis, StackedSigma
+from ginger._src import common, lowrank
 
 RESNET_LIKE = [64, 64, 100, 128, 1728, 8192, 36864, 36864, 147456, 589824, 2359296]
 
@@ -20,8 +20,8 @@ RESNET_LIKE = [64, 64, 100, 128, 1728, 8192, 36864, 36864, 147456, 589824, 23592
 @pytest.mark.parametrize("solo", [False, True])
 @pytest.mark.parametrize("tau", [1, 8, 32])
 def test_plan_covers_every_leaf_once(tau, solo, monkeypatch):
-  monkeypatch.setattr(_common, "SOLO_BUCKETS", solo)
-  layout = _common.plan_layout(RESNET_LIKE, tau, "per_tensor", None)
+  monkeypatch.setattr(common, "SOLO_BUCKETS", solo)
+  layout = common.plan_layout(RESNET_LIKE, tau, "per_tensor", None)
   seen = []
   for bucket in layout.buckets:
     for pieces in bucket.members:
@@ -34,41 +34,41 @@ def test_plan_covers_every_leaf_once(tau, solo, monkeypatch):
   saved = len(set(RESNET_LIKE)) - len(layout.buckets)
   assert saved > 0
   padding = sum(b.rows * len(b.members) for b in layout.buckets) - sum(RESNET_LIKE)
-  assert padding * (min(tau, 64) + 2) <= saved * _common.BUCKET_OVERHEAD
+  assert padding * (min(tau, 64) + 2) <= saved * common.BUCKET_OVERHEAD
 
 
 def test_large_blocks_get_a_bucket_each_off_gpus(monkeypatch):
   """The CPU plan (SOLO_BUCKETS, None off GPUs): every block of at least SOLO_ROWS rows is a
   bucket of its own, unpadded, even beside blocks of its size (stacking would copy its v and g
   every step); smaller blocks are planned as on GPUs. The global block is one bucket anyway."""
-  monkeypatch.setattr(_common, "SOLO_BUCKETS", None)
+  monkeypatch.setattr(common, "SOLO_BUCKETS", None)
   assert jax.default_backend() != "gpu"  # the tests run on the CPU
-  layout = _common.plan_layout(RESNET_LIKE, 8, "per_tensor", None)
-  large = [i for i, n in enumerate(RESNET_LIKE) if n >= _common.SOLO_ROWS]
+  layout = common.plan_layout(RESNET_LIKE, 8, "per_tensor", None)
+  large = [i for i, n in enumerate(RESNET_LIKE) if n >= common.SOLO_ROWS]
   assert len(large) == 5  # two blocks of 36864 among them
   solo = [b for b in layout.buckets if len(b.members) == 1 and b.members[0][0][0] in large]
   assert [b.members[0][0][0] for b in solo] == large
   assert all(b.rows == RESNET_LIKE[b.members[0][0][0]] and b.rank == 8 for b in solo)
-  monkeypatch.setattr(_common, "SOLO_BUCKETS", False)
-  small = [n for n in RESNET_LIKE if n < _common.SOLO_ROWS]
-  stacked = _common.plan_layout(small, 8, "per_tensor", None)
+  monkeypatch.setattr(common, "SOLO_BUCKETS", False)
+  small = [n for n in RESNET_LIKE if n < common.SOLO_ROWS]
+  stacked = common.plan_layout(small, 8, "per_tensor", None)
   assert [b.rows for b in layout.buckets if b not in solo] == [b.rows for b in stacked.buckets]
-  monkeypatch.setattr(_common, "SOLO_BUCKETS", None)
-  assert len(_common.plan_layout(RESNET_LIKE, 8, "global", None).buckets) == 1
+  monkeypatch.setattr(common, "SOLO_BUCKETS", None)
+  assert len(common.plan_layout(RESNET_LIKE, 8, "global", None).buckets) == 1
 
 
 def test_global_plan_is_one_block_of_consecutive_rows():
-  layout = _common.plan_layout([3, 5, 2], 4, "global", None)
+  layout = common.plan_layout([3, 5, 2], 4, "global", None)
   (bucket,) = layout.buckets
   assert bucket.rows == 10 and bucket.rank == 4
   assert bucket.members == (((0, 0), (1, 3), (2, 8)),)
 
 
 def test_size_runs_trade_padding_against_buckets(monkeypatch):
-  monkeypatch.setattr(_common, "BUCKET_OVERHEAD", 0)
-  assert _common._size_runs([10, 20], [1, 1], 4) == [{10}, {20}]  # padding only costs
-  monkeypatch.setattr(_common, "BUCKET_OVERHEAD", 10**9)
-  assert _common._size_runs([10, 20], [1, 1], 4) == [{10, 20}]  # launches only cost
+  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 0)
+  assert common._size_runs([10, 20], [1, 1], 4) == [{10}, {20}]  # padding only costs
+  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 10**9)
+  assert common._size_runs([10, 20], [1, 1], 4) == [{10, 20}]  # launches only cost
 
 
 def test_stacked_basis_reads_like_per_leaf_state():
@@ -105,7 +105,7 @@ def test_stacked_basis_reads_like_per_leaf_state():
 def test_buckets_and_padding_change_no_result(x64, monkeypatch):
   """Leaves of different sizes stacked into one zero-padded bucket give exactly what each
   leaf gives alone."""
-  monkeypatch.setattr(_common, "BUCKET_OVERHEAD", 10**9)  # force one bucket per rank
+  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 10**9)  # force one bucket per rank
   rng = np.random.default_rng(0)
   shapes = {"a": (5, 3), "b": (11,), "c": (2, 2, 2), "d": (9,)}
   params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
@@ -220,7 +220,7 @@ def test_checkpoint_does_not_depend_on_the_bucketing(x64, monkeypatch, tmp_path)
     tuple({k: jnp.asarray(rng.normal(size=s)) for k, s in shapes.items()} for _ in range(2))
     for _ in range(6)
   ]
-  monkeypatch.setattr(_common, "BUCKET_OVERHEAD", 10**9)  # one bucket per rank
+  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 10**9)  # one bucket per rank
   state = tx.init(params)
   for g, d in batches[:3]:
     _, state = update(g, state, params, fisher_grads=d)
@@ -232,7 +232,7 @@ def test_checkpoint_does_not_depend_on_the_bucketing(x64, monkeypatch, tmp_path)
     out, state = update(g, state, params, fisher_grads=d)
     expected.append(out)
 
-  monkeypatch.setattr(_common, "BUCKET_OVERHEAD", 0)  # one bucket per size
+  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 0)  # one bucket per size
   like = tx.init(params)
   old, new = (
     [x.u.layout for x in jax.tree.leaves(s, is_leaf=_is_state) if _is_state(x)]

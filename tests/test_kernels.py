@@ -1,4 +1,4 @@
-"""The Pallas kernels of ginger.kernels (interpreted on the CPU) against the jnp reference.
+"""The Pallas kernels of ginger._src.kernels (interpreted on the CPU) against the jnp reference.
 
 Tolerances: both implementations evaluate the same sums of products in float, in different
 orders. For a quantity that expands into a sum of elementary products ``sum_t x_t`` in which
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from bench.kernels_check import PASSES, ROTATE_KEYS, bounds, call, gamma_n, random_inputs
-from ginger import kernels
+from ginger._src import kernels
 
 
 def assert_close(name: str, x: dict, got, want, dtype=jnp.float32, extra: int = 0):

@@ -9,7 +9,6 @@ the Ginger update count each time the program runs; and a run stopped and resume
 a step continues bit for bit.
 """
 
-import importlib
 import signal
 from pathlib import Path
 
@@ -19,12 +18,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import ginger
+from ginger._src import ginger_transform
 from training import loop as train
 from training import optimizers, run_record
 from training.errors import Interrupted
 
 ROOT = Path(__file__).resolve().parents[1]
-GINGER = importlib.import_module("ginger.ginger")  # the module (``ginger.ginger`` is the function)
 BASE = [
   "experiment=demo",
   "optimizer=ginger",
@@ -46,7 +45,7 @@ def config(*overrides):
 def period_two(monkeypatch):
   """Re-orthonormalise every 2 curvature updates, and record Ginger's update count each time
   the loop's program runs (a host callback inside it)."""
-  monkeypatch.setattr(GINGER, "REORTHONORMALISE_EVERY", 2)
+  monkeypatch.setattr(ginger_transform, "REORTHONORMALISE_EVERY", 2)
   counts: list[int] = []
   real = ginger.reorthonormalise
 
@@ -132,9 +131,9 @@ def test_reorthonormalises_after(every, curvature, after):
 
 
 def test_period_follows_the_state_dtype_and_only_ginger_has_one():
-  assert optimizers.reorthonormalise_every(config(*BASE)) == GINGER.REORTHONORMALISE_EVERY
+  assert optimizers.reorthonormalise_every(config(*BASE)) == ginger_transform.REORTHONORMALISE_EVERY
   narrow = config(*BASE, "optimizer.state_dtype=bfloat16")
-  assert optimizers.reorthonormalise_every(narrow) == GINGER.REORTHONORMALISE_EVERY_NARROW
+  assert optimizers.reorthonormalise_every(narrow) == ginger_transform.REORTHONORMALISE_EVERY_NARROW
   for name in ("adam", "qng", "momentum"):
     assert optimizers.reorthonormalise_every(config(*BASE, f"optimizer={name}")) == 0
   assert train.build(config(*BASE, "optimizer=adam")).reorthonormalise_step is None

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ginger
-from ginger import lowrank
+from ginger._src import lowrank
 
 SHAPES = {"w": (6, 4), "b": (3,), "s": (1,)}
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ginger import lowrank, secular
+from ginger._src import lowrank, secular
 
 
 def _cases(n, rng):

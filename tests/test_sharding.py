@@ -23,7 +23,7 @@ from cpu_devices import run_on_cpu_devices, with_device_count
 from jax.sharding import PartitionSpec as P
 
 import ginger
-from ginger.ginger import StackedBasis, StackedRows
+from ginger import StackedBasis, StackedRows
 from training import sharding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -714,7 +714,8 @@ def _state_bytes(opt_state) -> dict[str, int]:
 @contextlib.contextmanager
 def _injected(bug: str | None, mesh):
   """Within the block, ``bug`` (a name of ``BUGS``) is in the library code it lives in."""
-  from ginger import fisher, kernels
+  from ginger import fisher
+  from ginger._src import kernels
 
   where = {
     "local_loss_mean": (fisher, "cross_entropy", _local_loss_mean),

@@ -35,7 +35,7 @@ batches = [(like(), jax.tree.map(lambda x: 1e-2 * x, like())) for _ in range(3)]
 split = StateSharding(mesh, "data", min_size=1 << 14)
 whole = NamedSharding(mesh, P())
 out = {"param_bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
-# GPUs stack equal-size blocks into one bucket (_common.SOLO_BUCKETS, read at init; the CPU
+# GPUs stack equal-size blocks into one bucket (common.SOLO_BUCKETS, read at init; the CPU
 # gives each of these blocks a bucket of its own: "pinned_solo") and rotate U in row blocks
 # (kernels.JNP_ROW_BLOCKS, read when traced); forced here, with blocks small enough that this
 # U (3 x 73728 x 4 = 884736 elements) has several per device, or with blocks that split the
@@ -45,8 +45,8 @@ variants = {"pinned": (None, 1 << 16, False), "pinned_row_blocks": (True, 1 << 1
             "pinned_solo": (None, 1 << 16, True)}
 for name in json.loads(sys.argv[1]):
   blocks, elements, solo = variants[name]
-  ginger.kernels.JNP_ROW_BLOCKS, ginger.kernels.ROW_BLOCK_ELEMENTS = blocks, elements
-  ginger._common.SOLO_BUCKETS = solo
+  ginger._src.kernels.JNP_ROW_BLOCKS, ginger._src.kernels.ROW_BLOCK_ELEMENTS = blocks, elements
+  ginger._src.common.SOLO_BUCKETS = solo
   tx = ginger.ginger(1e-3, tau=4, gamma=1e-2, sharding=split)
   state = tx.init(params)
   shardings = split.shardings(state)
@@ -143,9 +143,9 @@ def test_row_blocks_of_each_devices_rows_rotate_as_the_whole():
   u, p1, g = normal(m, n, k), normal(m, n), normal(m, n)
   small = (normal(m, k), 1.0 + jnp.abs(normal(m)), normal(m, k, k), normal(m, k), normal(m, k))
   args = (u, p1, g, *small, normal(m), 0.5)
-  whole = ginger.kernels.rotate_from_residual(*args, impl="jnp", rows_per_block=n)
+  whole = ginger._src.kernels.rotate_from_residual(*args, impl="jnp", rows_per_block=n)
   for shards, rows in ((4, 5), (4, 24), (3, 7), (5, 10)):  # 5 does not divide 96: unsplit
-    got = ginger.kernels.rotate_from_residual(
+    got = ginger._src.kernels.rotate_from_residual(
       *args, impl="jnp", rows_per_block=rows, row_shards=shards
     )
     for a, b in zip(got, whole, strict=True):

@@ -318,7 +318,7 @@ def test_the_cached_ginger_kernels_do_not_depend_on_where_the_checkout_is(tmp_pa
 
   import jax.numpy as jnp
 
-  from ginger import kernels
+  from ginger._src import kernels
 
   args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(1, 1000, 8), (1, 8), (1, 1000)]]
   fn = jax.jit(functools.partial(kernels.precondition, gamma=1e-5, impl="pallas", interpret=False))
@@ -326,11 +326,11 @@ def test_the_cached_ginger_kernels_do_not_depend_on_where_the_checkout_is(tmp_pa
   def text():
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-  assert f"{ROOT}/ginger/kernels.py" in text()  # the kernels carry their source paths
+  assert f"{ROOT}/ginger/_src/kernels.py" in text()  # the kernels carry their source paths
   with cache_settings_restored():
     compilation.use_compilation_cache(str(tmp_path / "cache"))
     lowered = text()
-  assert str(ROOT) not in lowered and "ginger/kernels.py" in lowered
+  assert str(ROOT) not in lowered and "ginger/_src/kernels.py" in lowered
 
 
 def test_compilation_cache_dir_is_not_part_of_the_run():

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 # The values the optimizer keys accept (config_check checks them against the entries below).
-BLOCKS = ("per_tensor", "global")  # ginger._common.BLOCKS
+BLOCKS = ("per_tensor", "global")  # ginger._src.common.BLOCKS
 # A float64 state needs JAX's 64-bit mode, which a training run does not use (the library takes
 # it: ginger.scale_by_ginger(..., state_dtype="float64") under jax_enable_x64).
 STATE_DTYPES = ("float32", "bfloat16", "float16")
@@ -262,8 +262,8 @@ def curvature_every(cfg) -> int:
 
 def passes(cfg) -> str:
   """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto; null: the library's
-  default, "jnp"). "auto" is left to the library (``ginger.kernels.resolve_impl``: the Pallas
-  kernels on GPUs, the jnp passes elsewhere), also on an optimizer state split over several
+  default, "jnp"). "auto" is left to the library (``ginger._src.kernels.resolve_impl``: the
+  Pallas kernels on GPUs, the jnp passes elsewhere), also on an optimizer state split over several
   devices, where the kernels run per device under ``shard_map`` on each device's rows and are
   still faster than the jnp passes."""
   return cfg.passes or "jnp"

@@ -15,7 +15,7 @@ import optax
 
 BLOCKS = ("per_tensor", "global")
 EIGENSOLVERS = ("secular", "dense")
-# How the passes over U run (ginger.kernels): "auto" is "pallas" on GPUs, "jnp" elsewhere.
+# How the passes over U run (ginger._src.kernels): "auto" is "pallas" on GPUs, "jnp" elsewhere.
 PASSES = ("jnp", "pallas", "auto")
 
 

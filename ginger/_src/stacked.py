@@ -1,20 +1,21 @@
-"""Per-block state stacked by bucket (``_common.Layout``): Ginger's bases ``U``, its
+"""Per-block state stacked by bucket (``common.Layout``): Ginger's bases ``U``, its
 momentum's rows and its eigenvalues ``sigma``, as pytrees whose leaves are one array per
-bucket. Below both :mod:`ginger.ginger` and :mod:`ginger.sharding`, which place them."""
+bucket. Below both :mod:`ginger._src.ginger_transform` and :mod:`ginger._src.sharding`, which
+place them."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from ginger import _common
+from ginger._src import common
 
 
 class _Stacked:
-  """Per-block state stacked by bucket (``_common.Layout``): the pytree leaves are ``stacks``,
+  """Per-block state stacked by bucket (``common.Layout``): the pytree leaves are ``stacks``,
   one array per bucket; ``x[key]`` (or ``x.tree()[...]``) is a leaf's part (:meth:`leaf`)."""
 
-  def __init__(self, stacks, layout: _common.Layout):
+  def __init__(self, stacks, layout: common.Layout):
     self.stacks = tuple(stacks)
     self.layout = layout
 
@@ -45,7 +46,7 @@ class _Stacked:
 
 @jax.tree_util.register_pytree_with_keys_class
 class StackedBasis(_Stacked):
-  """The bases ``U`` of all blocks, stacked by bucket (see ``_common.Layout``).
+  """The bases ``U`` of all blocks, stacked by bucket (see ``common.Layout``).
 
   Its pytree leaves are ``stacks``: one ``(members, rows, rank)`` array per bucket, blocks of
   one rank padded with zero rows to a common size, so that a step runs a few kernels per
@@ -60,9 +61,9 @@ class StackedBasis(_Stacked):
     return self.stacks[b][j, row : row + self.layout.sizes[i]]
 
   @classmethod
-  def from_tree(cls, tree, layout: _common.Layout) -> StackedBasis:
+  def from_tree(cls, tree, layout: common.Layout) -> StackedBasis:
     """Inverse of :meth:`tree`: per-leaf rows ``(leaf.size, rank)`` stacked by ``layout``."""
-    return cls(_common.gather(layout, jax.tree.leaves(tree)), layout)
+    return cls(common.gather(layout, jax.tree.leaves(tree)), layout)
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -90,7 +91,7 @@ class StackedSigma(_Stacked):
     return self.stacks[b][j]
 
   @classmethod
-  def from_tree(cls, tree, layout: _common.Layout) -> StackedSigma:
+  def from_tree(cls, tree, layout: common.Layout) -> StackedSigma:
     """Inverse of :meth:`tree`."""
     leaves = jax.tree.leaves(tree)
     return cls(

@@ -1,6 +1,6 @@
 """Eigendecomposition of a diagonal plus a rank-one matrix, ``D + rho z z^T``, without ``eigh``.
 
-Brand's core is of this form (see :func:`ginger.lowrank.brand_core`): in the basis ``[U p]``,
+Brand's core is of this form (see :func:`ginger._src.lowrank.brand_core`): in the basis ``[U p]``,
 ``alpha U diag(sigma) U^T + (1 - alpha) v v^T`` is ``diag(alpha sigma, 0) + (1 - alpha) w w^T``
 with ``w = [U^T v; r]``. Its eigenproblem needs O(n^2) work, not a dense O(n^3) ``eigh``
 (which on GPUs also falls off the batched small-matrix path at n = 33, the core of tau = 32).
@@ -55,7 +55,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ginger import kernels
+from ginger._src import kernels
 
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("jnp", "pallas")

@@ -13,7 +13,7 @@ products are written as ``k`` multiply-adds (:func:`rowdot`, :func:`rowmatmul`) 
 dots so that XLA can fuse them into the pass that needs them, and so that no float32 product
 of ``U`` runs in TF32 on GPUs (a dot's default precision there), which would break
 ``U^T U = I``. XLA does not fuse all of it on a GPU, so Ginger's step runs these passes
-through :mod:`ginger.kernels`, which holds the same formulas (``passes="jnp"``) next to fused
+through :mod:`ginger._src.kernels`, which holds the same formulas (``passes="jnp"``) next to fused
 Pallas kernels (``passes="pallas"``).
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from ginger import secular
+from ginger._src import secular
 
 Pieces = Sequence[jax.Array]
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -191,7 +191,7 @@ def brand_eigh(
 ):
   """Eigenpairs of Brand's matrix in units of ``s^2``, descending: ``(w, vectors, s)``.
 
-  ``"secular"``: the diagonal-plus-rank-one solver (:mod:`ginger.secular`), O(k^2), exact
+  ``"secular"``: the diagonal-plus-rank-one solver (:mod:`ginger._src.secular`), O(k^2), exact
   zeros for deflated entries, its bisection run by ``impl`` (``"jnp"`` or ``"pallas"``, the
   same bits; ``interpret``: the kernel interpreted); ``"dense"``: ``eigh`` of the formed
   matrix (the reference).

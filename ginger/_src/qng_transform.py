@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ginger import _common, lowrank
+from ginger._src import common, lowrank
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -104,16 +104,16 @@ def scale_by_qng(
     with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_,
     2024 (Section 2.2)
   """
-  tau = _common.check_tau(tau)
-  _common.check_alpha(alpha)
-  _common.check_block(block)
-  state_dtype = _common.check_dtype(state_dtype)
+  tau = common.check_tau(tau)
+  common.check_alpha(alpha)
+  common.check_block(block)
+  state_dtype = common.check_dtype(state_dtype)
 
   def init_fn(params):
-    _common.check_float_params(params)
-    vectors, treedef = _common.flat_vectors(params, state_dtype)
+    common.check_float_params(params)
+    vectors, treedef = common.flat_vectors(params, state_dtype)
     qhat = jax.tree.unflatten(treedef, [jnp.zeros((v.size, tau), state_dtype) for v in vectors])
-    n_blocks = len(_common.blocks_of(len(vectors), block))
+    n_blocks = len(common.blocks_of(len(vectors), block))
     return ScaleByQNGState(
       count=jnp.zeros([], jnp.int32),
       qhat=qhat,
@@ -123,15 +123,15 @@ def scale_by_qng(
 
   def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):
     del params, extra_args
-    gs, _ = _common.flat_vectors(updates, state_dtype)
-    vs = _common.fisher_vectors(updates, fisher_grads, state_dtype)
+    gs, _ = common.flat_vectors(updates, state_dtype)
+    vs = common.fisher_vectors(updates, fisher_grads, state_dtype)
     qs, q_def = jax.tree.flatten(state.qhat)
     slot = state.count % tau
     count = optax.safe_increment(state.count)
     sqrt_a = jnp.sqrt(jnp.asarray(alpha, state_dtype))
     out, q_flat = [None] * len(gs), [None] * len(gs)
     new_kappa, new_scale = [], []
-    for b, idx in enumerate(_common.blocks_of(len(gs), block)):
+    for b, idx in enumerate(common.blocks_of(len(gs), block)):
       pieces, g, v = [qs[i] for i in idx], [gs[i] for i in idx], [vs[i] for i in idx]
       kappa, scale = state.kappa[b], state.scale[b]
       # Pass 1 (reads Q): Q^T Q, Q^T d, Q^T g.
@@ -171,7 +171,7 @@ def scale_by_qng(
       kappa=jnp.stack(new_kappa) if new_kappa else state.kappa,
       scale=jnp.stack(new_scale) if new_scale else state.scale,
     )
-    return _common.unflatten_like(out, updates), new_state
+    return common.unflatten_like(out, updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -266,9 +266,9 @@ def qng(
   References:
     As :func:`scale_by_qng`.
   """
-  _common.check_b1(b1)
-  _common.check_rho(rho)
-  return _common.default_fisher_to_gradient(
+  common.check_b1(b1)
+  common.check_rho(rho)
+  return common.default_fisher_to_gradient(
     optax.chain(
       optax.ema(b1, debias=True),
       scale_by_qng(tau, alpha, block, state_dtype=state_dtype),

@@ -25,9 +25,9 @@ import optax
 from jax.sharding import PartitionSpec as P
 from optax.tree_utils import _state_utils
 
-from ginger import _common, kernels, lowrank
-from ginger import sharding as gsharding
-from ginger._stacked import StackedBasis, StackedRows, StackedSigma, _Stacked
+from ginger._src import common, kernels, lowrank
+from ginger._src import sharding as gsharding
+from ginger._src.stacked import StackedBasis, StackedRows, StackedSigma, _Stacked
 
 
 class ScaleByGingerState(NamedTuple):
@@ -65,7 +65,7 @@ REORTHONORMALISE_EVERY_NARROW = 10
 def default_reorthonormalise_every(state_dtype) -> int:
   """Curvature updates between re-orthonormalisations for a state of ``state_dtype``:
   :data:`REORTHONORMALISE_EVERY`, or :data:`REORTHONORMALISE_EVERY_NARROW` for 16 bits."""
-  narrow = _common.check_dtype(state_dtype).itemsize < 4
+  narrow = common.check_dtype(state_dtype).itemsize < 4
   return REORTHONORMALISE_EVERY_NARROW if narrow else REORTHONORMALISE_EVERY
 
 
@@ -95,7 +95,7 @@ def scale_by_ginger(
     g <- G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma
 
   Brand's rank-one eigen-update costs ``O(d k^2 + k^3)``, the inverse ``O(d k)``: three passes
-  over ``U``, one kernel per bucket of equal-rank blocks (:mod:`ginger.kernels`). With ``b1``
+  over ``U``, one kernel per bucket of equal-rank blocks (:mod:`ginger._src.kernels`). With ``b1``
   the updates are first averaged, ``m_t = b1 m_{t-1} + (1 - b1) g_t``, and
   ``G^{-1} m_t / (1 - b1^t)`` is returned. ``fisher_grads=None`` folds in the updates
   themselves (the empirical Fisher) or, with ``curvature_every > 1``, leaves the curvature as
@@ -141,15 +141,15 @@ def scale_by_ginger(
     with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_,
     2024
   """
-  tau = _common.check_tau(tau)
-  _common.check_alpha(alpha)
-  _common.check_b1(b1)
-  _common.check_gamma(gamma)
-  _common.check_block(block)
-  state_dtype = _common.check_dtype(state_dtype)
-  _common.check_eigensolver(eigensolver)
-  curvature_every = _common.check_every("curvature_every", curvature_every)
-  _common.check_passes(passes)
+  tau = common.check_tau(tau)
+  common.check_alpha(alpha)
+  common.check_b1(b1)
+  common.check_gamma(gamma)
+  common.check_block(block)
+  state_dtype = common.check_dtype(state_dtype)
+  common.check_eigensolver(eigensolver)
+  curvature_every = common.check_every("curvature_every", curvature_every)
+  common.check_passes(passes)
   if reorthonormalise_every is None:
     reorthonormalise_every = default_reorthonormalise_every(state_dtype)
   # Traced under optax.inject_hyperparams (then >= 1 is the caller's to keep): the cond stays.
@@ -157,7 +157,7 @@ def scale_by_ginger(
     reorthonormalise_every, (int, np.integer, jax.Array)
   ):
     raise ValueError(f"reorthonormalise_every must be an int, got {reorthonormalise_every!r}.")
-  every = _common._concrete(reorthonormalise_every)
+  every = common._concrete(reorthonormalise_every)
   if every is not None and every < 0:
     raise ValueError(
       f"reorthonormalise_every must be >= 0 (0: only by reorthonormalise()) or None, got "
@@ -179,9 +179,9 @@ def scale_by_ginger(
         mu=None if b1 is None else leaf,
         mu_count=None if b1 is None else counter,
       )
-    _common.check_float_params(params)
-    vectors, treedef = _common.flat_vectors(params, state_dtype)
-    layout = _common.plan_layout([v.size for v in vectors], tau, block, treedef)
+    common.check_float_params(params)
+    vectors, treedef = common.flat_vectors(params, state_dtype)
+    layout = common.plan_layout([v.size for v in vectors], tau, block, treedef)
     u = StackedBasis(
       [lowrank.init_basis(len(b.members), b.rows, b.rank, state_dtype) for b in layout.buckets],
       layout,
@@ -239,7 +239,7 @@ def scale_by_ginger(
       updates, fisher_grads = sharding.replicate((updates, fisher_grads))
     layout = state.u.layout
     us = list(state.u.stacks)
-    gs = rows(_common.gather(layout, _common.flat_vectors(updates, state_dtype)[0]), us)
+    gs = rows(common.gather(layout, common.flat_vectors(updates, state_dtype)[0]), us)
     gs, debias, mu, mu_count = average(gs, state)
     impl = kernels.resolve_impl(passes, None)  # on the backend the step is traced for
     if fisher_grads is None and curvature_every > 1:  # no curvature update this step
@@ -277,10 +277,8 @@ def scale_by_ginger(
       ]
       new_state = state._replace(mu=mu, mu_count=mu_count)
       outs = debias(whole(outs))
-      return _common.unflatten_like(_common.scatter(layout, outs), updates), new_state
-    vs = rows(
-      _common.gather(layout, _common.fisher_vectors(updates, fisher_grads, state_dtype)), us
-    )
+      return common.unflatten_like(common.scatter(layout, outs), updates), new_state
+    vs = rows(common.gather(layout, common.fisher_vectors(updates, fisher_grads, state_dtype)), us)
     sigmas = _sigma_stacks(layout, state.sigma, block)
     count = optax.safe_increment(state.count)
     if in_update:
@@ -309,7 +307,7 @@ def scale_by_ginger(
     new_state = ScaleByGingerState(
       count=count, u=StackedBasis(new_us, layout), sigma=sigma, mu=mu, mu_count=mu_count
     )
-    return _common.unflatten_like(_common.scatter(layout, outs), updates), new_state
+    return common.unflatten_like(common.scatter(layout, outs), updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -337,14 +335,15 @@ def brand_step(
   :k]`` (over ``U``) and ``G'^{-1} g``, where ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further
   pass. Pass 3 reads pass 2's ``p1`` rather than recomputing it, so that it removes the rounding
   that pass 2 measured from the very same ``p1`` (CGS2), whatever the compiler fuses. The passes
-  run with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see :mod:`ginger.kernels`), and
-  so does the secular eigensolver's bisection (:mod:`ginger.secular`); ``sharding``: where the
-  buckets are split over devices (None: nowhere). The jnp passes are then partitioned by XLA (pass
-  3 in blocks of each device's rows); the Pallas kernels, which XLA cannot partition, run per
-  device under ``shard_map`` on its own rows, with the sums of passes 1 and 2 added over the
-  devices, all buckets' in one all-reduce a pass (:func:`_per_shard_sums`).
+  run with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see
+  :mod:`ginger._src.kernels`), and so does the secular eigensolver's bisection
+  (:mod:`ginger._src.secular`); ``sharding``: where the buckets are split over devices (None:
+  nowhere). The jnp passes are then partitioned by XLA (pass 3 in blocks of each device's rows);
+  the Pallas kernels, which XLA cannot partition, run per device under ``shard_map`` on its own
+  rows, with the sums of passes 1 and 2 added over the devices, all buckets' in one all-reduce a
+  pass (:func:`_per_shard_sums`).
   The passes return their sums in ``U``'s dtype; everything between them (``factors``
-  included) runs in the compute dtype (:func:`ginger.kernels.compute_dtype`: float32 for a
+  included) runs in the compute dtype (:func:`ginger._src.kernels.compute_dtype`: float32 for a
   bf16 or float16 state, whose eigenproblems neither LAPACK nor the secular solver's bit
   arithmetic take), and pass 3's operands and the new sigma are rounded back to ``U``'s dtype.
   Returns ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
@@ -415,7 +414,7 @@ def brand_step(
 
 
 def _rotate(u, p1, q1, smalls, gamma, first, sharding, kw):
-  """Pass 3 of one bucket (:func:`ginger.kernels.rotate_from_residual`): ``smalls`` are
+  """Pass 3 of one bucket (:func:`ginger._src.kernels.rotate_from_residual`): ``smalls`` are
   ``(a2, inv_r, rot, b, a, beta)``, joined over the buckets of one rank from ``first`` on. On a
   split state the jnp pass rotates blocks of each device's rows; the kernel runs per device
   (row-local: no collective) on the bucket's own slice of them."""
@@ -556,7 +555,7 @@ def _after_residual(s, alpha, gamma, eigensolver, eps, *, impl="jnp", interpret=
   """From the pass-1/2 sums to pass 3's coefficients (batched over blocks), in the sums' dtype
   (the compute dtype, at least float32). ``eps``: the machine epsilon of the state dtype, to
   which the sums are accurate. ``impl``: how the secular solver's bisection runs
-  (:func:`ginger.secular.eigh_diag_plus_rank_one`), as the passes do: one Pallas kernel with
+  (:func:`ginger._src.secular.eigh_diag_plus_rank_one`), as the passes do: one Pallas kernel with
   ``"pallas"``.
 
   With ``p1 = (v - U c) / l1``, ``c2 = U^T p1``, ``p = p1 - U c2``: ``||p||^2 = ||p1||^2 -
@@ -631,7 +630,7 @@ def _reorthonormalising_factors(us, sigmas):
   return factors
 
 
-def _sigma_stacks(layout: _common.Layout, sigma, block) -> list[jax.Array]:
+def _sigma_stacks(layout: common.Layout, sigma, block) -> list[jax.Array]:
   """State ``sigma`` as one ``(members, rank)`` array per bucket."""
   if block != "per_tensor":
     return [sigma[None]] if layout.buckets else []
@@ -647,7 +646,7 @@ def reorthonormalise(
   of ``U``; :func:`lowrank.reorthonormalising_factor`): ``U <- U Q`` with ``(U Q)^T (U Q) =
   I`` and ``sigma <- sigma'`` such that ``U diag(sigma) U^T`` is unchanged; the count and the
   momentum are left as they are. ``U Q`` is pass 3's rotation with a zero residual
-  (:func:`ginger.kernels.rotate_from_residual`), so it is written over ``U`` (when the state
+  (:func:`ginger._src.kernels.rotate_from_residual`), so it is written over ``U`` (when the state
   is donated) with ``passes`` as in the update, and within each device's rows with
   ``sharding`` (the ``passes`` and ``sharding`` the optimizer was built with).
 
@@ -658,7 +657,7 @@ def reorthonormalise(
   Ginger state at any depth (``optax.chain``, ``inject_hyperparams``...); other states pass
   through unchanged. Pure: usable under ``jax.jit``.
   """
-  _common.check_passes(passes)
+  common.check_passes(passes)
   impl = kernels.resolve_impl(passes, None)
 
   def one(state):
@@ -719,7 +718,7 @@ def checkpoint_state(opt_state):
   """``opt_state`` in a saving layout that does not depend on how Ginger buckets its bases.
 
   Ginger's bases live stacked in buckets (:class:`StackedBasis`) planned for speed from a
-  tuning constant (``_common.BUCKET_OVERHEAD``); saved as they are, a checkpoint would fit
+  tuning constant (``common.BUCKET_OVERHEAD``); saved as they are, a checkpoint would fit
   only the plan it was written with. Here every basis becomes its per-leaf view
   ``u.tree()`` (a pytree like the params of ``(leaf.size, rank)`` arrays; for
   ``block="global"`` each leaf's rows of the one block), Ginger's momentum
@@ -853,8 +852,8 @@ def ginger(
     with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_,
     2024
   """
-  every = _common.check_every("curvature_every", curvature_every)
-  _common.check_rho(rho)
+  every = common.check_every("curvature_every", curvature_every)
+  common.check_rho(rho)
   chain = optax.chain(
     scale_by_ginger(
       tau,
@@ -873,4 +872,4 @@ def ginger(
     optax.scale_by_learning_rate(learning_rate),
   )
   # With curvature_every > 1 a missing d_t means "no curvature update", not the gradient.
-  return _common.default_fisher_to_gradient(chain) if every == 1 else chain
+  return common.default_fisher_to_gradient(chain) if every == 1 else chain

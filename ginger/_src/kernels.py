@@ -1,11 +1,11 @@
 """The passes over the stacked bases ``U`` as fused Pallas kernels, with a jnp reference.
 
 A Ginger step reads the stacked bases ``u`` (``(blocks, rows, k)`` per bucket, see
-:mod:`ginger.lowrank`) three times; everything else is ``O(k^2)`` per block. Each pass is
+:mod:`ginger._src.lowrank`) three times; everything else is ``O(k^2)`` per block. Each pass is
 memory-bound (about ``2k`` flops per element of ``U`` read), so it should cost one read of
 ``U`` (and one write for the rotation) and nothing more. This module writes each pass twice:
 
-* ``impl="jnp"``: the formulas of :mod:`ginger.lowrank` as they are (the reference, and the
+* ``impl="jnp"``: the formulas of :mod:`ginger._src.lowrank` as they are (the reference, and the
   CPU path): XLA decides what it fuses. Off GPUs a few products are written as dots where
   XLA:CPU's fusion of the plain formula is slow (:func:`_row_sums`, :func:`_matvec`,
   :func:`_vdot`): the same values up to summation order.
@@ -179,7 +179,7 @@ def _joined_blocks(u, first: int, a) -> tuple[int, ...] | None:
   return a.shape[:1]
 
 
-# ---- the jnp reference: the formulas of ginger.lowrank ----------------------------------------
+# ---- the jnp reference: the formulas of ginger._src.lowrank -----------------------------------
 
 
 def _rowdot(u, a):
