@@ -26,7 +26,7 @@ def four_devices():
 
 
 @pytest.mark.slow  # four CPU devices in a process of their own (~15 s); the per-device pull-back
-# itself is checked in tests/test_sharding.py
+# itself is checked in tests/test_fisher.py
 def test_local_backward_matches_and_does_not_gather(four_devices):
   rows = {row["backward"]: row for row in four_devices["rows"]}
   assert "all-gather" in rows["batched"]["collectives"]  # why the loop avoids it on 4 devices
@@ -37,6 +37,7 @@ def test_local_backward_matches_and_does_not_gather(four_devices):
     assert row["g"] < 1e-5 and row["d"] < 1e-5 and row["rest"] < 1e-5, row
 
 
+@pytest.mark.slow  # four CPU devices in a process of their own (~15 s)
 def test_the_timed_calls_take_their_inputs_where_the_step_wants_them(four_devices):
   """Every timed call's arguments already lie where the step's in_shardings put them (the model
   replicated, the batch split over ``data``): an argument on one device would be copied to the

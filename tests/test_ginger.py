@@ -635,8 +635,16 @@ def test_reorthonormalise_then_update_equals_the_update_that_reorthonormalises(x
     np.testing.assert_allclose(g, w, atol=1e-10 * float(jnp.max(jnp.abs(w))))
 
 
-@pytest.mark.parametrize("block", ["per_tensor", "global"])
-@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize(
+  ("block", "every"),
+  [
+    ("per_tensor", 1),
+    *(
+      pytest.param(b, e, marks=pytest.mark.slow)
+      for b, e in [("global", 1), ("per_tensor", 2), ("global", 2)]
+    ),
+  ],
+)
 def test_zero_size_leaves_change_nothing_with_the_pallas_passes(block, every):
   """A leaf with no entries (a (0, n) weight) changes no other leaf's update with the Pallas
   passes too (before: per_tensor with them, the default on GPUs, raised a ZeroDivisionError

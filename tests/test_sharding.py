@@ -833,6 +833,7 @@ def _check_local(result, names):
     assert result[name]["steps"][-1]["val_correct"] <= 100 / 360 + 1e-9, name
 
 
+@pytest.mark.slow  # a training step more in the 4-device process; the pull-back: test_fisher.py
 def test_the_per_device_pull_back_on_four_devices(four_devices):
   """fisher_backward=auto on a split batch: local (the shared d-pass's batched pull-back
   inside shard_map, each device on its own quarter of the batch), which gives the 1-device
