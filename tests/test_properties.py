@@ -45,11 +45,11 @@ def _check_state(state, block):
   zero_grad=st.booleans(),
   seed=st.integers(0, 2**16),
 )
-# Found by CI: a repeated direction 1e11 times larger put a secular root within a subnormal
-# distance of its pole (XLA flushes subnormals to zero: a division by zero, NaN updates).
+# A repeated direction 1e11 times larger puts a secular root within a subnormal distance of
+# its pole (XLA flushes subnormals to zero: a division by zero, NaN updates).
 @example(tau=3, block="per_tensor", log_scales=[0.0, 11.0], repeat=True, zero_grad=False, seed=0)
-# Found by a run with other compiler flags: after a 1e-3.25 step the core's poles 0 and 2.2e-38
-# (closer than two normal numbers), then a root between them a subnormal from one (NaN again).
+# Under other compiler flags: after a 1e-3.25 step the core's poles are 0 and 2.2e-38 (closer
+# than two normal numbers), then a root between them a subnormal from one (NaN again).
 @example(
   tau=3, block="per_tensor", log_scales=[0.0, -3.25, 7.25], repeat=True, zero_grad=False, seed=1
 )
