@@ -84,6 +84,7 @@ def test_the_update_has_no_conditional_and_the_loop_runs_the_program(period_two,
   assert period_two == [2, 4]
 
 
+@pytest.mark.slow  # a training run of its own; the program and its period: the tests above
 def test_a_run_too_short_to_need_it_never_compiles_it(tmp_path):
   """With the default period (100 curvature updates) a 5-step run neither runs nor compiles
   the program (compiled in the background only by a run that gets that far)."""

@@ -394,6 +394,7 @@ def _sharded_state(configs: str) -> dict:
   return out
 
 
+@pytest.mark.slow  # the 4-device process's longest part; 4 devices = 1 device: fast below
 def test_sharded_optimizer_state_on_four_devices(four_devices):
   """Ginger's ``U`` and QNG's factors are split along their rows over 4 devices, per-device
   state bytes fall ~4x, a jitted update keeps them there and gives the unsharded result; the
