@@ -25,7 +25,7 @@ from training import registry, run_record
 from training.checkpoints import Checkpointer
 from training.config_check import ConfigError, check_config
 from training.errors import Interrupted
-from training.optimizers import curvature_every
+from training.registry import curvature_every
 from training.summary import analytic_flops
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -356,7 +356,7 @@ def test_auto_is_left_to_the_library_also_where_the_state_is_split(mesh, expecte
   """The training config's default, ``passes=auto``, is handed to the library, which runs the
   Pallas kernels on GPUs, also where the optimizer state is split over several devices (the
   kernels then run per device under ``shard_map``); explicit values are taken as given."""
-  from training.optimizers import passes
+  from training.registry import passes
 
   assert passes(_config("optimizer=ginger", *mesh)) == expected  # the default
   assert passes(_config("optimizer=ginger", "passes=jnp", *mesh)) == "jnp"

@@ -26,7 +26,6 @@ from omegaconf import OmegaConf
 from training import program_cache
 from training.steps import EvalStep, eval_batch_sizes
 
-REPO = Path(__file__).resolve().parents[1]  # the checkout (train.py's folder)
 log = logging.getLogger("train")
 
 
@@ -56,7 +55,9 @@ def use_compilation_cache(folder: str | None) -> None:
   # A Pallas kernel's Triton module carries its source locations, file paths included, into
   # the program the cache keys on: keep them relative to the repository, or every other copy
   # of the checkout (another clone, a sweep's copy) compiles the Ginger step anew.
-  jax.config.update("jax_hlo_source_file_canonicalization_regex", "^" + re.escape(f"{REPO}/"))
+  jax.config.update(
+    "jax_hlo_source_file_canonicalization_regex", "^" + re.escape(f"{program_cache.REPO}/")
+  )
 
 
 def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> dict:

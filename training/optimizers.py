@@ -9,7 +9,6 @@ import optax
 
 import ginger
 from training import registry
-from training.registry import curvature_every, passes
 
 SCHEDULES = ("constant", "warmup_constant", "cosine")
 
@@ -79,9 +78,7 @@ def divergence_advice(cfg) -> str:
 __all__ = [
   "build_optimizer",
   "clip_bound",
-  "curvature_every",
   "divergence_advice",
   "learning_rate",
-  "passes",
   "reorthonormalise_every",
 ]

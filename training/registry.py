@@ -10,8 +10,9 @@ of its updates. Everything else reads the entries:
 * ``training/config_check.py``: the allowed ``optimizer.name`` values, each key's check, and
   the warnings for a key the chosen optimizer ignores;
 * ``training/optimizers.py``: the transformation (:attr:`Optimizer.build`);
-* ``training/loop.py``: whether a step has a d-pass (:func:`keeps_curvature`) and the analytic
-  FLOPs (:func:`update_flops`);
+* ``training/steps.py``: whether a step has a d-pass (:func:`keeps_curvature`), its
+  ``curvature_every`` and ``passes``; ``training/summary.py``: the analytic FLOPs
+  (:func:`update_flops`);
 * ``training/run_record.py``: which hyperparameters are part of a run's identity;
 * ``training/config_doc.py``, ``results/tables.py``, ``results/plots.py``: names and order.
 

@@ -23,11 +23,10 @@ from training.config_check import ConfigError, check_config
 from training.optimizers import (
   build_optimizer,
   clip_bound,
-  curvature_every,
   learning_rate,
-  passes,
   reorthonormalise_every,
 )
+from training.registry import curvature_every, passes
 from training.steps import (
   TrainState,
   fisher_backward,

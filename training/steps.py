@@ -24,9 +24,9 @@ import ginger
 from models.tasks import per_shard_model
 from training import sharding
 from training.config_check import ConfigError
-from training.optimizers import clip_bound, curvature_every, passes
+from training.optimizers import clip_bound
 from training.optimizers import reorthonormalise_every as reorthonormalise_every_of
-from training.registry import keeps_curvature
+from training.registry import curvature_every, keeps_curvature, passes
 
 
 class TrainState(NamedTuple):

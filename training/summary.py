@@ -20,8 +20,7 @@ from models import flops
 from models.tasks import Task
 from training import logs, run_record, sharding
 from training.compilation import CompiledRun
-from training.optimizers import curvature_every
-from training.registry import keeps_curvature, update_flops
+from training.registry import curvature_every, keeps_curvature, update_flops
 
 FLOPS_METHOD = {
   "analytic": "conv/dense (or transformer matmul) count: 3x forward "
