@@ -11,7 +11,10 @@ they were lowered (read back from the programs an earlier run kept, exported, tr
 epochs and the seconds to the first evaluation at ``--target`` % or more, the best accuracy and
 the seconds to it, and the median step time. Seconds count from the training loop's start
 (``metrics.jsonl``'s ``wall_time_s``: compilation and evaluations included, building the data
-and model not). Then the mean of each (group, run) over its seeds.
+and model not). Then the mean of each (group, run) over its seeds, and each run's difference
+from Adam of its group in seconds to the target with its Welch 95 % interval
+(:func:`results.stats.welch`, over the seeds that reached the target; a tie where the interval
+contains 0).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
+from results.stats import welch
 from training import run_record
 
 HEADER = (
@@ -132,6 +136,29 @@ def means(rows: list[Race]) -> str:
   return "\n".join(out)
 
 
+def differences(rows: list[Race], baseline: str = "adam") -> str:
+  """Per group, each run's mean seconds to the target minus ``baseline``'s, with the Welch 95 %
+  interval over the seeds that reached the target (``reached / seeds`` for the run)."""
+  times = defaultdict(list)
+  seeds = defaultdict(int)
+  for r in rows:
+    seeds[(r.group, r.run)] += 1
+    if r.s_to_target is not None:
+      times[(r.group, r.run)].append(r.s_to_target)
+  out = [
+    f"| group | run - {baseline} | reached / seeds | s to target [95 %] | verdict |",
+    "|---" * 5 + "|",
+  ]
+  for group, run in sorted(seeds):
+    base = times.get((group, baseline))
+    if run == baseline or not base or not times.get((group, run)):
+      continue
+    diff = welch(times[(group, run)], base)
+    reached = f"{len(times[(group, run)])} / {seeds[(group, run)]}"
+    out.append(f"| {group} | {run} - {baseline} | {reached} | {diff.text(1)} | {diff.verdict} |")
+  return "\n".join(out)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("folders", nargs="+", type=Path, help="folders holding run dirs")
@@ -143,6 +170,8 @@ def main(argv=None) -> None:
   print(table(rows, args.target))
   print()
   print(means(rows))
+  print()
+  print(differences(rows))
 
 
 if __name__ == "__main__":

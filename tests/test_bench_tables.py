@@ -226,7 +226,7 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   assert rows[2].epochs_to_target is None and rows[2].s_to_target is None
   race.main([str(tmp_path)])
   out = capsys.readouterr().out
-  table, means = out.strip().split("\n\n")
+  table, means, _ = out.strip().split("\n\n")
   _check(table, expect_rows=3)
   assert "| warm | adam | 2 (2 reached) | 3.0 | 30.0 | 40.0 |" in means
   assert "| warm | ginger tau=8 K=8 | 1 (0 reached) |  |  | 20.0 |" in means
@@ -343,3 +343,29 @@ def test_race_labels_runs_by_their_numerics(tmp_path):
     "ginger tau=8 K=16, bfloat16 state",
   ]
   assert [r.seed for r in rows if r.run.endswith("bfloat16 state")] == [0, 1]
+
+
+def test_race_differences_from_adam_carry_welch_intervals(tmp_path, capsys):
+  """The race's last table: per group, each run's mean seconds to the target minus Adam's, with
+  the Welch 95 % interval over the seeds that reached it (results.stats), and the verdict."""
+  from bench import race
+  from results.stats import welch
+
+  ginger = dict(tau=8, curvature_every=8)
+  for seed, accuracies in enumerate([[80.0, 86.0], [70.0, 80.0, 86.0], [86.0]]):
+    _race_run(tmp_path / "cold" / f"a{seed}", "adam", seed, accuracies)
+  for seed, accuracies in enumerate([[86.0], [80.0, 86.0], [84.0]]):
+    _race_run(tmp_path / "cold" / f"g{seed}", "ginger", seed, accuracies, **ginger)
+  rows = race.collect([tmp_path], target=85.0)
+  adam = [r.s_to_target for r in rows if r.run == "adam"]
+  ginger_s = [r.s_to_target for r in rows if r.run != "adam" and r.s_to_target is not None]
+  assert len(adam) == 3 and len(ginger_s) == 2  # the third Ginger seed never reached 85 %
+  expected = welch(ginger_s, adam)
+  out = race.differences(rows)
+  line = next(x for x in out.splitlines() if "ginger tau=8 K=8" in x)
+  assert (
+    f"| cold | ginger tau=8 K=8 - adam | 2 / 3 | {expected.text(1)} | {expected.verdict} |"
+    == (line)
+  )
+  race.main([str(tmp_path)])
+  assert capsys.readouterr().out.strip().split("\n\n")[-1] == out
