@@ -3,6 +3,7 @@
     python -m bench.train_step --suite resnet18 --data .data/cifar10-jpeg.tar.xz
     python -m bench.train_step --suite t5 --data .data/xsum-1000.jsonl
     python -m bench.train_step --suite resnet18 --data ... --extra mesh.data=2 batch_size=256
+    python -m bench.train_step --suite table1 --data ... --extra checkpoint_every=30
 
 Each configuration runs ``train.py`` for ``--steps`` steps in its own process (so that the
 device's peak-memory high-water mark belongs to that run alone) and the table is built from
@@ -25,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+TAUS = (1, 2, 4, 8, 16, 32)  # Table 1's
 SUITES = {
   # ResNet-18, batch 128, on CIFAR-10 (the same shapes as CIFAR-100 but for the last layer).
   "resnet18": {
@@ -51,6 +53,17 @@ SUITES = {
         "fisher_forward=shared",
         "fisher_backward=local",
       ],
+    },
+  },
+  # Every arm of Table 1's ResNet-18 half as the campaign runs it (eval d-pass, per-tensor
+  # Ginger with the clip, global QNG): the memory column's figures, each run alone.
+  "table1": {
+    "base": ["experiment=cifar10_resnet18", "data.source=local", "batch_size=128"],
+    "runs": {
+      "adam": ["optimizer=adam"],
+      "momentum": ["optimizer=momentum"],
+      **{f"qng tau={t}": ["optimizer=qng", f"tau={t}"] for t in TAUS},
+      **{f"ginger tau={t}": ["optimizer=ginger", f"tau={t}"] for t in TAUS},
     },
   },
   # t5-small shapes (random weights: timing only), batch 4, 512/128 tokens.

@@ -369,3 +369,28 @@ def test_race_differences_from_adam_carry_welch_intervals(tmp_path, capsys):
   )
   race.main([str(tmp_path)])
   assert capsys.readouterr().out.strip().split("\n\n")[-1] == out
+
+
+def test_table1_suite_holds_every_resnet18_arm_of_table1():
+  """bench.train_step's table1 suite (the memory column's figures) runs each of Table 1's 14
+  ResNet-18 arms, with the optimizer and tau the sweep's arm configs give."""
+  from pathlib import Path
+
+  import yaml
+
+  sweep = yaml.safe_load(Path("configs/sweep/table1.yaml").read_text())
+  arms = [a.strip() for a in sweep["hydra"]["sweeper"]["params"]["+sweep/arm"].split(",")]
+  expected = set()
+  for arm in arms:
+    spec = yaml.safe_load(Path(f"configs/sweep/arm/{arm}.yaml").read_text())
+    optimizer = next(
+      d["override /optimizer"] for d in spec["defaults"] if "override /optimizer" in d
+    )
+    expected.add((optimizer, spec.get("tau")))
+  runs = train_step.SUITES["table1"]["runs"]
+  got = set()
+  for overrides in runs.values():
+    named = dict(o.split("=", 1) for o in overrides)
+    got.add((named["optimizer"], int(named["tau"]) if "tau" in named else None))
+  assert len(runs) == len(arms) == 14
+  assert got == expected
