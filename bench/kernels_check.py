@@ -41,6 +41,7 @@ PASSES = (
   "project",
   "project_pair",
   "residual_sums",
+  "residual",
   "rotate_and_precondition",
   "rotate_from_residual",
   "precondition",
@@ -93,6 +94,8 @@ def call(name: str, x: dict, **kw):
     return fn(x["u"], x["v"], x["g"], **kw)
   if name == "residual_sums":  # with p1 and q1, the sixth and seventh outputs
     return fn(x["u"], x["v"], x["g"], x["a1"], x["inv_l1"], x["ay"], with_p1=True, **kw)
+  if name == "residual":  # pass 2 for g alone: (U^T q1, q1) with q1 = g - U ay
+    return fn(x["u"], x["g"], x["ay"], **kw)
   if name == "rotate_and_precondition":
     keys = ROTATE_KEYS[:1] + ("v",) + ROTATE_KEYS[2:3] + ("a1", "inv_l1") + ROTATE_KEYS[3:]
     return fn(*(x[key] for key in keys), **kw)
@@ -117,6 +120,9 @@ def bounds(name: str, x: dict, rows: int | None = None) -> list[tuple[np.ndarray
     return [(ut(g), n)]
   if name == "project_pair":
     return [(ut(v), n), (ut(g), n), (v.sum(-1), n)]
+  if name == "residual":  # residual_sums' last two sums, q1's terms as there
+    q1 = g + ua(f["ay"])
+    return [(ut(q1), n + k + 3), (q1, k + 3)]
   if name == "rotate_from_residual":
     p1, depth = f["p1"], 0  # an input
   else:

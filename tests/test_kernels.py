@@ -141,6 +141,45 @@ def test_precondition_from_its_first_half(impl, dtype):
     kernels.precondition(*args, uT_g=x["g"], **kw)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_residual_is_the_q1_half_of_residual_sums(impl, dtype):
+  """``residual`` (pass 2 for ``g`` alone, a step without a curvature update) returns what
+  ``residual_sums(u, g, g, y, 1, y)`` returns for ``g``: ``U^T q1`` and ``q1``, the same
+  arithmetic without ``p1``; ``q1`` bit for bit (one expression), ``U^T q1`` within the
+  kernels' bound (interpreted, XLA:CPU may contract the two kernels' multiply-adds into fused
+  multiply-adds differently)."""
+  x = random_inputs(9, 3, 53, 6, dtype)
+  kw = dict(impl=impl, interpret=True, tile=16, steps=2)
+
+  @jax.jit
+  def run(x):
+    ones = jnp.ones(x["u"].shape[:-2], dtype)
+    sums = kernels.residual_sums(x["u"], x["g"], x["g"], x["ay"], ones, x["ay"], with_p1=True, **kw)
+    return kernels.residual(x["u"], x["g"], x["ay"], **kw), (sums[4], sums[6])
+
+  (c, q1), (c_all, q1_all) = run(x)
+  assert c.dtype == kernels.compute_dtype(dtype) and q1.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(q1, np.float32), np.asarray(q1_all, np.float32))
+  extra = int(dtype == jnp.bfloat16)
+  assert_close("residual", x, (c, q1), (c_all.astype(c.dtype), q1_all), dtype, extra=extra)
+
+
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_residual_against_float64(impl):
+  """``residual``'s ``U^T q1`` and ``q1`` against the dense float64 math: within ``gamma_N A``
+  of the exact values (the bound every order of evaluation obeys), at shapes where no other
+  bound hides a lost tile or row (several programs a block, a partial last tile)."""
+  x = random_inputs(13, 2, 70, 7)
+  c, q1 = jax.jit(lambda x: kernels.residual(x["u"], x["g"], x["ay"], impl=impl, tile=16))(x)
+  u, g, y = (np.asarray(x[key], np.float64) for key in ("u", "g", "ay"))
+  q1_exact = g - np.einsum("mnk,mk->mn", u, y)
+  c_exact = np.einsum("mnk,mn->mk", u, q1_exact)
+  for got, want, (a, n) in zip((c, q1), (c_exact, q1_exact), bounds("residual", x), strict=True):
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert np.all(err <= gamma_n(n, jnp.float32) * a), (err.max(), a.max())
+
+
 def test_bfloat16_state():
   """bf16 ``U`` (state_dtype="bfloat16"): the kernels compute in float32 and round once; the
   reference rounds every operation to bf16. Both obey the bound with bf16's unit roundoff

@@ -29,7 +29,8 @@ The passes (``a``, ``rot``, ``b``, ``z`` are per-block small operands, ``(blocks
                               (q - U a - p beta) / gamma                    (reads U, writes U')
     rotate_from_residual:     the same from a stored p1 instead of v
     precondition:             G^{-1} g with U as it is: project, residual
-                              (q1 = g - U y, U^T q1), correct               (reads U 3 times)
+                              (q1 = g - U y, U^T q1: pass 2 for q1 alone),
+                              correct                                      (reads U 3 times)
     correct:                  (q - U a) / gamma                             (reads U)
 
 Pass 3 is row-local: its ``pallas`` kernel writes ``U'`` over ``U`` (``input_output_aliases``),
@@ -244,6 +245,12 @@ def _residual_sums_jnp(u, v, g, a, inv_l1, ay, with_p1=False):
   sums = _row_sums(u, [p1, q1])
   sums = (sums[..., 0], _vdot(p1, p1), _vdot(p1, q1), _vdot(vs, vs), sums[..., 1])
   return sums + (p1, q1) if with_p1 else sums
+
+
+def _residual_jnp(u, g, y):
+  """Pass 2 for ``g`` alone: :func:`_residual_sums_jnp`'s ``q1`` and ``U^T q1``."""
+  q1 = g - _matvec(u, y)
+  return _row_sums(u, [q1])[..., 0], q1
 
 
 def _rotate_from_residual_jnp(u, p1, q, a2, inv_r, rot, b, a, beta, gamma, *, out_rowdot=True):
@@ -617,6 +624,46 @@ def _residual_sums_pallas(u, v, g, a, inv_l1, ay, interpret, tile=None, steps=No
   )
 
 
+def _q1_kernel(t: _Tiles):
+  """:func:`_residual_kernel` for ``g`` alone: ``q1 = g - U y`` (the same expression, rounded to
+  the state dtype alike) stored, and the partial ``U^T q1``; no ``p1``, no norms."""
+
+  def kernel(u_ref, g_ref, y_ref, out_ref, q1_ref):
+    y = t.small(y_ref)
+    left = t.rows_left()
+
+    def body(step, c3):
+      mask = t.row_mask(left, step)
+      u = t.matrix(u_ref, step, mask)
+      g = t.vector(g_ref, step, mask)
+      q1 = (g - jnp.sum(u * y[None, :], axis=1)).astype(t.state_dtype).astype(t.dtype)
+      plgpu.store(q1_ref.at[pl.ds(step * t.tile, t.tile)], q1.astype(q1_ref.dtype), mask=mask)
+      return c3 + u * q1[:, None]
+
+    c3 = t.loop(body, jnp.zeros((t.tile, t.kp), t.dtype))
+    out_ref[0, :] = jnp.sum(c3, axis=0)
+
+  return kernel
+
+
+def _residual_pallas(u, g, y, interpret, tile=None, steps=None):
+  m, n, k = u.shape
+  tile, chunk, kp = tiling(n, k, tile, steps)
+  t = _Tiles(n, k, tile, chunk, kp, u.dtype)
+  grid = (m, pl.cdiv(n, chunk))
+  s = _specs(kp, chunk)
+  partial, q1 = _call(
+    _q1_kernel(t),
+    grid,
+    [s["u"], s["vector"], s["small"]],
+    [_partial_spec(1, kp), s["vector"]],
+    [jax.ShapeDtypeStruct(grid + (1, kp), t.dtype), jax.ShapeDtypeStruct(g.shape, u.dtype)],
+    interpret,
+    "ginger_residual",
+  )(u, g, y)
+  return jnp.sum(partial, axis=1)[:, 0, :k], q1
+
+
 # ---- Pallas: pass 3 (in place) and the preconditioning half of precondition -------------------
 
 
@@ -874,14 +921,16 @@ def project(u, g, *, impl="auto", interpret=None, tile=None, steps=None):
 def residual(u, g, y, *, impl="auto", interpret=None, tile=None, steps=None):
   """``(U^T q1, q1)`` with ``q1 = g - U y`` (one read of ``U``): :func:`precondition`'s second
   pass, the CGS2 coefficient of ``g``'s residual. ``y``: ``(..., k)``, ``U^T g`` as
-  :func:`project` returns it. ``U^T q1`` in the compute dtype, ``q1`` in ``U``'s."""
-  _check(u, {"g": g})
+  :func:`project` returns it. ``U^T q1`` in the compute dtype (rounded through ``U``'s dtype
+  first, as :func:`residual_sums` returns it), ``q1`` in ``U``'s.
+
+  :func:`residual_sums`' arithmetic for ``q1`` alone: the same ``q1`` and ``U^T q1``, without
+  ``p1``, its sums and norms (a step without a curvature update has no ``v``), so the kernel
+  reads ``U`` and ``g`` and writes ``q1``, one vector in and one out fewer."""
   y = y.astype(u.dtype)
-  sums = residual_sums(
-    u, g, g, y, jnp.ones(u.shape[:-2], u.dtype), y, with_p1=True, impl=impl,
-    interpret=interpret, tile=tile, steps=steps,
-  )  # fmt: skip
-  return sums[4].astype(compute_dtype(u.dtype)), sums[6]
+  _check(u, {"g": g}, {"y": y})
+  c, q1 = _dispatch(_residual_jnp, _residual_pallas, u, (g, y), impl, interpret, tile, steps)
+  return c.astype(compute_dtype(u.dtype)), q1
 
 
 def correct(u, q, a, gamma, *, impl="auto", interpret=None, tile=None, steps=None):
