@@ -100,6 +100,6 @@ def test_direction_approaches_exact_damped_ggn(x64):
     direction = jax.flatten_util.ravel_pytree(out)[0]
     return float(direction @ exact / (jnp.linalg.norm(direction) * jnp.linalg.norm(exact)))
 
-  cosines = [cosine(tau) for tau in (1, 4, 16, flat.size)]
+  cosines = [cosine(tau) for tau in (1, 16, flat.size)]
   assert all(b > a - 0.02 for a, b in zip(cosines, cosines[1:])), cosines
   assert cosines[-1] > 0.95 and cosines[-1] > cosines[0] + 0.2, cosines
