@@ -170,9 +170,11 @@ def test_model_and_data_hold_only_what_their_family_reads():
 # Modules after the check: they read the typed config (rc), never the raw one.
 AFTER_THE_CHECK = (
   "training/compilation.py",
+  "training/logs.py",
   "training/loop.py",
   "training/optimizers.py",
   "training/registry.py",
+  "training/run_setup.py",
   "training/sharding.py",
   "training/steps.py",
   "training/summary.py",

@@ -9,9 +9,10 @@ the framework reads, with their types and the defaults a null stands for already
 mapping.
 
 The raw resolved config stays what a run records: ``run.json``, ``summary.json``'s
-``"config"``, the run identity and the kept programs' keys are made from
-``OmegaConf.to_container(cfg, resolve=True)``, which the loop hands to training/run_record.py
-and training/compilation.py by name (``resolved``). A :class:`RunConfig` is never written.
+``"config"`` and ``"run"``, wandb's config and the kept programs' keys are made from
+``OmegaConf.to_container(cfg, resolve=True)``, which the loop hands by name (``resolved``) to
+``run_record.claim``, ``logs.MetricsLog``, ``summary.startup_record`` and
+``compilation.programs``. A :class:`RunConfig` is never written.
 
 It reads only the config: no JAX, like the check.
 """
