@@ -68,7 +68,7 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
     state,
     setup.frozen,
     sharding.put(setup.task.val_arrays, setup.plan.replicated),
-    cfg,
+    setup.rc,
   )
   split = setup.task.eval_split
   result = {"run_dir": str(run_dir), "step": int(state.step), "split": split} | metrics

@@ -38,6 +38,7 @@ def child(spec: dict) -> dict:
   import jax
   import numpy as np
   from hydra import compose, initialize_config_dir
+  from omegaconf import OmegaConf
 
   from training import compilation, run_setup, sharding
   from training.checkpoints import Checkpointer
@@ -55,8 +56,9 @@ def child(spec: dict) -> dict:
   train_arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
   val_arrays = sharding.put(setup.task.val_arrays, setup.plan.replicated)
   indices = setup.plan.indices(np.arange(int(cfg.batch_size)))
+  resolved = OmegaConf.to_container(cfg, resolve=True)
   lower = compilation.programs(
-    setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, cfg
+    setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, setup.rc, resolved
   )
   compiled = compilation.compile_all({k: v for k, v in lower.items() if isinstance(k, bool)})
   state, step = setup.state, 0

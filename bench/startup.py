@@ -75,6 +75,7 @@ def child(spec: dict) -> dict:
   jax.config.update("jax_compilation_cache_dir", spec["cache_dir"])
   import numpy as np
   from hydra import compose, initialize_config_dir
+  from omegaconf import OmegaConf
 
   from training import compilation, run_setup, sharding
 
@@ -101,8 +102,9 @@ def child(spec: dict) -> dict:
   indices = setup.plan.indices(np.arange(int(cfg.batch_size)))
   jax.block_until_ready((train_arrays, val_arrays))
   placed = time.perf_counter()
+  resolved = OmegaConf.to_container(cfg, resolve=True)
   lower = compilation.programs(
-    setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, cfg
+    setup, setup.state, setup.frozen, train_arrays, val_arrays, indices, setup.rc, resolved
   )
   lower = {
     key: fn for key, fn in lower.items() if key not in compilation.LATER

@@ -59,7 +59,8 @@ def init_model(build: Callable[[jax.Array], nnx.Module], seed: int) -> nnx.Modul
 
 
 def build_task(cfg) -> Task:
-  """The task of ``cfg.model.family``, with its data loaded."""
+  """The task of ``cfg.model.family``, with its data loaded. ``cfg``: the run's checked config
+  (``training.run_config.RunConfig``), as in every ``from_config``."""
   family = cfg.model.family
   if family not in TASKS:
     raise ValueError(f"model.family must be one of {sorted(TASKS)}, got {family!r}.")
@@ -73,16 +74,15 @@ def resolve_batchnorm_groups(cfg) -> int:
   """The groups of the ResNet's BatchNorm statistics for ``cfg.batchnorm``: 1 for "sync" (or
   null), the size of the mesh's data axis for "per_device"
   (statistics over each device's share of the batch; models.resnet.GroupedBatchNorm)."""
-  mode = cfg.batchnorm or "sync"
+  mode = cfg.batchnorm
   if mode not in BATCHNORMS:
     raise ValueError(f"batchnorm must be one of {list(BATCHNORMS)}, got {mode!r}.")
   if mode == "sync":
     return 1
   # The data axis as training.sharding.make_mesh sizes it (mesh.data=-1: all the devices
   # mesh.model leaves); the loop has checked the mesh before building the task.
-  mesh = cfg.get("mesh") or {}
-  data = int(mesh.get("data", -1))
-  return jax.device_count() // int(mesh.get("model", 1)) if data == -1 else data
+  data = cfg.mesh.data
+  return jax.device_count() // cfg.mesh.model if data == -1 else data
 
 
 def per_shard_model(model: nnx.Module, axis_name: str) -> nnx.Module:
@@ -305,8 +305,8 @@ class Seq2Seq(Task):
 
     # The evaluated split is "validation" unless data.eval_split says otherwise (evaluate.py
     # data.eval_split=test); the task holds it as its val_arrays either way.
-    eval_split = cfg.data.get("eval_split") or "validation"
-    pretrained = cfg.model.get("pretrained")
+    eval_split = cfg.data.eval_split or "validation"
+    pretrained = cfg.model.pretrained
     # Every input is tried before failing, so one message lists all that is missing offline.
     inputs = xsum.load_inputs(
       {
@@ -357,7 +357,7 @@ class Seq2Seq(Task):
     from models import t5
 
     self.cfg = model_cfg
-    if model_cfg.get("pretrained"):
+    if model_cfg.pretrained:
       from models.t5_convert import load_t5
 
       config, model = load_t5(
@@ -385,7 +385,7 @@ class Seq2Seq(Task):
     self.max_new_tokens = max_new_tokens
     self.generate_batch_size = generate_batch_size
     self.tokenizer = tokenizer
-    self.lora = model_cfg.get("lora") or None
+    self.lora = model_cfg.lora or None
     self.seed = seed
 
   # -- LoRA ---------------------------------------------------------------------------------

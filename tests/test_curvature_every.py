@@ -25,7 +25,7 @@ from training import registry, run_record
 from training.checkpoints import Checkpointer
 from training.config_check import ConfigError, check_config
 from training.errors import Interrupted
-from training.registry import curvature_every
+from training.run_config import parse
 from training.summary import analytic_flops
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,8 +205,8 @@ def test_summary_flops_are_the_mean_over_k_steps(runs, runs_setup):
   assert light < full
   analytic = summary["flops_per_iter"]["analytic"]
   assert analytic == pytest.approx((full + 2 * light) / 3, rel=1e-12)
-  assert analytic == pytest.approx(analytic_flops(setup.task, cfg, sizes), rel=1e-12)
-  k1 = config(*BASE, "curvature_every=1")
+  assert analytic == pytest.approx(analytic_flops(setup.task, setup.rc, sizes), rel=1e-12)
+  k1 = parse(config(*BASE, "curvature_every=1"))
   assert analytic_flops(setup.task, k1, sizes) == pytest.approx(full, rel=1e-12)
 
   arrays = setup.task.train_arrays
@@ -265,7 +265,8 @@ def test_adam_and_momentum_ignore_it_with_a_warning(optimizer, caplog):
   with caplog.at_level(logging.WARNING, logger="train"):
     check_config(config(*overrides), overrides=overrides)
   assert f"curvature_every=4 is ignored: optimizer={optimizer}" in caplog.text
-  assert curvature_every(config(*overrides)) == 1  # what the loop and the FLOP count read
+  # What the loop and the FLOP count read.
+  assert parse(config(*overrides), overrides=overrides).optimizer.curvature_every == 1
 
 
 def test_fingerprint_tells_k_apart(tmp_path):

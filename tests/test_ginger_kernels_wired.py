@@ -356,21 +356,26 @@ def test_auto_is_left_to_the_library_also_where_the_state_is_split(mesh, expecte
   """The training config's default, ``passes=auto``, is handed to the library, which runs the
   Pallas kernels on GPUs, also where the optimizer state is split over several devices (the
   kernels then run per device under ``shard_map``); explicit values are taken as given."""
-  from training.registry import passes
+  from training.run_config import parse
 
-  assert passes(_config("optimizer=ginger", *mesh)) == expected  # the default
-  assert passes(_config("optimizer=ginger", "passes=jnp", *mesh)) == "jnp"
-  assert passes(_config("optimizer=ginger", "passes=pallas", *mesh)) == "pallas"
+  def passes(*overrides):
+    return parse(_config("optimizer=ginger", *overrides, *mesh), overrides=()).optimizer.passes
+
+  assert passes() == expected  # the default
+  assert passes("passes=jnp") == "jnp"
+  assert passes("passes=pallas") == "pallas"
 
 
 def test_config_passes_reaches_the_optimizer():
   from training import registry
   from training.optimizers import build_optimizer
+  from training.run_config import parse
 
   assert registry.PASSES == ginger._src.common.PASSES
   params = {"w": jnp.zeros((6, 2))}
   for passes, has_kernels in (("jnp", False), ("pallas", True)):
-    tx = build_optimizer(_config(f"passes={passes}"), optax.constant_schedule(1e-3))
+    rc = parse(_config(f"passes={passes}"), overrides=())
+    tx = build_optimizer(rc, optax.constant_schedule(1e-3))
     jaxpr = jax.make_jaxpr(lambda s, tx=tx: tx.update(params, s, params, fisher_grads=params))
     assert ("pallas_call" in str(jaxpr(tx.init(params)))) == has_kernels, passes
 

@@ -687,9 +687,9 @@ def _compare_meshes(configs: str, variants: dict, common: tuple = ()) -> dict:
       if one_eval is None:
         one_val = sharding.put(one.task.val_arrays, one.plan.replicated)
         place = _place(states[-1], one)
-        one_eval = train.evaluate(one.task, one.eval_step, place, one.frozen, one_val, cfg)
+        one_eval = train.evaluate(one.task, one.eval_step, place, one.frozen, one_val, one.rc)
       place = _place(states[-1], setup)
-      evaluated = train.evaluate(setup.task, setup.eval_step, place, setup.frozen, val, cfg)
+      evaluated = train.evaluate(setup.task, setup.eval_step, place, setup.frozen, val, setup.rc)
       steps[-1]["val_loss"] = _rel(evaluated["val_loss"], one_eval["val_loss"])
       steps[-1]["val_correct"] = abs(evaluated["val_accuracy"] - one_eval["val_accuracy"])
     out[name] = {

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from conftest import SELECTED_ITEMS
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from training import compilation, sharding
 from training import loop as train
@@ -228,7 +229,10 @@ def test_the_step_without_curvature_update_compiles_first(every, first):
   arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
   val = sharding.put(setup.task.val_arrays, setup.plan.replicated)
   idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
-  keys = list(compilation.programs(setup, setup.state, setup.frozen, arrays, val, idx, cfg))
+  resolved = OmegaConf.to_container(cfg, resolve=True)
+  keys = list(
+    compilation.programs(setup, setup.state, setup.frozen, arrays, val, idx, setup.rc, resolved)
+  )
   assert keys[0] is first
   assert (False in keys) == (every > 1) and True in keys
 
@@ -341,8 +345,6 @@ def test_compilation_cache_dir_is_not_part_of_the_run():
   plain = config(*BASE)
   cached = config(*BASE, "compilation_cache_dir=/tmp/somewhere")
   assert run_record.fingerprint(plain) == run_record.fingerprint(cached)
-  from omegaconf import OmegaConf
-
   hydra = OmegaConf.load(ROOT / "configs" / "config.yaml").hydra
   assert "compilation_cache_dir" in hydra.job.config.override_dirname.exclude_keys
 
@@ -395,7 +397,10 @@ def test_another_seed_is_the_same_program():
     arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
     val = sharding.put(setup.task.val_arrays, setup.plan.replicated)
     idx = setup.plan.indices(np.arange(64))  # the demo's batch_size
-    lower = compilation.programs(setup, setup.state, setup.frozen, arrays, val, idx, config(*BASE))
+    resolved = OmegaConf.to_container(config(*BASE), resolve=True)
+    lower = compilation.programs(
+      setup, setup.state, setup.frozen, arrays, val, idx, setup.rc, resolved
+    )
     texts.append({key: fn().as_text() for key, fn in lower.items()})
   assert texts[0].keys() == texts[1].keys() and len(texts[0]) == 5
   for key in texts[0]:
@@ -423,7 +428,8 @@ def test_optimizer_state_is_initialised_as_op_by_op(optimizer):
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
   assert "jit(init_fn)" in compiled, compiled  # one program, not op by op
-  tx = build_optimizer(cfg, learning_rate(cfg, setup.steps_per_epoch, setup.total_steps))
+  rc = setup.rc
+  tx = build_optimizer(rc, learning_rate(rc, setup.steps_per_epoch, setup.total_steps))
   want = tx.init(setup.state.trainable)
   got = setup.state.opt_state
   assert jax.tree.structure(got) == jax.tree.structure(want)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from training import compilation, sharding
 from training import loop as train
@@ -41,7 +42,10 @@ def test_the_training_steps_trace_the_model_once(monkeypatch):
   arrays = sharding.put(setup.task.train_arrays, setup.plan.replicated)
   val = sharding.put(setup.task.val_arrays, setup.plan.replicated)
   idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
-  lower = compilation.programs(setup, setup.state, setup.frozen, arrays, val, idx, cfg)
+  resolved = OmegaConf.to_container(cfg, resolve=True)
+  lower = compilation.programs(
+    setup, setup.state, setup.frozen, arrays, val, idx, setup.rc, resolved
+  )
   lower[True]()
   assert len(calls) == traces
   lower[False]()

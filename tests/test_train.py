@@ -432,8 +432,11 @@ def test_divergence_advice_names_the_optimizers_own_knobs():
   Ginger's gamma, its update clip only where it is off, the gradient clip only where it is
   off; no gamma for an optimizer without one."""
   from training.optimizers import divergence_advice
+  from training.run_config import parse
 
-  advice = lambda *o: divergence_advice(config("experiment=demo", "lr=0.001", *o))  # noqa: E731
+  def advice(*o):
+    return divergence_advice(parse(config("experiment=demo", "lr=0.001", *o), overrides=()))
+
   unclipped = advice("optimizer=ginger", "rho=null")
   assert unclipped == (
     "lower lr (now 0.001), raise gamma (now 1e-05) or clip the update (rho=1), "

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from omegaconf import OmegaConf
 
 from training import program_cache
 from training.steps import EvalStep, eval_batch_sizes
@@ -60,13 +59,15 @@ def use_compilation_cache(folder: str | None) -> None:
   )
 
 
-def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> dict:
+def programs(setup, state, frozen, train_arrays, val_arrays, indices, rc, resolved) -> dict:
   """The lowerings of every program a run needs, to pass to :func:`compile_all`: ``True``,
   the training step (with the curvature update, if any); ``False``, the step without it
   (``curvature_every`` > 1 only); ``("eval", n)``, the evaluation step on batches of ``n``
   (:func:`training.steps.eval_batch_sizes`); ``"reorthonormalise"``, Ginger's
   ``reorthonormalise_step``.
-  ``indices``: a training batch's, placed (``plan.indices``).
+  ``indices``: a training batch's, placed (``plan.indices``). ``rc``: the run's
+  ``training.run_config.RunConfig``; ``resolved``: its resolved config as plain containers,
+  which the kept programs' keys hash (:func:`training.program_cache.key`).
 
   The first is the one :func:`compile_all` compiles alone: with ``curvature_every`` > 1 the
   step without the curvature update, which lowers much faster than the training step and
@@ -75,18 +76,17 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
   steps = {False: setup.precondition_step} if setup.curvature_every > 1 else {}
   steps[True] = setup.train_step
   jobs = {key: (fn, (state, frozen, train_arrays, indices), (0,)) for key, fn in steps.items()}
-  for size in eval_batch_sizes(setup.task.num_val, int(cfg.eval_batch_size)):
+  for size in eval_batch_sizes(setup.task.num_val, rc.eval_batch_size):
     args = setup.eval_step.arguments(
       state.trainable, frozen, state.rest, val_arrays, np.arange(size)
     )
     jobs["eval", size] = (setup.eval_step.jitted, args, ())
   if setup.reorthonormalise_step is not None:
     jobs["reorthonormalise"] = (setup.reorthonormalise_step, (state,), (0,))
-  if not cfg.get("compilation_cache_dir"):
+  if not rc.compilation_cache_dir:
     return {key: functools.partial(fn.lower, *args) for key, (fn, args, _) in jobs.items()}
   # With a compilation cache, the lowered programs are kept beside it (program_cache).
-  folder = program_cache.folder_of(cfg.compilation_cache_dir)
-  config = OmegaConf.to_container(cfg, resolve=True)
+  folder = program_cache.folder_of(rc.compilation_cache_dir)
   data = program_cache.data_digest(setup.task)
 
   def cached(key, fn, args, donate):
@@ -95,7 +95,7 @@ def programs(setup, state, frozen, train_arrays, val_arrays, indices, cfg) -> di
       args,
       name=program_name(key),
       donate_argnums=donate,
-      config=config,
+      config=resolved,
       folder=folder,
       data=data,
     )
@@ -213,13 +213,15 @@ class CompiledRun(NamedTuple):
     }
 
 
-def compile_run(setup, frozen, train_arrays, val_arrays, indices, cfg, start: int) -> CompiledRun:
+def compile_run(
+  setup, frozen, train_arrays, val_arrays, indices, rc, resolved, start: int
+) -> CompiledRun:
   """Every program of ``setup`` (a ``training.run_setup.Setup``) compiled once, ahead of
   time: the same executable gives XLA's cost/memory analysis and runs every step (calling
   the jitted function would compile a second time). With ``curvature_every`` = K > 1 two
   training steps, with and without the curvature update; the evaluation step too, so that
   the first evaluation does not stop training to compile. ``indices``: the first batch's,
-  placed; ``start``: the step the run starts at.
+  placed; ``rc``, ``resolved``: as for :func:`programs`; ``start``: the step the run starts at.
 
   In threads (:func:`compile_all`): the first of :func:`programs` alone (the step without the
   curvature update, else the training step), the others lowered meanwhile and compiled at
@@ -227,7 +229,7 @@ def compile_run(setup, frozen, train_arrays, val_arrays, indices, cfg, start: in
   only where the run gets that far (``Setup.first_reorthonormalisation``).
   """
   began = time.perf_counter()
-  lower = programs(setup, setup.state, frozen, train_arrays, val_arrays, indices, cfg)
+  lower = programs(setup, setup.state, frozen, train_arrays, val_arrays, indices, rc, resolved)
   later = {key: lower.pop(key) for key in LATER if key in lower}
   times: dict = {}
   executables = compile_all(lower, COMPILE_THREADS, times)

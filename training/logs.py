@@ -36,17 +36,20 @@ class MetricsLog:
   On resume both files are truncated to the events at or before the checkpoint's step, so the
   log of a resumed run equals that of an uninterrupted one. In a multi-host run only process 0
   writes (the files and wandb); the others return the same records.
+
+  ``logger``: the run's ``training.run_config.LoggerConfig`` (``name``, wandb's ``project`` and
+  ``mode``); ``config``: the run's resolved config as plain containers, which wandb records.
   """
 
-  def __init__(self, run_dir: Path, logger_cfg, config: dict, resume_step: int | None):
+  def __init__(self, run_dir: Path, logger, config: dict, resume_step: int | None):
     self.run_dir = run_dir
     self.path = run_dir / run_record.METRICS
     self.start = time.time()
     self.wall_offset = 0.0
     self.writer = jax.process_index() == 0
     self.wandb = None
-    if logger_cfg.name not in ("wandb", "none"):
-      raise ValueError(f"logger must be wandb or none, got {logger_cfg.name!r}.")
+    if logger.name not in ("wandb", "none"):
+      raise ValueError(f"logger must be wandb or none, got {logger.name!r}.")
     if not self.writer:
       return
     if resume_step is not None:
@@ -58,15 +61,15 @@ class MetricsLog:
     else:
       self.path.unlink(missing_ok=True)
       (run_dir / run_record.SPECTRUM).unlink(missing_ok=True)
-    if logger_cfg.name == "wandb":
+    if logger.name == "wandb":
       import wandb
 
       # One wandb run per run dir: the id is derived from its absolute path, so a resumed run
       # continues its wandb run and two dirs with the same name (e.g. "default") never merge.
       run_id = hashlib.sha1(str(run_dir.absolute()).encode()).hexdigest()[:16]
       self.wandb = wandb.init(
-        project=logger_cfg.project,
-        mode=logger_cfg.mode,
+        project=logger.project,
+        mode=logger.mode,
         config=config,
         dir=str(run_dir),
         id=run_id,

@@ -5,7 +5,9 @@ task's evaluation split. What the loop runs is made elsewhere, each in a module 
 training/run_setup.py builds the run from its config (data, model, optimizer, state),
 training/steps.py its jitted programs, training/compilation.py compiles them before the first
 step, training/summary.py writes down what summary.json records, training/stopping.py says when
-to stop early. The loop knows nothing of the task's kind: the task loads its data, orders the
+to stop early. All of it reads the run's checked, typed config (``rc``,
+training/run_config.py); the raw resolved config (``resolved``) only goes into the run's
+records. The loop knows nothing of the task's kind: the task loads its data, orders the
 examples of an epoch, forms batches, scores evaluations (generation included), says which
 evaluation is the best and counts its forward FLOPs.
 
@@ -40,6 +42,7 @@ from training.checkpoints import Checkpointer, CheckpointError, last_good_in
 from training.compilation import CompiledRun
 from training.errors import DiskFullError, Interrupted, NonFiniteLossError, disk_full, no_space
 from training.optimizers import divergence_advice
+from training.run_config import RunConfig
 from training.run_setup import Setup, build, check
 from training.steps import TrainState
 from training.stopping import StopRequest, agreed, preempted, stop_on_signals
@@ -47,10 +50,10 @@ from training.stopping import StopRequest, agreed, preempted, stop_on_signals
 log = logging.getLogger("train")
 
 
-def evaluate(task: Task, eval_step, state: TrainState, frozen, arrays, cfg) -> dict:
+def evaluate(task: Task, eval_step, state: TrainState, frozen, arrays, rc: RunConfig) -> dict:
   """The task's metrics of ``state`` on its evaluation split (``arrays``, placed on the
-  devices), in batches of ``cfg.eval_batch_size``; generation-based metrics included."""
-  batch_size = int(cfg.eval_batch_size)
+  devices), in batches of ``rc.eval_batch_size``; generation-based metrics included."""
+  batch_size = rc.eval_batch_size
   sums: dict[str, float] = {}
   for start in range(0, task.num_val, batch_size):
     idx = np.arange(start, min(start + batch_size, task.num_val))
@@ -65,9 +68,10 @@ def evaluate(task: Task, eval_step, state: TrainState, frozen, arrays, cfg) -> d
 # ------------------------------------------------------------------------------ the run
 
 
-def claim_run_dir(run_dir: Path, cfg: DictConfig) -> None:
-  """Records ``cfg`` as the run of ``run_dir``, or refuses (a run of another config is there)."""
-  run_record.claim(run_dir, cfg, fresh=not cfg.resume, write=jax.process_index() == 0)
+def claim_run_dir(run_dir: Path, resolved: dict, resume: bool) -> None:
+  """Records the resolved config as the run of ``run_dir``, or refuses (a run of another
+  config is there)."""
+  run_record.claim(run_dir, resolved, fresh=not resume, write=jax.process_index() == 0)
 
 
 def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) -> dict[str, Any]:
@@ -79,13 +83,15 @@ def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) ->
     with stop_on_signals() as on_signal:
       return train(cfg, run_dir, stop=on_signal)
   run_dir = Path(run_dir)
-  plan = check(cfg)
+  rc, plan = check(cfg)
+  # What the run records (run.json, summary.json): the config as composed, resolved.
+  resolved = OmegaConf.to_container(cfg, resolve=True)
   try:
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() != 0:  # process 0 holds the dir for a multi-host run
-      return _train(cfg, run_dir, plan, stop)
+      return _train(rc, resolved, run_dir, plan, stop)
     with run_record.exclusive(run_dir):
-      return _train(cfg, run_dir, plan, stop)
+      return _train(rc, resolved, run_dir, plan, stop)
   except OSError as e:  # a write outside the loop's (run.json, a resume's cut of the metrics)
     if not no_space(e):
       raise
@@ -93,15 +99,15 @@ def train(cfg: DictConfig, run_dir: Path, *, stop: StopRequest | None = None) ->
     raise disk_full(e.filename or run_dir, None, last_good_in(checkpoints), checkpoints) from e
 
 
-def _train(cfg: DictConfig, run_dir: Path, plan, stop: StopRequest) -> dict[str, Any]:
+def _train(rc: RunConfig, resolved: dict, run_dir: Path, plan, stop: StopRequest) -> dict:
   """:func:`train` once the run dir is this process's."""
-  claim_run_dir(run_dir, cfg)
+  claim_run_dir(run_dir, resolved, rc.resume)
   began = time.perf_counter()
-  setup = build(cfg, plan, materialize=False)  # the optimizer state after compiling (_run)
+  setup = build(rc, plan, materialize=False)  # the optimizer state after compiling (_run)
   build_s = time.perf_counter() - began
   log.info(
     "model %s: %s parameters (%s trained)",
-    cfg.model.name,
+    rc.model.name,
     f"{setup.n_model:,}",
     f"{sum(setup.sizes):,}",
   )
@@ -109,7 +115,7 @@ def _train(cfg: DictConfig, run_dir: Path, plan, stop: StopRequest) -> dict[str,
     log.info("d-pass: shared forward, %s backward", setup.fisher_backward)
   checkpointer = Checkpointer(run_dir)
   resume_from = checkpointer.latest_step()
-  if resume_from is not None and cfg.resume:
+  if resume_from is not None and rc.resume:
     finished = run_record.finished_summary(run_dir, resume_from, setup.total_steps)
     if finished is not None:
       log.info("run already complete (%d steps): keeping its summary.json", resume_from)
@@ -136,11 +142,10 @@ def _train(cfg: DictConfig, run_dir: Path, plan, stop: StopRequest) -> dict[str,
     log.info("resumed from %s at step %d", checkpointer.directory, resume_from)
     return state
 
-  config = OmegaConf.to_container(cfg, resolve=True)
-  metrics = logs.MetricsLog(run_dir, cfg.logger, config, resume_step=start if start else None)
+  metrics = logs.MetricsLog(run_dir, rc.logger, resolved, resume_step=start if start else None)
   try:
     return _run(
-      cfg, run_dir, setup, initial_state, start, checkpointer, metrics, config, stop, build_s
+      rc, run_dir, setup, initial_state, start, checkpointer, metrics, resolved, stop, build_s
     )
   finally:
     metrics.close()
@@ -149,7 +154,7 @@ def _train(cfg: DictConfig, run_dir: Path, plan, stop: StopRequest) -> dict[str,
 class _Loop(NamedTuple):
   """What the steps of a run need, fixed for the run."""
 
-  cfg: DictConfig
+  rc: RunConfig
   run_dir: Path
   setup: Setup
   compiled: CompiledRun
@@ -175,12 +180,12 @@ class _Position:
 
 
 def _run(
-  cfg, run_dir, setup: Setup, initial_state, start, checkpointer, metrics, config, stop, build_s
+  rc, run_dir, setup: Setup, initial_state, start, checkpointer, metrics, resolved, stop, build_s
 ):
   """:func:`_train` once the run is built: compile, train from step ``start``, write down
   summary.json, raise what stopped the run early."""
   task, plan = setup.task, setup.plan
-  eval_every = setup.steps_per_epoch if cfg.eval_every == "epoch" else int(cfg.eval_every)
+  eval_every = setup.steps_per_epoch if rc.eval_every == "epoch" else rc.eval_every
   evals = (
     [e for e in run_record.read_events(run_dir, strict=True) if e["event"] == "eval"]
     if metrics.writer
@@ -189,15 +194,15 @@ def _run(
   # The whole dataset on every device; each step gathers its batch by index on the devices.
   train_arrays = sharding.put(task.train_arrays, plan.replicated)
   val_arrays = sharding.put(task.val_arrays, plan.replicated)
-  batch_indices = _batch_indices_by_step(setup, cfg)
+  batch_indices = _batch_indices_by_step(setup, rc)
   compiled = compilation.compile_run(
-    setup, setup.frozen, train_arrays, val_arrays, batch_indices(start), cfg, start
+    setup, setup.frozen, train_arrays, val_arrays, batch_indices(start), rc, resolved, start
   )
   # Only now the optimizer state (build(materialize=False)): compile-time scratch and the
   # state (Ginger's U) are never on the device at once.
   state = initial_state()
-  record = summary.startup_record(config, cfg, setup, state, compiled, train_arrays, build_s)
-  _log_startup(setup, cfg, compiled, record["flops_per_iter"], build_s)
+  record = summary.startup_record(resolved, rc, setup, state, compiled, train_arrays, build_s)
+  _log_startup(setup, rc, compiled, record["flops_per_iter"], build_s)
   # What is resident before the first step (state, data, compiled code) and the high-water
   # mark so far (compilation and autotuning): the end's peak_memory_bytes above this one
   # means the training steps or the evaluations raised it.
@@ -205,12 +210,12 @@ def _run(
   record["memory_in_use_before_training_bytes"] = before.get("bytes_in_use")
   record["peak_memory_before_training_bytes"] = before.get("peak_bytes_in_use")
   data = (train_arrays, val_arrays, batch_indices)
-  loop = _Loop(cfg, run_dir, setup, compiled, *data, eval_every, metrics, checkpointer, stop, evals)
+  loop = _Loop(rc, run_dir, setup, compiled, *data, eval_every, metrics, checkpointer, stop, evals)
   at = _Position(state, start, checkpointer.latest_step(), agreed(stop(start)))
   failure = _train_steps_until_stopped(loop, at)
   status, error = _status(at, failure, setup.total_steps, checkpointer)
   record |= summary.end_record(
-    task, at.state, status, error, setup.total_steps, int(cfg.batch_size), at.step_times, evals
+    task, at.state, status, error, setup.total_steps, rc.batch_size, at.step_times, evals
   )
   if jax.process_index() == 0:
     try:
@@ -228,11 +233,11 @@ def _run(
   return record
 
 
-def _batch_indices_by_step(setup: Setup, cfg) -> Callable[[int], jax.Array]:
+def _batch_indices_by_step(setup: Setup, rc: RunConfig) -> Callable[[int], jax.Array]:
   """A step's batch indices, placed on the mesh (split on its ``data`` axis)."""
-  batch_size, steps_per_epoch = int(cfg.batch_size), setup.steps_per_epoch
+  batch_size, steps_per_epoch = rc.batch_size, setup.steps_per_epoch
   # One shuffle per epoch, not per step (the order is a pure function of seed and epoch).
-  order = functools.lru_cache(maxsize=2)(lambda epoch: setup.task.batch_order(int(cfg.seed), epoch))
+  order = functools.lru_cache(maxsize=2)(lambda epoch: setup.task.batch_order(rc.seed, epoch))
 
   def batch_indices(step):
     epoch, i = divmod(step, steps_per_epoch)
@@ -241,7 +246,7 @@ def _batch_indices_by_step(setup: Setup, cfg) -> Callable[[int], jax.Array]:
   return batch_indices
 
 
-def _log_startup(setup: Setup, cfg, compiled: CompiledRun, flops_per_iter: dict, build_s):
+def _log_startup(setup: Setup, rc: RunConfig, compiled: CompiledRun, flops_per_iter: dict, build_s):
   """The start-up's lines: build and compile times, the run's length and FLOPs per step."""
   log.info(
     "built in %.1f s; %d programs lowered and compiled in %.1f s",
@@ -253,7 +258,7 @@ def _log_startup(setup: Setup, cfg, compiled: CompiledRun, flops_per_iter: dict,
     "%d steps (%d per epoch), batch %d; FLOPs/iter analytic %.3g, XLA %s",
     setup.total_steps,
     setup.steps_per_epoch,
-    int(cfg.batch_size),
+    rc.batch_size,
     flops_per_iter["analytic"],
     flops_per_iter["xla"],
   )
@@ -321,13 +326,11 @@ def _train_steps(loop: _Loop, at: _Position) -> None:
   """The steps from ``at.done`` to the end or to a stop request, moving ``at`` along: logs at
   the log steps, evaluates at the evaluation steps, saves at the checkpoint steps and where
   the run is asked to stop; a NaN/Inf loss raises."""
-  cfg, checkpointer, total = loop.cfg, loop.checkpointer, loop.setup.total_steps
+  rc, checkpointer, total = loop.rc, loop.checkpointer, loop.setup.total_steps
   progress = logs.Progress(total, at.done)
   intervals = _Intervals(at.done, at.step_times)
   single = jax.process_count() == 1
-  trace = profiling.StepTrace(
-    loop.run_dir / profiling.FOLDER, cfg.get("profile_start") or 0, cfg.get("profile_steps") or 0
-  )
+  trace = profiling.StepTrace(loop.run_dir / profiling.FOLDER, rc.profile_start, rc.profile_steps)
   try:
     for step in range(at.done, total if at.stopped_by is None else at.done):
       trace.before(step, at.state)
@@ -336,13 +339,13 @@ def _train_steps(loop: _Loop, at: _Position) -> None:
       at.done = done = step + 1
       trace.after(done, at.state)
       at_eval = done % loop.eval_every == 0 or done == total
-      at_ckpt = done % int(cfg.checkpoint_every) == 0 or done == total
-      at_log = done % int(cfg.log_every) == 0 or at_eval or at_ckpt
+      at_ckpt = done % rc.checkpoint_every == 0 or done == total
+      at_log = done % rc.log_every == 0 or at_eval or at_ckpt
       at.stopped_by = _stop_request(loop.stop, done, total, single, at_log)
       if at_log or at.stopped_by:
         stats = jax.device_get(at.state.stats)
         if stats["nonfinite"]:
-          raise NonFiniteLossError(_nonfinite_message(cfg, done, stats, at.last_good, checkpointer))
+          raise NonFiniteLossError(_nonfinite_message(rc, done, stats, at.last_good, checkpointer))
       if at_log:
         _log_train(loop, at.state, stats, done, intervals.lap(done), intervals.steps, progress)
       elif progress.due():  # no terminal, log steps far apart: a line with rate and ETA
@@ -391,7 +394,7 @@ def _stop_request(stop: StopRequest, done: int, total: int, single: bool, at_log
 def _log_train(loop: _Loop, state, stats, done: int, elapsed: float, steps: int, progress):
   """A log step's train record (``steps`` steps in ``elapsed`` seconds since the last one), the
   progress line, and every ``spectrum_every`` steps the curvature's spectrum."""
-  cfg = loop.cfg
+  rc = loop.rc
   loop.metrics.write(
     "train",
     done,
@@ -402,10 +405,10 @@ def _log_train(loop: _Loop, state, stats, done: int, elapsed: float, steps: int,
     lr=loop.setup.schedule(done - 1),
     epoch=done / loop.setup.steps_per_epoch,
     step_time_s=elapsed / max(steps, 1),
-    examples_per_s=int(cfg.batch_size) * steps / max(elapsed, 1e-9),
+    examples_per_s=rc.batch_size * steps / max(elapsed, 1e-9),
   )
   progress.update(done, loss=float(stats["last_loss"]))
-  if cfg.spectrum_every and done % int(cfg.spectrum_every) == 0:
+  if rc.spectrum_every and done % rc.spectrum_every == 0:
     spectrum = jax.device_get(ginger.curvature_spectrum(state.opt_state))
     if spectrum:
       loop.metrics.write("spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()})
@@ -415,7 +418,7 @@ def _evaluate_and_log(loop: _Loop, state, stats, done: int, progress) -> None:
   """An evaluation step's eval record (with the mean training loss so far) and its line."""
   setup = loop.setup
   result = evaluate(
-    setup.task, loop.compiled.eval_step, state, setup.frozen, loop.val_arrays, loop.cfg
+    setup.task, loop.compiled.eval_step, state, setup.frozen, loop.val_arrays, loop.rc
   )
   epoch_mean = float(stats["loss_sum"] / max(int(stats["loss_count"]), 1))
   record = loop.metrics.write("eval", done, **result, train_loss_mean=epoch_mean)
@@ -426,13 +429,13 @@ def _evaluate_and_log(loop: _Loop, state, stats, done: int, progress) -> None:
   )
 
 
-def _nonfinite_message(cfg, done: int, stats, last_good: int | None, checkpointer) -> str:
+def _nonfinite_message(rc, done: int, stats, last_good: int | None, checkpointer) -> str:
   where = (
     f"The last good checkpoint is step {last_good} in {checkpointer.directory}."
     if last_good is not None
-    else f"No checkpoint was saved before it (checkpoint_every={cfg.checkpoint_every})."
+    else f"No checkpoint was saved before it (checkpoint_every={rc.checkpoint_every})."
   )
   return (
     f"the training loss became NaN/Inf at or before step {done} (last loss "
-    f"{stats['last_loss']}); {divergence_advice(cfg)}. {where}"
+    f"{stats['last_loss']}); {divergence_advice(rc)}. {where}"
   )

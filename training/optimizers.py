@@ -1,6 +1,7 @@
-"""Builds the optax optimizer and learning-rate schedule from the Hydra config.
+"""Builds the optax optimizer and learning-rate schedule from a run's checked config.
 
 The optimizers themselves (their keys, builders, FLOPs) are training/registry.py's entries.
+``rc`` is the run's :class:`~training.run_config.RunConfig`.
 """
 
 from __future__ import annotations
@@ -9,70 +10,71 @@ import optax
 
 import ginger
 from training import registry
+from training.run_config import RunConfig
 
 SCHEDULES = ("constant", "warmup_constant", "cosine")
 
 
-def clip_bound(cfg) -> float | None:
+def clip_bound(rc: RunConfig) -> float | None:
   """The bound whose exceedances the training log counts (metric ``clip_fraction``): a
   curvature optimizer's element-wise clip ``rho``, or 1 where it runs unclipped (the share the
   authors' clip would change); None for the others."""
-  if not registry.keeps_curvature(cfg.optimizer.name):
+  if not registry.keeps_curvature(rc.optimizer.name):
     return None
-  return 1.0 if cfg.rho is None else float(cfg.rho)
+  return 1.0 if rc.optimizer.rho is None else rc.optimizer.rho
 
 
-def reorthonormalise_every(cfg) -> int:
+def reorthonormalise_every(rc: RunConfig) -> int:
   """Curvature updates between the training loop's re-orthonormalisations of Ginger's ``U``
   (``ginger.default_reorthonormalise_every`` of ``optimizer.state_dtype``); 0 for the other
   optimizers. The loop runs them as a program of their own (``training.steps.make_steps``), so
   Ginger's registry entry builds it with ``reorthonormalise_every=0``."""
-  if cfg.optimizer.name != "ginger":
+  if rc.optimizer.name != "ginger":
     return 0
-  return ginger.default_reorthonormalise_every(cfg.optimizer.get("state_dtype") or "float32")
+  return ginger.default_reorthonormalise_every(rc.optimizer.state_dtype or "float32")
 
 
-def learning_rate(cfg, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
-  """The schedule of ``cfg.schedule`` peaking at ``cfg.lr``: constant (the paper's),
+def learning_rate(rc: RunConfig, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
+  """The schedule of ``rc.schedule`` peaking at ``rc.lr``: constant (the paper's),
   warmup_constant (a linear warm-up over ``warmup_epochs``, as the authors' code) or cosine
   (decay to 0 over the run)."""
-  lr = float(cfg.lr)
+  lr = rc.lr
   if not lr > 0:
-    raise ValueError(f"lr must be > 0, got {cfg.lr}.")
-  if cfg.schedule == "constant":
+    raise ValueError(f"lr must be > 0, got {rc.lr}.")
+  if rc.schedule == "constant":
     return optax.constant_schedule(lr)
-  if cfg.schedule == "warmup_constant":
-    warmup = max(1, int(cfg.warmup_epochs * steps_per_epoch))
+  if rc.schedule == "warmup_constant":
+    warmup = max(1, int(rc.warmup_epochs * steps_per_epoch))
     return optax.join_schedules(
       [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]
     )
-  if cfg.schedule == "cosine":
+  if rc.schedule == "cosine":
     return optax.cosine_decay_schedule(lr, max(1, total_steps))
-  raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}.")
+  raise ValueError(f"schedule must be one of {SCHEDULES}, got {rc.schedule!r}.")
 
 
 def build_optimizer(
-  cfg, schedule: optax.Schedule, sharding: ginger.sharding.StateSharding | None = None
+  rc: RunConfig, schedule: optax.Schedule, sharding: ginger.sharding.StateSharding | None = None
 ) -> optax.GradientTransformationExtraArgs:
-  """The optimizer named by ``cfg.optimizer.name`` (its registry entry's ``build``), chained
+  """The optimizer named by ``rc.optimizer.name`` (its registry entry's ``build``), chained
   after the decoupled decay of ``weight_decay`` where that is set. ``sharding``: where the
   optimizer state's big arrays are split (``Plan.optimizer_sharding``), for Ginger to pin its
   step's stacked vectors to the same rows; None when not split."""
-  tx = registry.get(cfg.optimizer.name).build(cfg, schedule, sharding)
-  if cfg.weight_decay:
-    tx = optax.chain(optax.add_decayed_weights(float(cfg.weight_decay)), tx)
+  tx = registry.get(rc.optimizer.name).build(rc.optimizer, schedule, sharding)
+  if rc.weight_decay:
+    tx = optax.chain(optax.add_decayed_weights(rc.weight_decay), tx)
   return optax.with_extra_args_support(tx)
 
 
-def divergence_advice(cfg) -> str:
+def divergence_advice(rc: RunConfig) -> str:
   """What to change when the loss of this optimizer's run became NaN/Inf."""
-  name = cfg.optimizer.name
-  clip = "" if cfg.grad_clip else ", or clip the gradient (grad_clip=1.0)"
+  name, opt = rc.optimizer.name, rc.optimizer
+  clip = "" if rc.grad_clip else ", or clip the gradient (grad_clip=1.0)"
   if name == "ginger":
     # Unclipped, directions outside span U are scaled by 1/gamma.
-    rho = " or clip the update (rho=1)" if cfg.rho is None else ""
-    return f"lower lr (now {cfg.lr}), raise gamma (now {cfg.gamma}){rho}{clip}"
-  return f"lower lr (now {cfg.lr}){clip}"
+    rho = " or clip the update (rho=1)" if opt.rho is None else ""
+    return f"lower lr (now {rc.lr}), raise gamma (now {opt.gamma}){rho}{clip}"
+  return f"lower lr (now {rc.lr}){clip}"
 
 
 __all__ = [

@@ -9,10 +9,11 @@ of its updates. Everything else reads the entries:
 
 * ``training/config_check.py``: the allowed ``optimizer.name`` values, each key's check, and
   the warnings for a key the chosen optimizer ignores;
+* ``training/run_config.py``: the typed optimizer part of a checked config
+  (:class:`OptimizerConfig`, from :func:`optimizer_config`: the values of the keys it reads);
 * ``training/optimizers.py``: the transformation (:attr:`Optimizer.build`);
-* ``training/steps.py``: whether a step has a d-pass (:func:`keeps_curvature`), its
-  ``curvature_every`` and ``passes``; ``training/summary.py``: the analytic FLOPs
-  (:func:`update_flops`);
+* ``training/steps.py``: whether a step has a d-pass (:func:`keeps_curvature`);
+  ``training/summary.py``: the analytic FLOPs (:func:`update_flops`);
 * ``training/run_record.py``: which hyperparameters are part of a run's identity;
 * ``training/config_doc.py``, ``results/tables.py``, ``results/plots.py``: names and order.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,10 +51,10 @@ PAPER_ORDER = ("momentum", "adam", "qng", "ginger")
 # checker of training/config_check.py (its ``number``, ``integer``, ``choice``, ``check`` and
 # ``bad`` methods), which records any problem with the key, the bad value and what is allowed.
 Check = Callable[[Any, str, "Optimizer"], Any]
-# ``build(cfg, schedule, sharding)``: the optax transformation, before weight decay and
-# ``with_extra_args_support`` (training/optimizers.py adds both). ``cfg`` is the resolved
-# config, ``schedule`` the learning rate, ``sharding`` where the state's big arrays are split
-# (``ginger.sharding.StateSharding``) or None.
+# ``build(opt, schedule, sharding)``: the optax transformation, before weight decay and
+# ``with_extra_args_support`` (training/optimizers.py adds both). ``opt`` is the run's
+# :class:`OptimizerConfig`, ``schedule`` the learning rate, ``sharding`` where the state's big
+# arrays are split (``ginger.sharding.StateSharding``) or None.
 Build = Callable[[Any, Any, Any], Any]
 # ``update_flops(sizes, *, tau, block, curvature_update)``: FLOPs of one update over parameter
 # leaves of ``sizes`` (``curvature_update=False``: a step that only preconditions).
@@ -163,6 +165,91 @@ class Optimizer:
     return own + (FISHER_KEYS if self.curvature else ())
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """The optimizer part of a checked run config (:func:`optimizer_config`): the values of the
+  keys its registry entry reads (:attr:`Optimizer.keys`), typed, and None for those it does not
+  read (``optimizer=adam tau=4``: ``tau`` is None, as the config check warned).
+
+  Attributes:
+    name: ``optimizer.name``.
+    b1, b2, eps: ``optimizer.b1`` (the first-moment decay), ``optimizer.b2``, ``optimizer.eps``.
+    state_dtype: ``optimizer.state_dtype``, the dtype a curvature optimizer stores its state in.
+    tau: the rank, the curvature directions kept.
+    alpha: the decay of the curvature's moving average.
+    gamma: Ginger's damping, ``G = gamma I + U diag(sigma) U^T``.
+    rho: the element-wise clip of the update to ``[-rho, rho]``; None: no clip.
+    block: ``per_tensor`` (one curvature per tensor) or ``global``.
+    curvature_every: K, the steps between curvature updates; 1 (every step, the paper) for an
+      optimizer without :attr:`Optimizer.curvature_every`, and where the config says null.
+    passes: how Ginger's passes over ``U`` run (``jnp``, ``pallas``, ``auto``; null in the config:
+      the library's default, ``jnp``). ``auto`` is left to the library
+      (``ginger._src.kernels.resolve_impl``: the Pallas kernels on GPUs, the jnp passes
+      elsewhere), also on a state split over several devices, where the kernels run per device
+      under ``shard_map`` on each device's rows and are still faster than the jnp passes.
+    extra: the values of the keys it reads that none of the fields above holds (an optimizer
+      registered with keys of its own), by their dotted key.
+  """
+
+  name: str
+  b1: float | None = None
+  b2: float | None = None
+  eps: float | None = None
+  state_dtype: str | None = None
+  tau: int | None = None
+  alpha: float | None = None
+  gamma: float | None = None
+  rho: float | None = None
+  block: str | None = None
+  curvature_every: int = 1
+  passes: str | None = None
+  extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+
+# The type of each OptimizerConfig field a key is read into (by the key's last name: both
+# ``tau`` and ``optimizer.b1`` name a field).
+_FIELD_TYPES = {
+  "b1": float,
+  "b2": float,
+  "eps": float,
+  "state_dtype": str,
+  "tau": int,
+  "alpha": float,
+  "gamma": float,
+  "rho": float,
+  "block": str,
+  "curvature_every": int,
+  "passes": str,
+}
+
+
+def optimizer_config(config: Mapping) -> OptimizerConfig:
+  """The :class:`OptimizerConfig` of a resolved config that passed the config check (its
+  values are as the entry's checks allow them; this only types them)."""
+  optimizer = get(config["optimizer"]["name"])
+  fields: dict[str, Any] = {}
+  extra: dict[str, Any] = {}
+  for key in optimizer.keys:
+    value = _select(config, key)
+    field = key.rsplit(".", 1)[-1]
+    if field in _FIELD_TYPES:
+      fields[field] = None if value is None else _FIELD_TYPES[field](value)
+    else:
+      extra[key] = value
+  if not optimizer.curvature_every or fields.get("curvature_every") is None:
+    fields.pop("curvature_every", None)  # 1: every step
+  if "passes" in fields:
+    fields["passes"] = fields["passes"] or "jnp"
+  return OptimizerConfig(optimizer.name, **fields, extra=types.MappingProxyType(extra))
+
+
+def _select(config: Mapping, key: str) -> Any:
+  """The value at dotted ``key`` of ``config``."""
+  for part in key.split("."):
+    config = config[part]
+  return config
+
+
 _REGISTRY: dict[str, Optimizer] = {}
 
 
@@ -248,52 +335,26 @@ def update_flops(
   )
 
 
-def curvature_every(cfg) -> int:
-  """Steps between curvature updates (``curvature_every``; 1 = every step, the paper).
-
-  Only an optimizer with :attr:`Optimizer.curvature_every` has it (config_check refuses another
-  value for the other curvature optimizers and warns that the rest ignore it); 1 for them, and
-  where null. Returned as given otherwise: ``ginger.ginger`` refuses what is not an int >= 1
-  (no silent ``int(2.5)``).
-  """
-  value = cfg.curvature_every
-  optimizer = find(cfg.optimizer.name)
-  return 1 if value is None or optimizer is None or not optimizer.curvature_every else value
-
-
-def passes(cfg) -> str:
-  """How Ginger's passes over ``U`` run (``passes``: jnp | pallas | auto; null: the library's
-  default, "jnp"). "auto" is left to the library (``ginger._src.kernels.resolve_impl``: the
-  Pallas kernels on GPUs, the jnp passes elsewhere), also on an optimizer state split over several
-  devices, where the kernels run per device under ``shard_map`` on each device's rows and are
-  still faster than the jnp passes."""
-  return cfg.passes or "jnp"
-
-
 # ----------------------------------------------------------------------------- the optimizers
 
 
-def _rho(cfg) -> float | None:
-  return None if cfg.rho is None else float(cfg.rho)
-
-
-def _build_ginger(cfg, schedule, sharding):
+def _build_ginger(opt: OptimizerConfig, schedule, sharding):
   import ginger
 
   return ginger.ginger(
     schedule,
-    tau=int(cfg.tau),
-    alpha=float(cfg.alpha),
-    gamma=float(cfg.gamma),
-    b1=float(cfg.optimizer.b1),
-    rho=_rho(cfg),
-    block=cfg.block,
-    state_dtype=cfg.optimizer.state_dtype,
+    tau=opt.tau,
+    alpha=opt.alpha,
+    gamma=opt.gamma,
+    b1=opt.b1,
+    rho=opt.rho,
+    block=opt.block,
+    state_dtype=opt.state_dtype,
     # The loop re-orthonormalises as a program of its own (optimizers.reorthonormalise_every):
     # a lax.cond in every step would stop the host on GPUs.
     reorthonormalise_every=0,
-    curvature_every=curvature_every(cfg),
-    passes=passes(cfg),
+    curvature_every=opt.curvature_every,
+    passes=opt.passes,
     sharding=sharding,
   )
 
@@ -306,17 +367,17 @@ def _ginger_flops(sizes, *, tau, block, curvature_update=True, **_) -> float:
   return elementwise_flops(sizes) + flops.ginger_update_flops(sizes, int(tau), block)
 
 
-def _build_qng(cfg, schedule, sharding):
+def _build_qng(opt: OptimizerConfig, schedule, sharding):
   import ginger
 
   return ginger.qng(
     schedule,
-    tau=int(cfg.tau),
-    alpha=float(cfg.alpha),
-    b1=float(cfg.optimizer.b1),
-    block=cfg.block,
-    rho=_rho(cfg),
-    state_dtype=cfg.optimizer.state_dtype,
+    tau=opt.tau,
+    alpha=opt.alpha,
+    b1=opt.b1,
+    block=opt.block,
+    rho=opt.rho,
+    state_dtype=opt.state_dtype,
   )
 
 
@@ -326,17 +387,16 @@ def _qng_flops(sizes, *, tau, **_) -> float:
   return elementwise_flops(sizes) + flops.qng_update_flops(sizes, int(tau))
 
 
-def _build_adam(cfg, schedule, sharding):
+def _build_adam(opt: OptimizerConfig, schedule, sharding):
   import optax
 
-  opt = cfg.optimizer
-  return optax.adam(schedule, b1=float(opt.b1), b2=float(opt.b2), eps=float(opt.eps))
+  return optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
 
 
-def _build_momentum(cfg, schedule, sharding):
+def _build_momentum(opt: OptimizerConfig, schedule, sharding):
   import optax
 
-  return optax.sgd(schedule, momentum=float(cfg.optimizer.b1))
+  return optax.sgd(schedule, momentum=opt.b1)
 
 
 DECAY = number(0, 1, closed=(True, False))  # an EMA's decay rate, in [0, 1)

@@ -1,6 +1,7 @@
 """Everything a run needs, built from its config: the task's data, the model, the optimizer,
 the initial state and the jitted steps (:func:`build`, shared by the training loop and
-evaluate.py), after the checks that need neither data nor compilation (:func:`check`).
+evaluate.py), after the checks that need neither data nor compilation (:func:`check`), which
+turn the raw config into the typed :class:`~training.run_config.RunConfig` that all of it reads.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from omegaconf import DictConfig
 from models.tasks import Task, build_task
 from training import sharding
 from training.compilation import use_compilation_cache
-from training.config_check import ConfigError, check_config
+from training.config_check import ConfigError
 from training.optimizers import (
   build_optimizer,
   clip_bound,
   learning_rate,
   reorthonormalise_every,
 )
-from training.registry import curvature_every, passes
+from training.run_config import RunConfig, parse
 from training.steps import (
   TrainState,
   fisher_backward,
@@ -69,6 +70,7 @@ class Setup(NamedTuple):
   # The shared d-pass's backward as fisher_backward resolved it for this mesh and model
   # (batched, sequential or local); None where the step has no shared d-pass.
   fisher_backward: str | None = None
+  rc: RunConfig | None = None  # the checked config it was built from
 
   def updates_curvature(self, step: int) -> bool:
     """Whether step ``step`` (0-based) runs ``train_step`` (else ``precondition_step``).
@@ -96,23 +98,30 @@ class Setup(NamedTuple):
     return every * (n * m - 1)
 
 
-def check(cfg: DictConfig) -> sharding.Plan:
-  """Everything about ``cfg`` that can be checked without data or compiling; the mesh."""
-  sharding.initialize_distributed(cfg.get("distributed", "auto"))  # before any JAX work
-  check_config(cfg)
-  use_compilation_cache(cfg.get("compilation_cache_dir"))  # before the first compilation
-  build_optimizer(cfg, learning_rate(cfg, 1, 1))  # the library's own checks of its arguments
-  if cfg.optimizer.name == "ginger" and passes(cfg) == "pallas" and jax.default_backend() != "gpu":
+def check(cfg: DictConfig) -> tuple[RunConfig, sharding.Plan]:
+  """Everything about ``cfg`` that can be checked without data or compiling: the config
+  itself, typed (:func:`training.run_config.parse`), and the mesh (:func:`prepare`)."""
+  rc = parse(cfg)  # reads the config only: before any JAX work
+  return rc, prepare(rc)
+
+
+def prepare(rc: RunConfig) -> sharding.Plan:
+  """The process's JAX set-up for a checked config (multi-host start-up, the compilation
+  cache), the library's own checks of the optimizer's arguments, and the mesh."""
+  sharding.initialize_distributed(rc.distributed)  # before any JAX work
+  use_compilation_cache(rc.compilation_cache_dir)  # before the first compilation
+  build_optimizer(rc, learning_rate(rc, 1, 1))  # the library's own checks of its arguments
+  if rc.optimizer.passes == "pallas" and jax.default_backend() != "gpu":
     log.warning(
       "passes=pallas on %s: the Pallas kernels run in JAX's interpreter there, a test harness "
       "(the demo on 2 CPU cores: 2.5 steps/s against 52 with passes=jnp); passes=auto takes the "
       "kernels on GPUs and the jnp passes elsewhere.",
       jax.default_backend(),
     )
-  plan = sharding.plan_from_config(cfg.get("mesh"))
-  if int(cfg.batch_size) % plan.data_size:
+  plan = sharding.plan_from_config(rc.mesh)
+  if rc.batch_size % plan.data_size:
     raise ConfigError(
-      f"batch_size {cfg.batch_size} must be divisible by the {plan.data_size} "
+      f"batch_size {rc.batch_size} must be divisible by the {plan.data_size} "
       "devices of the mesh's data axis (mesh.data)."
     )
   return plan
@@ -130,32 +139,32 @@ class ModelGraphs(NamedTuple):
   backward: str | None
 
 
-def split_model(model, cfg, plan: sharding.Plan) -> ModelGraphs:
+def split_model(model, rc: RunConfig, plan: sharding.Plan) -> ModelGraphs:
   """``model``'s graphs in training and inference mode, its parameters and its other state."""
   model.train()
   graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
   model.eval()
   graphdef_eval = nnx.split(model, nnx.Param, ...)[0]
   model.train()
-  backward = fisher_backward(cfg, plan, model) if shared_d_pass(cfg) else None
+  backward = fisher_backward(rc, plan, model) if shared_d_pass(rc) else None
   graphdef_per_shard = None
   if backward == "local":
-    graphdef_per_shard = per_shard_graphdef(model, int(cfg.batch_size), plan.data_size)
+    graphdef_per_shard = per_shard_graphdef(model, rc.batch_size, plan.data_size)
   return ModelGraphs(graphdef_train, graphdef_eval, graphdef_per_shard, params, rest, backward)
 
 
-def schedule_length(task: Task, cfg) -> tuple[int, int]:
-  """``(steps_per_epoch, total_steps)`` of a run of ``cfg`` on ``task``."""
-  steps_per_epoch = task.num_train // int(cfg.batch_size)
+def schedule_length(task: Task, rc: RunConfig) -> tuple[int, int]:
+  """``(steps_per_epoch, total_steps)`` of a run of ``rc`` on ``task``."""
+  steps_per_epoch = task.num_train // rc.batch_size
   if steps_per_epoch < 1:
     raise ConfigError(
-      f"batch_size {cfg.batch_size} is larger than the training set ({task.num_train})."
+      f"batch_size {rc.batch_size} is larger than the training set ({task.num_train})."
     )
-  total_steps = int(cfg.max_steps) if cfg.max_steps else int(cfg.epochs) * steps_per_epoch
+  total_steps = rc.max_steps if rc.max_steps else rc.epochs * steps_per_epoch
   return steps_per_epoch, total_steps
 
 
-def initial_state(tx, trainable, rest, cfg, plan: sharding.Plan, materialize: bool):
+def initial_state(tx, trainable, rest, rc: RunConfig, plan: sharding.Plan, materialize: bool):
   """``(state, init_state, state_shardings)``: the initial state, with ``materialize=False``
   its optimizer state as shapes and shardings only; ``init_state()``, the initial state on
   the devices (a fresh one each call); where :class:`TrainState`'s leaves live."""
@@ -164,8 +173,8 @@ def initial_state(tx, trainable, rest, cfg, plan: sharding.Plan, materialize: bo
     trainable,
     rest,
     jax.eval_shape(tx.init, trainable),  # shapes only: built by init_state
-    jax.random.key(int(cfg.seed)),
-    initial_stats(clip_bound(cfg)),
+    jax.random.key(rc.seed),
+    initial_stats(clip_bound(rc)),
   )
   state_shardings = plan.state(state)
   # Everything but the optimizer state on the devices now (small next to it).
@@ -189,8 +198,13 @@ def initial_state(tx, trainable, rest, cfg, plan: sharding.Plan, materialize: bo
   return placed._replace(opt_state=shapes), init_state, state_shardings
 
 
-def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool = True) -> Setup:
+def build(
+  cfg: DictConfig | RunConfig, plan: sharding.Plan | None = None, materialize: bool = True
+) -> Setup:
   """Checks ``cfg``, loads the task's data, builds model, optimizer and the jitted steps.
+
+  ``cfg``: the raw config, checked and typed here (:func:`check`), or a config :func:`check`
+  typed already; ``plan``: the mesh :func:`check` (:func:`prepare`) gave, else made here.
 
   ``materialize=False``: ``Setup.state``'s optimizer state is shapes and shardings only
   (``jax.ShapeDtypeStruct``), enough to compile every program; ``Setup.init_state()`` builds
@@ -199,17 +213,18 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
   never on the device at once: together they would set the run's memory high-water mark far
   above the state's own size.
   """
-  plan = check(cfg) if plan is None else plan
-  task = build_task(cfg)
-  graphs = split_model(task.model, cfg, plan)
+  rc = cfg if isinstance(cfg, RunConfig) else parse(cfg)
+  plan = prepare(rc) if plan is None else plan
+  task = build_task(rc)
+  graphs = split_model(task.model, rc, plan)
   trainable = task.trainable_params(graphs.params)
   sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(trainable)]
   n_model = int(sum(np.prod(x.shape) for x in jax.tree.leaves(graphs.params)))
-  steps_per_epoch, total_steps = schedule_length(task, cfg)
-  schedule = learning_rate(cfg, steps_per_epoch, total_steps)
-  tx = build_optimizer(cfg, schedule, plan.optimizer_sharding)
+  steps_per_epoch, total_steps = schedule_length(task, rc)
+  schedule = learning_rate(rc, steps_per_epoch, total_steps)
+  tx = build_optimizer(rc, schedule, plan.optimizer_sharding)
   state, init_state, state_shardings = initial_state(
-    tx, trainable, graphs.rest, cfg, plan, materialize
+    tx, trainable, graphs.rest, rc, plan, materialize
   )
   frozen = sharding.put(task.frozen_params(graphs.params), plan.replicated)
   steps = make_steps(
@@ -217,7 +232,7 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     graphs.train,
     graphs.eval,
     tx,
-    cfg,
+    rc,
     plan,
     state_shardings,
     graphs.backward,
@@ -237,9 +252,10 @@ def build(cfg: DictConfig, plan: sharding.Plan | None = None, materialize: bool 
     n_model,
     plan,
     steps.precondition_step,
-    curvature_every(cfg) if steps.precondition_step is not None else 1,
+    rc.optimizer.curvature_every if steps.precondition_step is not None else 1,
     init_state,
     steps.reorthonormalise_step,
-    reorthonormalise_every(cfg),
+    reorthonormalise_every(rc),
     graphs.backward,
+    rc,
   )

@@ -172,12 +172,12 @@ class Plan:
     }
 
 
-def plan_from_config(mesh_cfg) -> Plan:
-  mesh_cfg = mesh_cfg or {}
+def plan_from_config(mesh) -> Plan:
+  """The plan of a run's ``mesh`` (``training.run_config.MeshConfig``)."""
   return Plan(
-    make_mesh(mesh_cfg.get("data", -1), mesh_cfg.get("model", 1)),
-    bool(mesh_cfg.get("shard_optimizer_state", True)),
-    int(mesh_cfg.get("min_shard_size", state_sharding.MIN_SIZE)),
+    make_mesh(mesh.data, mesh.model),
+    mesh.shard_optimizer_state,
+    state_sharding.MIN_SIZE if mesh.min_shard_size is None else mesh.min_shard_size,
   )
 
 

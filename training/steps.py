@@ -26,7 +26,7 @@ from training import sharding
 from training.config_check import ConfigError
 from training.optimizers import clip_bound
 from training.optimizers import reorthonormalise_every as reorthonormalise_every_of
-from training.registry import curvature_every, keeps_curvature, passes
+from training.registry import keeps_curvature
 
 
 class TrainState(NamedTuple):
@@ -94,13 +94,14 @@ def clip_fraction(updates, lr: jax.Array, rho: float) -> jax.Array:
 # ---------------------------------------------------------------------------- the d-pass
 
 
-def shared_d_pass(cfg) -> bool:
+def shared_d_pass(rc) -> bool:
   """Whether the training step's d-pass reuses its forward (a curvature optimizer with
-  ``fisher_forward=shared``), the only case ``fisher_backward`` applies to."""
-  return keeps_curvature(cfg.optimizer.name) and cfg.fisher_forward != "eval"
+  ``fisher_forward=shared``), the only case ``fisher_backward`` applies to. ``rc``: the run's
+  ``training.run_config.RunConfig``, as everywhere here."""
+  return keeps_curvature(rc.optimizer.name) and rc.fisher_forward != "eval"
 
 
-def fisher_backward(cfg, plan: sharding.Plan, model: nnx.Module | None = None) -> str:
+def fisher_backward(rc, plan: sharding.Plan, model: nnx.Module | None = None) -> str:
   """The shared d-pass's backward (config ``fisher_backward``). ``auto`` is ``batched`` where
   the batch is on one device; where it is split over several, ``local`` if ``model`` allows it
   (no state but parameters and BatchNorm statistics: :func:`per_shard_refusal`), else
@@ -114,7 +115,7 @@ def fisher_backward(cfg, plan: sharding.Plan, model: nnx.Module | None = None) -
   pull-back inside ``jax.shard_map``, each device on its own shard
   (:func:`ginger.fisher.value_grad_and_fisher_per_device`): one backward and no gathers, the
   fastest where the model allows it."""
-  value = cfg.get("fisher_backward") or "auto"
+  value = rc.fisher_backward
   if value != "auto":
     return value
   if plan.data_size == 1:
@@ -216,7 +217,7 @@ def make_steps(
   graphdef_train,
   graphdef_eval,
   tx,
-  cfg,
+  rc,
   plan: sharding.Plan,
   state_shardings,
   backward: str | None = None,
@@ -258,7 +259,7 @@ def make_steps(
     return logits, nnx.split(model, nnx.Param, ...)[2]
 
   graphdefs = (graphdef_train, graphdef_eval, graphdef_per_shard)
-  step = _train_step_fn(task, apply, graphdefs, tx, cfg, plan, backward, schedule)
+  step = _train_step_fn(task, apply, graphdefs, tx, rc, plan, backward, schedule)
 
   def jitted(needs_fisher: bool):
     return jax.jit(
@@ -268,18 +269,18 @@ def make_steps(
       out_shardings=state_shardings,
     )
 
-  curvature = keeps_curvature(cfg.optimizer.name)
-  precondition_step = jitted(False) if curvature and curvature_every(cfg) > 1 else None
+  curvature = keeps_curvature(rc.optimizer.name)
+  precondition_step = jitted(False) if curvature and rc.optimizer.curvature_every > 1 else None
   train_step = jitted(curvature)
   reorthonormalise = None
-  if reorthonormalise_every_of(cfg):
-    reorthonormalise = reorthonormalise_step(cfg, plan, state_shardings)
+  if reorthonormalise_every_of(rc):
+    reorthonormalise = reorthonormalise_step(rc, plan, state_shardings)
   eval_step = make_eval_step(task, graphdef_eval, plan)
   return Steps(train_step, eval_step, precondition_step, reorthonormalise)
 
 
 def _train_step_fn(
-  task, apply, graphdefs, tx, cfg, plan: sharding.Plan, backward: str | None, schedule
+  task, apply, graphdefs, tx, rc, plan: sharding.Plan, backward: str | None, schedule
 ):
   """The training step as a Python function ``step(state, frozen, arrays, idx, *,
   needs_fisher)``: the batch, the loss gradient (with ``needs_fisher`` and the d-pass: one of
@@ -288,9 +289,9 @@ def _train_step_fn(
   frozen, rest, inputs) -> (logits, rest)``; ``graphdefs``: the training, evaluation and
   per-shard graphs (:func:`make_steps`)."""
   graphdef_train, graphdef_eval, graphdef_per_shard = graphdefs
-  clip = optax.clip_by_global_norm(float(cfg.grad_clip)) if cfg.grad_clip else None
-  rho = clip_bound(cfg)
-  separate = cfg.fisher_forward == "eval"
+  clip = optax.clip_by_global_norm(rc.grad_clip) if rc.grad_clip else None
+  rho = clip_bound(rc)
+  separate = rc.fisher_forward == "eval"
 
   def step(state: TrainState, frozen, arrays, idx, *, needs_fisher: bool):
     # Split as on every step, also where fisher_key goes unused: the batch's randomness and
@@ -309,16 +310,16 @@ def _train_step_fn(
         mask,
         (frozen, state.rest),
         mesh=plan.mesh,
-        fisher=cfg.fisher,
+        fisher=rc.fisher,
       )
     elif needs_fisher and not separate:
       (loss, rest), grads, extra["fisher_grads"] = d_pass_shared(
-        forward, state.trainable, labels, fisher_key, mask, fisher=cfg.fisher, backward=backward
+        forward, state.trainable, labels, fisher_key, mask, fisher=rc.fisher, backward=backward
       )
     elif needs_fisher:
       eval_forward = lambda p: apply(graphdef_eval, p, frozen, state.rest, inputs)[0]
       (loss, rest), grads, extra["fisher_grads"] = d_pass_separate(
-        forward, eval_forward, state.trainable, labels, fisher_key, mask, fisher=cfg.fisher
+        forward, eval_forward, state.trainable, labels, fisher_key, mask, fisher=rc.fisher
       )
     else:
       (loss, rest), grads = loss_and_grads(forward, state.trainable, labels, mask)
@@ -331,16 +332,16 @@ def _train_step_fn(
     updates, opt_state = tx.update(grads, state.opt_state, state.trainable, **extra)
     trainable = optax.apply_updates(state.trainable, updates)
     stats = next_stats(state.stats, loss, grad_norm)
-    if "clip_fraction" in state.stats:  # initial_stats(clip_bound(cfg)) decides
+    if "clip_fraction" in state.stats:  # initial_stats(clip_bound(rc)) decides
       stats["clip_fraction"] = clip_fraction(updates, schedule(state.step), rho)
     return TrainState(state.step + 1, trainable, rest, opt_state, rng, stats)
 
   return step
 
 
-def reorthonormalise_step(cfg, plan: sharding.Plan, state_shardings):
+def reorthonormalise_step(rc, plan: sharding.Plan, state_shardings):
   """The state with Ginger's ``U`` re-orthonormalised (``ginger.reorthonormalise``), which the
-  loop runs after every ``optimizers.reorthonormalise_every(cfg)``-th curvature update
+  loop runs after every ``optimizers.reorthonormalise_every(rc)``-th curvature update
   (``Setup.reorthonormalises_after``). Ginger's update is built without its own
   (``reorthonormalise_every=0``): that one is a ``lax.cond`` in every step, and on a GPU an
   XLA conditional stops the host until the device has caught up, so the kernels after it
@@ -348,7 +349,7 @@ def reorthonormalise_step(cfg, plan: sharding.Plan, state_shardings):
 
   def reorthonormalise(state: TrainState) -> TrainState:
     opt_state = ginger.reorthonormalise(
-      state.opt_state, passes=passes(cfg), sharding=plan.optimizer_sharding
+      state.opt_state, passes=rc.optimizer.passes, sharding=plan.optimizer_sharding
     )
     return state._replace(opt_state=opt_state)
 

@@ -20,7 +20,8 @@ from models import flops
 from models.tasks import Task
 from training import logs, run_record, sharding
 from training.compilation import CompiledRun
-from training.registry import curvature_every, keeps_curvature, update_flops
+from training.registry import keeps_curvature, update_flops
+from training.run_config import RunConfig
 
 FLOPS_METHOD = {
   "analytic": "conv/dense (or transformer matmul) count: 3x forward "
@@ -43,13 +44,13 @@ def device_shared() -> bool:
   return os.environ.get("GINGER_DEVICE_SHARED", "") not in ("", "0")
 
 
-def flops_per_iter(task: Task, cfg, sizes: list[int], steps: dict, every: int) -> dict:
+def flops_per_iter(task: Task, rc: RunConfig, sizes: list[int], steps: dict, every: int) -> dict:
   """One training step's FLOPs, counted (:func:`analytic_flops`) and as XLA reports them for
   the compiled ``steps`` (``CompiledRun.steps``; None where it does not); with
   ``curvature_every`` K = ``every`` > 1 both the mean over K steps."""
   xla = {update: xla_flops(c) for update, c in steps.items()}  # with the update, without
   return {
-    "analytic": analytic_flops(task, cfg, sizes),
+    "analytic": analytic_flops(task, rc, sizes),
     # The mean over K steps, as the analytic count (K = 1: the one step's count).
     "xla": None
     if None in xla.values()
@@ -58,9 +59,11 @@ def flops_per_iter(task: Task, cfg, sizes: list[int], steps: dict, every: int) -
 
 
 def startup_record(
-  config: dict, cfg, setup, state, compiled: CompiledRun, train_arrays, build_s: float
+  config: dict, rc: RunConfig, setup, state, compiled: CompiledRun, train_arrays, build_s: float
 ) -> dict[str, Any]:
-  """summary.json's keys known before the first step. ``setup``: the run's
+  """summary.json's keys known before the first step. ``config``: the run's resolved config
+  (plain containers), which summary.json records; ``rc``: the same, checked and typed;
+  ``setup``: the run's
   ``training.run_setup.Setup``; ``state``: its initial state, on the devices; ``build_s``:
   the seconds :func:`training.run_setup.build` took."""
   memory = {update: xla_memory(c) for update, c in compiled.steps.items()}
@@ -77,7 +80,7 @@ def startup_record(
     "optimizer_state_bytes_per_device": sharding.bytes_per_device(state.opt_state),
     "steps_per_epoch": setup.steps_per_epoch,
     "flops_per_iter": flops_per_iter(
-      setup.task, cfg, setup.sizes, compiled.steps, setup.curvature_every
+      setup.task, rc, setup.sizes, compiled.steps, setup.curvature_every
     ),
     "flops_method": FLOPS_METHOD,
     "xla_memory_analysis": memory[True],  # the step with the curvature update
@@ -137,25 +140,25 @@ def end_record(
   )
 
 
-def analytic_flops(task: Task, cfg, sizes: list[int]) -> float:
+def analytic_flops(task: Task, rc: RunConfig, sizes: list[int]) -> float:
   """One training step: the task's forward FLOPs times the step's passes, plus the update.
 
   With ``curvature_every`` K > 1 the mean over K steps: one with the d-pass and the curvature
   update, K - 1 with neither (they only precondition).
   """
-  name = cfg.optimizer.name
-  curvature = keeps_curvature(name)
-  forward = task.forward_flops_per_example() * int(cfg.batch_size)
+  opt = rc.optimizer
+  curvature = keeps_curvature(opt.name)
+  forward = task.forward_flops_per_example() * rc.batch_size
 
   def step(update: bool) -> float:
     pass_flops = flops.train_step_flops(
-      forward, fisher_forward=cfg.fisher_forward if curvature and update else None
+      forward, fisher_forward=rc.fisher_forward if curvature and update else None
     )
     return pass_flops + update_flops(
-      name, sizes, tau=cfg.tau, block=cfg.block, curvature_update=update
+      opt.name, sizes, tau=opt.tau, block=opt.block, curvature_update=update
     )
 
-  every = curvature_every(cfg)
+  every = opt.curvature_every
   return step(True) if every == 1 else (step(True) + (every - 1) * step(False)) / every
 
 
