@@ -838,12 +838,14 @@ def ginger(
     >>> params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
     >>> logits_fn = lambda p: x @ p["w"] + p["b"]
     >>> tx = ginger.ginger(learning_rate=1e-2, tau=2, rho=1.0)
+    >>> @jax.jit
+    ... def step(params, state, key):
+    ...   (loss, _), grads, d = ginger.fisher.value_grad_and_fisher(logits_fn, params, y, key)
+    ...   updates, state = tx.update(grads, state, params, fisher_grads=d)
+    ...   return optax.apply_updates(params, updates), state, loss
     >>> state = tx.init(params)
     >>> for t in range(30):
-    ...   (loss, _), grads, d = ginger.fisher.value_grad_and_fisher(
-    ...     logits_fn, params, y, jax.random.key(t))
-    ...   updates, state = tx.update(grads, state, params, fisher_grads=d)
-    ...   params = optax.apply_updates(params, updates)
+    ...   params, state, loss = step(params, state, jax.random.key(t))
     >>> print(bool(loss < 0.6))  # from log(2) = 0.69
     True
 
