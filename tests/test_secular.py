@@ -76,7 +76,7 @@ def test_exact_zeros_stay_exactly_zero():
   and a zero with ``z = 0`` is deflated outright."""
   d = jnp.asarray([[2.0, 1.0, 0.0, 0.0, 0.0, 0.0], [2.0, 1.0, 0.0, 0.0, 0.0, -1.0]])
   z = jnp.asarray([[1.0, 2.0, 0.3, -0.2, 0.1, 0.5], [1.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
-  w, v = secular.eigh_diag_plus_rank_one(d, z, 0.1)
+  w, v = jax.jit(secular.eigh_diag_plus_rank_one)(d, z, 0.1)
   assert np.sum(np.asarray(w[0]) == 0.0) == 3  # 4 zeros, one lifted
   assert np.sum(np.asarray(w[1]) == 0.0) == 3  # 3 zeros, none reached (z = 0 there)
   assert float(w[1, -1]) == -1.0
@@ -115,7 +115,7 @@ def test_float32_at_least_as_accurate_as_dense_eigh(x64, n):
   d = jnp.asarray(np.stack([c[1] for c in cases]), jnp.float32)
   z = jnp.asarray(np.stack([c[2] for c in cases]), jnp.float32)
   rho = jnp.asarray([c[3] for c in cases], jnp.float32)
-  w, v = secular.eigh_diag_plus_rank_one(d, z, rho)
+  w, v = jax.jit(secular.eigh_diag_plus_rank_one)(d, z, rho)  # one program, not op by op
   m = d[..., None] * jnp.eye(n) + rho[:, None, None] * z[:, :, None] * z[:, None, :]
   wd, vd = lowrank.sorted_eigh(m)
   small_sec, small_dense = [], []
@@ -160,7 +160,7 @@ def test_brand_core_is_diagonal_plus_rank_one(x64, in_span):
     expected[k, k] = -1.0  # the marker of the empty slot
   np.testing.assert_allclose(core, expected, atol=1e-14)
   for solver in ("secular", "dense"):
-    w, vecs, _ = lowrank.brand_eigh(*args, solver)
+    w, vecs, _ = jax.jit(lowrank.brand_eigh, static_argnums=(5, 6))(*args, solver)
     np.testing.assert_allclose(w, np.linalg.eigvalsh(expected)[::-1], atol=1e-14)
     np.testing.assert_allclose(np.asarray(core) @ vecs, vecs * w, atol=1e-14)
 
