@@ -16,7 +16,7 @@ def _updates(optimizer, rho, lr=0.1, seed=0):
   grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
   fisher = jax.tree.map(lambda g: 0.3 * g + 0.1, grads)
   tx = optimizer(lr, tau=2, rho=rho)
-  updates, _ = tx.update(grads, tx.init(params), params, fisher_grads=fisher)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params, fisher_grads=fisher)
   return updates
 
 
