@@ -233,6 +233,11 @@ def _first_residual(u, v, a, inv_l1):
   return (v - _matvec(u, a)) * inv_l1[..., None]
 
 
+def _second_residual(u, g, y):
+  """``q1 = g - U y``: one expression for :func:`_residual_sums_jnp` and :func:`_residual_jnp`."""
+  return g - _matvec(u, y)
+
+
 def _project_pair_jnp(u, v, g):
   cy = _row_sums(u, [v, g])
   return cy[..., 0], cy[..., 1], jnp.sum(jnp.abs(v), axis=-1)
@@ -240,7 +245,7 @@ def _project_pair_jnp(u, v, g):
 
 def _residual_sums_jnp(u, v, g, a, inv_l1, ay, with_p1=False):
   p1 = _first_residual(u, v, a, inv_l1)
-  q1 = g - _matvec(u, ay)
+  q1 = _second_residual(u, g, ay)
   vs = v * inv_l1[..., None]
   sums = _row_sums(u, [p1, q1])
   sums = (sums[..., 0], _vdot(p1, p1), _vdot(p1, q1), _vdot(vs, vs), sums[..., 1])
@@ -249,7 +254,7 @@ def _residual_sums_jnp(u, v, g, a, inv_l1, ay, with_p1=False):
 
 def _residual_jnp(u, g, y):
   """Pass 2 for ``g`` alone: :func:`_residual_sums_jnp`'s ``q1`` and ``U^T q1``."""
-  q1 = g - _matvec(u, y)
+  q1 = _second_residual(u, g, y)
   return _row_sums(u, [q1])[..., 0], q1
 
 
@@ -559,6 +564,14 @@ def _first_residual_tile(t: _Tiles, u, v, a, inv_l1):
   return p1.astype(t.state_dtype).astype(t.dtype)
 
 
+def _second_residual_tile(t: _Tiles, u, g, y):
+  """``q1 = g - U y`` of a tile, rounded to the state dtype like the reference's: one
+  expression for :func:`_residual_kernel` and :func:`_q1_kernel`, so that both give the same
+  ``q1``."""
+  q1 = g - jnp.sum(u * y[None, :], axis=1)
+  return q1.astype(t.state_dtype).astype(t.dtype)
+
+
 def _residual_kernel(t: _Tiles, with_p1: bool):
   def kernel(u_ref, v_ref, g_ref, a_ref, inv_l1_ref, ay_ref, out_ref, p1_ref=None, q1_ref=None):
     a, inv_l1, ay = t.small(a_ref), t.scalar(inv_l1_ref), t.small(ay_ref)
@@ -570,7 +583,7 @@ def _residual_kernel(t: _Tiles, with_p1: bool):
       u = t.matrix(u_ref, step, mask)
       v, g = t.vector(v_ref, step, mask), t.vector(g_ref, step, mask)
       p1 = _first_residual_tile(t, u, v, a, inv_l1)
-      q1 = (g - jnp.sum(u * ay[None, :], axis=1)).astype(t.state_dtype).astype(t.dtype)
+      q1 = _second_residual_tile(t, u, g, ay)
       if with_p1:
         rows = pl.ds(step * t.tile, t.tile)
         plgpu.store(p1_ref.at[rows], p1.astype(p1_ref.dtype), mask=mask)
@@ -636,7 +649,7 @@ def _q1_kernel(t: _Tiles):
       mask = t.row_mask(left, step)
       u = t.matrix(u_ref, step, mask)
       g = t.vector(g_ref, step, mask)
-      q1 = (g - jnp.sum(u * y[None, :], axis=1)).astype(t.state_dtype).astype(t.dtype)
+      q1 = _second_residual_tile(t, u, g, y)
       plgpu.store(q1_ref.at[pl.ds(step * t.tile, t.tile)], q1.astype(q1_ref.dtype), mask=mask)
       return c3 + u * q1[:, None]
 
