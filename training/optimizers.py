@@ -25,13 +25,13 @@ def clip_bound(rc: RunConfig) -> float | None:
 
 
 def reorthonormalise_every(rc: RunConfig) -> int:
-  """Curvature updates between the training loop's re-orthonormalisations of Ginger's ``U``
-  (``ginger.default_reorthonormalise_every`` of ``optimizer.state_dtype``); 0 for the other
-  optimizers. The loop runs them as a program of their own (``training.steps.make_steps``), so
-  Ginger's registry entry builds it with ``reorthonormalise_every=0``."""
-  if rc.optimizer.name != "ginger":
-    return 0
-  return ginger.default_reorthonormalise_every(rc.optimizer.state_dtype or "float32")
+  """Curvature updates between the training loop's re-orthonormalisations of the optimizer's
+  bases (its registry entry's ``reorthonormalise_every``: Ginger's is
+  ``ginger.default_reorthonormalise_every`` of ``optimizer.state_dtype``); 0 for an optimizer
+  without one. The loop runs them as a program of their own (``training.steps.make_steps``),
+  so Ginger's registry entry builds it with ``reorthonormalise_every=0``."""
+  period = registry.get(rc.optimizer.name).reorthonormalise_every
+  return 0 if period is None else period(rc.optimizer)
 
 
 def learning_rate(rc: RunConfig, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
@@ -67,14 +67,13 @@ def build_optimizer(
 
 
 def divergence_advice(rc: RunConfig) -> str:
-  """What to change when the loss of this optimizer's run became NaN/Inf."""
-  name, opt = rc.optimizer.name, rc.optimizer
+  """What to change when the loss of this optimizer's run became NaN/Inf: the learning rate,
+  the optimizer's own knobs (its registry entry's ``advice``), the gradient clip where it is
+  off."""
+  advice = registry.get(rc.optimizer.name).advice
+  own = "" if advice is None else f", {advice(rc.optimizer)}"
   clip = "" if rc.grad_clip else ", or clip the gradient (grad_clip=1.0)"
-  if name == "ginger":
-    # Unclipped, directions outside span U are scaled by 1/gamma.
-    rho = " or clip the update (rho=1)" if opt.rho is None else ""
-    return f"lower lr (now {rc.lr}), raise gamma (now {opt.gamma}){rho}{clip}"
-  return f"lower lr (now {rc.lr}){clip}"
+  return f"lower lr (now {rc.lr}){own}{clip}"
 
 
 __all__ = [

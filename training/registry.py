@@ -59,6 +59,12 @@ Build = Callable[[Any, Any, Any], Any]
 # ``update_flops(sizes, *, tau, block, curvature_update)``: FLOPs of one update over parameter
 # leaves of ``sizes`` (``curvature_update=False``: a step that only preconditions).
 UpdateFlops = Callable[..., float]
+# ``reorthonormalise_every(opt)``: curvature updates between the loop's re-orthonormalisations
+# of the state's bases (a program of their own), from the run's :class:`OptimizerConfig`.
+ReorthonormaliseEvery = Callable[[Any], int]
+# ``advice(opt)``: what of its own to change after a NaN/Inf loss, beside the learning rate
+# ("raise gamma (now 1e-05)"), from the run's :class:`OptimizerConfig`.
+Advice = Callable[[Any], str]
 
 
 def number(low: float, high: float | None = None, *, closed=(True, True), optional=False) -> Check:
@@ -148,6 +154,10 @@ class Optimizer:
     curvature_every: whether its curvature may be updated every K-th step only
       (``curvature_every`` = K > 1; the other steps precondition with the curvature they have).
     update_flops: FLOPs of one update (:data:`UpdateFlops`): by default the element-wise work.
+    reorthonormalise_every: the period of the loop's re-orthonormalisation of its state
+      (:data:`ReorthonormaliseEvery`); None: it has none.
+    advice: its own knobs against a diverging loss (:data:`Advice`); None: the learning rate
+      and the gradient clip are all there is.
   """
 
   name: str
@@ -157,6 +167,8 @@ class Optimizer:
   curvature: bool = False
   curvature_every: bool = False
   update_flops: UpdateFlops = elementwise_flops
+  reorthonormalise_every: ReorthonormaliseEvery | None = None
+  advice: Advice | None = None
 
   @property
   def hyperparameters(self) -> tuple[str, ...]:
@@ -350,13 +362,25 @@ def _build_ginger(opt: OptimizerConfig, schedule, sharding):
     rho=opt.rho,
     block=opt.block,
     state_dtype=opt.state_dtype,
-    # The loop re-orthonormalises as a program of its own (optimizers.reorthonormalise_every):
-    # a lax.cond in every step would stop the host on GPUs.
+    # The loop re-orthonormalises as a program of its own (_ginger_reorthonormalise_every): a
+    # lax.cond in every step would stop the host on GPUs.
     reorthonormalise_every=0,
     curvature_every=opt.curvature_every,
     passes=opt.passes,
     sharding=sharding,
   )
+
+
+def _ginger_reorthonormalise_every(opt: OptimizerConfig) -> int:
+  import ginger
+
+  return ginger.default_reorthonormalise_every(opt.state_dtype or "float32")
+
+
+def _ginger_advice(opt: OptimizerConfig) -> str:
+  # Unclipped, directions outside span U are scaled by 1/gamma.
+  rho = " or clip the update (rho=1)" if opt.rho is None else ""
+  return f"raise gamma (now {opt.gamma}){rho}"
 
 
 def _ginger_flops(sizes, *, tau, block, curvature_update=True, **_) -> float:
@@ -422,6 +446,8 @@ register(
     curvature=True,
     curvature_every=True,
     update_flops=_ginger_flops,
+    reorthonormalise_every=_ginger_reorthonormalise_every,
+    advice=_ginger_advice,
   )
 )
 register(
