@@ -1246,11 +1246,13 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
     cells += [fmt_num(run.get("best_val_accuracy"), "f2")]
     clip = "clip ρ=1" if rfield(run, "rho") is not None else "no clip (share |u| ≥ 1)"
     label = f"{optimizer_label(rfield(run, 'optimizer'), rfield(run, 'tau'))}, {clip}"
+    if rfield(run, "alpha") not in (PAPER_ALPHA, None):
+      label += f", α={rfield(run, 'alpha')}"
     table.rows.append(Row(f"{label}, {rfield(run, 'block')} ({rfield(run, 'sweep')})", cells))
   return _finish(table, logged, [])
 
 
-CLIP_ROW = ("optimizer", "tau", "rho", "block", "sweep", "seed")
+CLIP_ROW = ("optimizer", "tau", "rho", "block", "alpha", "sweep", "seed")
 
 
 def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:

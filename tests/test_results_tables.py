@@ -898,3 +898,16 @@ def test_clip_fraction_table_averages_the_logged_share_by_stretch(tmp_path):
     "25.0 %",
     "88.00",
   ]
+
+
+def test_clip_fraction_table_names_an_alpha_other_than_the_papers(tmp_path):
+  root = tmp_path / "runs"
+  events = [{"event": "train", "step": 5, "epoch": 0.5, "clip_fraction": 0.2}]
+  for alpha in (0.9, 0.99):
+    ginger = {"optimizer": "ginger", "tau": 8, "alpha": alpha, "rho": 1.0, "block": "per_tensor"}
+    make_run(root, f"a{alpha}", ginger, events=events, best_val_accuracy=88.0)
+  table = tables.build_clip_fraction(tables.collect_runs([root]), "cifar100")
+  assert sorted(r.label for r in table.rows) == [
+    "Ginger (τ=8), clip ρ=1, per_tensor (table1)",
+    "Ginger (τ=8), clip ρ=1, α=0.9, per_tensor (table1)",
+  ]
