@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -218,21 +219,20 @@ class OptimizerConfig:
   extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
 
-# The type of each OptimizerConfig field a key is read into (by the key's last name: both
-# ``tau`` and ``optimizer.b1`` name a field).
-_FIELD_TYPES = {
-  "b1": float,
-  "b2": float,
-  "eps": float,
-  "state_dtype": str,
-  "tau": int,
-  "alpha": float,
-  "gamma": float,
-  "rho": float,
-  "block": str,
-  "curvature_every": int,
-  "passes": str,
-}
+def _field_types() -> dict[str, type]:
+  """The type of each :class:`OptimizerConfig` field a key is read into (by the key's last
+  name: both ``tau`` and ``optimizer.b1`` name a field), from the dataclass's annotations
+  (``float | None``: float). ``name`` and ``extra`` are not read from a key of that name."""
+  hints = typing.get_type_hints(OptimizerConfig)
+  found = {}
+  for field in dataclasses.fields(OptimizerConfig):
+    if field.name not in ("name", "extra"):
+      kinds = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
+      (found[field.name],) = kinds or [hints[field.name]]  # one type: it converts the value
+  return found
+
+
+_FIELD_TYPES = _field_types()
 
 
 def optimizer_config(config: Mapping) -> OptimizerConfig:
