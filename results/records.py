@@ -3,6 +3,7 @@
     python -m results.records add <archive> <run_dir>... [--root DIR]
     python -m results.records list <archive>
     python -m results.records extract <archive> <dest> [--path PATH ...]
+    python -m results.records split <archive>
 
 An archive ``<name>.runs.jsonl.gz`` stands for the folder ``<name>/`` beside it: each line is
 one run dir below that folder, and every reader (results.tables, results.plots,
@@ -10,6 +11,23 @@ results.compare, sweeps.best_lr) sees an archived run as the plain run dir it wa
 at the same path (``<the archive's folder>/<the line's "path">``). Roots hold plain run dirs,
 archives, or both; an archive may also be named as a root itself. A plain run dir on disk wins
 over an archived run of the same path.
+
+A folder's runs may also be split over archives below it, at any depth, the deepest archive
+holding a path being the one read: ``split`` replaces ``<name>.runs.jsonl.gz`` by one archive
+per folder directly below ``<name>/`` (``table1/cifar10_resnet18_30ep/<arm>.runs.jsonl.gz``
+for ``table1/cifar10_resnet18_30ep.runs.jsonl.gz``, its lines' paths starting at ``<arm>/``),
+and the readers see the same run dirs. ``add``, ``list`` and ``extract`` take an archive's
+name whether it is split or not: ``add`` packs each run into the deepest archive on its path
+that exists, else beside the archives of a split folder (a new arm gets an archive of its
+own), so the command adding runs stays the same::
+
+    python -m results.records add results/cifar10/runs/table1/cifar10_resnet18_30ep.runs.jsonl.gz \\
+      multirun/table1/cifar10_resnet18_30ep/*/seed=*
+
+``list`` and ``extract`` read every archive below ``<name>/`` with ``<name>.runs.jsonl.gz``,
+their paths as ``<name>.runs.jsonl.gz`` would store them. A committed file stays under 2 MB
+(tests/test_results_records.py): an archive that grows past it is split, and an arm's archive
+past it split again, into one archive per seed.
 
 One line per run, keys in this order:
 
@@ -160,20 +178,80 @@ def write_archive(archive: str | Path, lines: Iterable[str]) -> None:
   os.replace(temporary, target)
 
 
+def _archives_below(folder: Path) -> Iterator[Path]:
+  """The archives anywhere below ``folder`` (none where it is not a folder)."""
+  for dirpath, dirnames, filenames in os.walk(folder):
+    dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+    yield from (Path(dirpath) / name for name in sorted(filenames) if is_archive(name))
+
+
+def _standing_for(base: Path, parts: Sequence[str], depth: int) -> tuple[Path, str]:
+  """(archive, its "path") of the run ``base/<parts>`` in the archive of ``parts[:depth]``."""
+  return base.joinpath(*parts[: depth - 1], parts[depth - 1] + SUFFIX), "/".join(parts[depth - 1 :])
+
+
+def home(archive: str | Path, path: str) -> tuple[Path, str]:
+  """(archive, its "path") a run of ``path`` (the path ``archive`` would store it under) is
+  packed into: the deepest archive on its path that exists (the one readers take it from, e.g.
+  ``<name>/<arm>.runs.jsonl.gz`` with the path ``<arm>/seed=0``); where none does, a new one
+  beside the archives of the first folder on its path that is split into archives, or
+  ``archive`` itself where ``<name>/`` holds none."""
+  base, parts = Path(archive).parent, Path(path).parts
+  for depth in range(len(parts), 0, -1):
+    if (found := _standing_for(base, parts, depth))[0].is_file():
+      return found
+  depth = 1
+  while depth < len(parts) and next(_archives_below(base.joinpath(*parts[:depth])), None):
+    depth += 1
+  return _standing_for(base, parts, depth)
+
+
 def add(
   archive: str | Path, run_dirs: Sequence[str | Path], root: str | Path | None = None
 ) -> list[tuple[str, bool]]:
-  """Packs ``run_dirs`` into ``archive`` (created if absent), each replacing the run of the same
-  path; returns (path, replaced) per run dir. Nothing is written if one cannot be packed."""
-  lines = {p: e.line for p, e in _raw_lines(Path(archive))} if Path(archive).exists() else {}
+  """Packs ``run_dirs`` into ``archive`` (created if absent), or where ``<name>/`` is split into
+  archives below it, each into the archive :func:`home` names; each replaces the run of the
+  same path. Returns (path, replaced) per run dir, the path as ``archive`` would store it.
+  Nothing is written if one cannot be packed."""
+  targets: dict[Path, dict[str, str]] = {}
   done = []
   for run_dir in run_dirs:
     path = stored_path(_run_dir(run_dir), archive, root)
-    done.append((path, path in lines))
-    lines[path] = dumps(pack_run(run_dir, path))
-  write_archive(archive, lines.values())
-  _CACHE.pop(Path(archive).absolute(), None)
+    target, stored = home(archive, path)
+    if target not in targets:
+      targets[target] = {p: e.line for p, e in _raw_lines(target)} if target.exists() else {}
+    done.append((path, stored in targets[target]))
+    targets[target][stored] = dumps(pack_run(run_dir, stored))
+  for target, lines in targets.items():
+    write_archive(target, lines.values())
+    _CACHE.pop(target.absolute(), None)
   return done
+
+
+def split(archive: str | Path) -> list[Path]:
+  """Replaces ``archive`` by one archive per folder directly below ``<name>/``
+  (``<name>/<child>.runs.jsonl.gz``, holding the runs below ``<name>/<child>/``, their paths
+  starting at ``<child>/``): every reader sees each run at the same path, and each line is the
+  same but for its path. Refuses an archive holding ``<name>/`` itself as a run, or one whose
+  children already have archives. Returns the archives written."""
+  archive = Path(archive)
+  name = folder_name(archive)
+  children: dict[str, list[str]] = {}
+  for path, entry in _raw_lines(archive):
+    parts = Path(path).parts
+    if len(parts) < 2:
+      raise ArchiveError(f"{archive}: the run {path} is the folder itself, so it cannot be split")
+    run = json.loads(entry.line)
+    run["path"] = "/".join(parts[1:])
+    children.setdefault(parts[1], []).append(dumps(run))
+  targets = {archive.parent / name / (child + SUFFIX): lines for child, lines in children.items()}
+  if existing := sorted(str(t) for t in targets if t.exists()):
+    raise ArchiveError(f"refusing to overwrite {', '.join(existing)}")
+  for target, lines in sorted(targets.items()):
+    write_archive(target, lines)
+  archive.unlink()
+  _CACHE.pop(archive.absolute(), None)
+  return sorted(targets)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -264,13 +342,37 @@ def read_run(run_dir: str | Path) -> dict[str, Any] | None:
   return None if entry is None else json.loads(entry.line)
 
 
+def members(archive: str | Path) -> list[Path]:
+  """The archives holding the runs of the folder ``archive`` stands for, sorted: itself where
+  it exists, and every archive below ``<name>/`` (where it is split into archives)."""
+  archive = Path(archive)
+  below = _archives_below(archive.parent / folder_name(archive))
+  return sorted([archive, *below] if archive.is_file() else below)
+
+
+def runs_of(archive: str | Path) -> dict[str, tuple[Path, str]]:
+  """{path: (archive, its "path")} of every run of the folder ``archive`` stands for, split
+  or not, sorted by path (the path as ``archive`` would store it); of two archives holding
+  a path, the deeper (the one readers take it from)."""
+  found = members(archive)
+  if not found:
+    folder = Path(archive).parent / folder_name(archive)
+    raise ArchiveError(f"{archive}: no such archive, and no archive below {folder}")
+  base, runs = Path(archive).parent, {}
+  for member in sorted(found, key=lambda m: len(m.parts)):
+    prefix = member.parent.relative_to(base)
+    runs.update({(prefix / path).as_posix(): (member, path) for path in _lines(member)})
+  return dict(sorted(runs.items()))
+
+
 def find_run_dirs(roots: Iterable[str | Path]) -> list[Path]:
   """Every run dir under ``roots``, sorted: dirs holding a summary.json or a metrics.jsonl, and
-  the runs of every archive there (a root may be an archive)."""
+  the runs of every archive there (a root may be an archive, split or not)."""
   found: set[Path] = set()
   for root in map(Path, roots):
-    if root.is_file() and is_archive(root):
-      found.update(archived_dirs(root))
+    if is_archive(root) and not root.is_dir():
+      for member in members(root):
+        found.update(archived_dirs(member))
     if not root.is_dir():
       continue
     for dirpath, dirnames, filenames in os.walk(root):
@@ -328,12 +430,15 @@ def read_spectrum(run_dir: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def extract(archive: str | Path, dest: str | Path, paths: Sequence[str] = ()) -> list[Path]:
-  """Writes the runs of ``archive`` (those of ``paths``, default all) as run dirs under
-  ``dest`` (``<dest>/<path>``); refuses a run dir that exists. Returns the dirs written."""
-  runs = [r for r in read_archive(archive) if not paths or r["path"] in paths]
-  if missing := sorted(set(paths) - {r["path"] for r in runs}):
+  """Writes the runs of ``archive``, split or not (those of ``paths``, default all; the path as
+  ``archive`` stores it) as run dirs under ``dest`` (``<dest>/<path>``); refuses a run dir
+  that exists. Returns the dirs written."""
+  where = runs_of(archive)
+  if missing := sorted(set(paths) - set(where)):
     raise ArchiveError(f"{archive} holds no run {', '.join(missing)}")
-  targets = [Path(dest) / r["path"] for r in runs]
+  chosen = [p for p in where if not paths or p in paths]
+  runs = [json.loads(_lines(where[p][0])[where[p][1]].line) for p in chosen]
+  targets = [Path(dest) / p for p in chosen]
   if existing := [str(t) for t in targets if t.exists()]:
     raise ArchiveError(f"refusing to overwrite {', '.join(existing)}")
   for run, target in zip(runs, targets, strict=True):
@@ -385,16 +490,25 @@ def main(argv: Sequence[str] | None = None) -> int:
   extracting.add_argument("archive", type=Path)
   extracting.add_argument("dest", type=Path, help="runs go to <dest>/<path>")
   extracting.add_argument("--path", action="append", default=[], help="only this run (repeatable)")
+  splitting = commands.add_parser(
+    "split", help="replace an archive by one archive per folder below the one it stands for"
+  )
+  splitting.add_argument("archive", type=Path)
   args = parser.parse_args(argv)
   try:
     if args.command == "add":
-      for path, replaced in add(args.archive, args.run_dirs, args.root):
+      done = add(args.archive, args.run_dirs, args.root)
+      for path, replaced in done:
         print(f"{'replaced' if replaced else 'added'} {path}")
-      print(f"{args.archive}: {len(_lines(args.archive))} runs", file=sys.stderr)
+      for target in sorted({home(args.archive, path)[0] for path, _ in done}):
+        print(f"{target}: {len(_lines(target))} runs", file=sys.stderr)
     elif args.command == "list":
-      for run in read_archive(args.archive):
-        status = (run["summary"] or {}).get("status", "no summary")
-        print(f"{args.archive.parent / run['path']}\t{status}")
+      for path, (member, stored) in runs_of(args.archive).items():
+        status = json.loads(_lines(member)[stored].summary or "{}").get("status", "no summary")
+        print(f"{args.archive.parent / path}\t{status}")
+    elif args.command == "split":
+      for target in split(args.archive):
+        print(f"wrote {target}: {len(_lines(target))} runs")
     else:
       for target in extract(args.archive, args.dest, args.path):
         print(f"wrote {target}")

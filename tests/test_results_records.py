@@ -281,3 +281,131 @@ def test_committed_records_carry_what_train_py_records() -> None:
     if record is not None:
       assert record["fingerprint"] == run_record.fingerprint(summary["config"]), line["path"]
       assert record["config"] == run_record.fingerprinted(summary["config"]), line["path"]
+
+
+def lines_but_path(archive: Path) -> dict[str, dict]:
+  """{path as ``archive`` stores it: the line without its path} of a split archive or not."""
+  lines = {}
+  for path, (member, stored) in records.runs_of(archive).items():
+    line = json.loads(records._lines(member)[stored].line)
+    assert line.pop("path") == stored
+    lines[path] = line
+  return lines
+
+
+def test_a_split_archive_reads_as_the_archive(campaign: Path) -> None:
+  """An archive split into one archive per arm, and an arm's archive split again into one per
+  seed: every reader sees the same run dirs, each line the same but for its path, and the
+  archive's name still names them all (as a root, and to list, extract and add)."""
+  archive = pack(campaign)
+  before, lines, unsplit = everything(campaign), lines_but_path(archive), archive.read_bytes()
+  folder = campaign / "table1" / EXPERIMENT
+  assert records.split(archive) == [
+    folder / "adam.runs.jsonl.gz",
+    folder / "ginger.runs.jsonl.gz",
+  ]
+  assert not archive.exists()
+  ginger = folder / "ginger" / "seed=1"
+  assert records.locate(ginger) == (folder / "ginger.runs.jsonl.gz", "ginger/seed=1")
+  assert_same(before, everything(campaign))
+  records.split(folder / "ginger.runs.jsonl.gz")
+  assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
+    "adam.runs.jsonl.gz",
+    "ginger/seed=0.runs.jsonl.gz",
+    "ginger/seed=1.runs.jsonl.gz",
+  ]
+  assert records.locate(ginger) == (folder / "ginger" / "seed=1.runs.jsonl.gz", "seed=1")
+  assert_same(before, everything(campaign))
+  assert lines_but_path(archive) == lines
+  assert tables.find_run_dirs([archive]) == before["dirs"]
+  assert [i.path for i in plots.load_runs([archive])] == before["dirs"]
+  # Extracting the split archive by its name, then packing, gives the unsplit archive's bytes.
+  written = records.extract(archive, campaign.parent / "extracted")
+  assert written == [campaign.parent / "extracted" / p for p in lines]
+  again = campaign.parent / "again" / archive.name
+  records.add(again, written)
+  assert again.read_bytes() == unsplit
+
+
+def test_a_split_archive_refuses_what_it_cannot_split(campaign: Path) -> None:
+  """An arm that has an archive already, a run at the archive's folder itself; and an archive
+  that is neither a file nor split is named as missing."""
+  archive = pack(campaign)
+  folder = campaign / "table1" / EXPERIMENT
+  records.extract(archive, campaign / "table1", [f"{EXPERIMENT}/adam/seed=0"])
+  records.add(folder / "adam.runs.jsonl.gz", [folder / "adam" / "seed=0"])
+  with pytest.raises(records.ArchiveError, match="refusing to overwrite .*adam.runs.jsonl.gz"):
+    records.split(archive)
+  assert archive.exists()
+  whole = campaign / "whole" / ("seed=0" + records.SUFFIX)
+  records.add(whole, [folder / "adam" / "seed=0"], root=folder / "adam" / "seed=0")
+  with pytest.raises(records.ArchiveError, match="is the folder itself"):
+    records.split(whole)
+  with pytest.raises(records.ArchiveError, match="no such archive"):
+    records.extract(campaign / ("missing" + records.SUFFIX), campaign / "out")
+
+
+def test_adding_to_a_split_archive_goes_to_each_run_s_archive(campaign: Path) -> None:
+  """``add`` by the archive's name after a split: a rerun replaces the run in the archive that
+  holds it, a new seed of an arm joins the arm's archive (or gets its own beside its split
+  arm's), a new arm gets its own archive; no archive of the whole folder comes back."""
+  folder = campaign / "table1" / EXPERIMENT
+  archive = archive_of(campaign)
+  records.split(pack(campaign))
+  records.split(folder / "ginger.runs.jsonl.gz")
+  multirun = campaign.parent / "multirun" / "table1" / EXPERIMENT  # where new runs are
+  make_run(multirun, "ginger/seed=0", accuracy=90.0)  # a rerun
+  make_run(multirun, "ginger/seed=2", seed=2)
+  make_run(multirun, "adam/seed=1", seed=1, optimizer="adam", tau=None, alpha=None)
+  make_run(multirun, "momentum/seed=0", optimizer="momentum", tau=None, alpha=None)
+  new = [multirun / n for n in ("ginger/seed=0", "ginger/seed=2", "adam/seed=1", "momentum/seed=0")]
+  assert records.add(archive, new) == [
+    (f"{EXPERIMENT}/ginger/seed=0", True),
+    (f"{EXPERIMENT}/ginger/seed=2", False),
+    (f"{EXPERIMENT}/adam/seed=1", False),
+    (f"{EXPERIMENT}/momentum/seed=0", False),
+  ]
+  assert not archive.exists()
+  assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == [
+    "adam.runs.jsonl.gz",
+    "ginger/seed=0.runs.jsonl.gz",
+    "ginger/seed=1.runs.jsonl.gz",
+    "ginger/seed=2.runs.jsonl.gz",
+    "momentum.runs.jsonl.gz",
+  ]
+  assert [r["path"] for r in records.read_archive(folder / "adam.runs.jsonl.gz")] == [
+    "adam/seed=0",
+    "adam/seed=1",
+  ]
+  assert records.read_summary(folder / "ginger" / "seed=0")["best_val_accuracy"] == 90.0
+  assert len(tables.find_run_dirs([campaign])) == 6
+
+
+def test_command_line_on_a_split_archive(
+  campaign: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+  folder = campaign / "table1" / EXPERIMENT
+  archive = archive_of(campaign)
+  assert records.main(["add", str(archive), str(folder / "adam" / "seed=0")]) == 0
+  capsys.readouterr()
+  assert records.main(["split", str(archive)]) == 0
+  assert capsys.readouterr().out == f"wrote {folder / 'adam.runs.jsonl.gz'}: 1 runs\n"
+  run_dirs = [str(folder / "ginger" / "seed=0"), str(folder / "adam" / "seed=0")]
+  assert records.main(["add", str(archive), *run_dirs]) == 0
+  out, err = capsys.readouterr()
+  assert out == f"added {EXPERIMENT}/ginger/seed=0\nreplaced {EXPERIMENT}/adam/seed=0\n"
+  assert (
+    err == f"{folder / 'adam.runs.jsonl.gz'}: 1 runs\n{folder / 'ginger.runs.jsonl.gz'}: 1 runs\n"
+  )
+  assert records.main(["list", str(archive)]) == 0
+  assert capsys.readouterr().out.splitlines() == [
+    f"{folder}/adam/seed=0\tcompleted",
+    f"{folder}/ginger/seed=0\tcompleted",
+  ]
+  out = tmp_path / "out"
+  assert (
+    records.main(["extract", str(archive), str(out), "--path", f"{EXPERIMENT}/ginger/seed=0"]) == 0
+  )
+  assert (out / EXPERIMENT / "ginger" / "seed=0" / "summary.json").exists()
+  assert not (out / EXPERIMENT / "adam").exists()
+
