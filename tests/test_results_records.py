@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from training import run_record
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "cifar10" / "runs"
 EXPERIMENT = "cifar10_resnet18_30ep"
+LIMIT_BYTES = 2_000_000  # 2 MB: no committed file reaches it
 
 
 def spectrum(step: int) -> dict:
@@ -409,3 +411,21 @@ def test_command_line_on_a_split_archive(
   assert (out / EXPERIMENT / "ginger" / "seed=0" / "summary.json").exists()
   assert not (out / EXPERIMENT / "adam").exists()
 
+
+def test_no_committed_file_under_results_reaches_2_mb() -> None:
+  """Every file git tracks under results/ is under 2 MB (run records included: a campaign's
+  archive that grows past it is split, ``python -m results.records split``); without git, the
+  files of a checkout's results/ but results/local/."""
+  if not (ROOT / ".git").exists():
+    pytest.skip("not a git checkout")
+  try:
+    listed = subprocess.run(
+      ["git", "ls-files", "-z", "results"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    files = [ROOT / name for name in listed.decode().split("\0") if name]
+  except (OSError, subprocess.CalledProcessError):
+    local = ROOT / "results" / "local"
+    files = [p for p in (ROOT / "results").rglob("*") if local not in p.parents]
+  sizes = {str(p.relative_to(ROOT)): p.stat().st_size for p in files if p.is_file()}
+  assert sizes
+  assert {p: s for p, s in sizes.items() if s >= LIMIT_BYTES} == {}
