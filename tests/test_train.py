@@ -475,28 +475,28 @@ def _logged_steps(metrics: Path) -> list[int]:
   return steps
 
 
-def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
-  """A real process, preempted with SIGTERM mid-run after a periodic checkpoint: it saves a
-  checkpoint at the step it reached, writes summary.json (status "interrupted") and exits 143;
-  rerunning the command continues from that checkpoint and finishes the run exactly as an
-  uninterrupted one: every step's logged numbers, the evaluations, the curvature spectrum
-  (spectrum.jsonl.gz, cut back to the checkpoint on resume, then appended to) and the final
-  state (parameters, BatchNorm statistics, optimizer state), bit for bit."""
-  # Enough steps that the signal, sent once step 5 is logged (after the step-4 checkpoint),
-  # lands mid-run: the 13 steps after it take about 0.5 s at XLA:CPU's default -O3 (2.5 s at
-  # `make test`'s -O0); the loop checks for it between steps. A multiple of eval_every, as
-  # the expected events below assume (the last step is evaluated anyway).
-  steps = 18
-  args = [
-    *RESUMED,
-    f"max_steps={steps}",
-    "checkpoint_every=4",
-    "log_every=1",
-    "eval_every=6",
-    "spectrum_every=2",
-  ]
-  run_dir = tmp_path / "run"
-  command = [sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"]
+# The preempted run: enough steps that the signal, sent once step 5 is logged (after the step-4
+# checkpoint), lands mid-run: the 13 steps after it take about 0.5 s at XLA:CPU's default -O3
+# (2.5 s at `make test`'s -O0); the loop checks for it between steps. A multiple of eval_every,
+# as the expected events below assume (the last step is evaluated anyway).
+PREEMPTED_STEPS = 18
+PREEMPTED = [
+  *RESUMED,
+  f"max_steps={PREEMPTED_STEPS}",
+  "checkpoint_every=4",
+  "log_every=1",
+  "eval_every=6",
+  "spectrum_every=2",
+]
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+  """train.py in a real process, sent SIGTERM mid-run after a periodic checkpoint, then the
+  same command rerun: (run dir, the step it stopped at, the first process's output and exit
+  code, the summary it left, the rerun's completed process)."""
+  run_dir = tmp_path_factory.mktemp("preempted") / "run"
+  command = [sys.executable, "train.py", *PREEMPTED, f"hydra.run.dir={run_dir}"]
   proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   metrics = run_dir / "metrics.jsonl"
   deadline = time.time() + 300
@@ -505,31 +505,63 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
     time.sleep(0.02)
   proc.send_signal(signal.SIGTERM)
   out = proc.communicate(timeout=300)[0].decode()
-  assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
-  # The checkpoint of the step it stopped at, and a periodic one before it (orbax keeps two).
-  *earlier, stopped = Checkpointer(run_dir).steps()
-  assert 4 < stopped < steps and earlier and earlier[-1] % 4 == 0, (earlier, out[-3000:])
+  steps = Checkpointer(run_dir).steps()
   summary = run_record.read_summary(run_dir)
-  assert summary["status"] == "interrupted" and summary["steps"] == stopped
-  assert "Traceback" not in out and f"stopped by SIGTERM at step {stopped} of {steps}" in out
-
   rerun = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+  return {
+    "run_dir": run_dir,
+    "out": out,
+    "returncode": proc.returncode,
+    "checkpoints": steps,
+    "summary": summary,
+    "rerun": rerun,
+  }
+
+
+def test_sigterm_checkpoints_and_a_rerun_continues(preempted):
+  """A real process, preempted with SIGTERM mid-run after a periodic checkpoint: it saves a
+  checkpoint at the step it reached, writes summary.json (status "interrupted") and exits 143;
+  rerunning the command continues from that checkpoint to the end: every step and evaluation
+  logged once, in order, and the curvature spectrum (spectrum.jsonl.gz, cut back to the
+  checkpoint on resume, then appended to) once per logged step. That the continued run is the
+  uninterrupted one bit for bit: the next test (``make test-all``) and, in process,
+  tests/test_curvature_every.py and tests/test_checkpoints.py."""
+  out, run_dir = preempted["out"], preempted["run_dir"]
+  assert preempted["returncode"] == 128 + signal.SIGTERM, out[-3000:]
+  # The checkpoint of the step it stopped at, and a periodic one before it (orbax keeps two).
+  *earlier, stopped = preempted["checkpoints"]
+  assert 4 < stopped < PREEMPTED_STEPS and earlier and earlier[-1] % 4 == 0, (earlier, out)
+  summary = preempted["summary"]
+  assert summary["status"] == "interrupted" and summary["steps"] == stopped
+  assert "Traceback" not in out
+  assert f"stopped by SIGTERM at step {stopped} of {PREEMPTED_STEPS}" in out
+
+  rerun = preempted["rerun"]
   assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
   assert f"at step {stopped}" in rerun.stdout + rerun.stderr  # "resumed from ... at step N"
   assert run_record.read_summary(run_dir)["status"] == "completed"
-
-  straight = tmp_path / "straight"  # the same run, never interrupted (in this process: what
-  train.train(config(*args), straight)  # train.py runs, without another start-up)
-  # Every step's loss and gradient norm and every evaluation, bit for bit.
-  logs = [list(run_record.read_events(d)) for d in (straight, run_dir)]
   expected = [
     (event, step)
-    for step in range(1, steps + 1)
+    for step in range(1, PREEMPTED_STEPS + 1)
     for event in ("train", "eval")
     if event == "train" or step % 6 == 0
   ]
-  assert [(e["event"], e["step"]) for e in logs[0]] == expected
-  assert [(e["event"], e["step"]) for e in logs[1]] == expected
+  assert [(e["event"], e["step"]) for e in run_record.read_events(run_dir)] == expected
+  spectrum = [e["step"] for e in run_record.read_spectrum(run_dir, strict=True)]
+  assert spectrum == list(range(2, PREEMPTED_STEPS + 1, 2))
+
+
+@pytest.mark.slow  # an uninterrupted run and two restores beside the preempted one, ~10 s
+def test_the_preempted_and_rerun_process_is_the_uninterrupted_run_bit_for_bit(preempted, tmp_path):
+  """The run preempted with SIGTERM and rerun (above) against the same run never interrupted:
+  every step's loss and gradient norm, every evaluation, the spectrum and the final state
+  (parameters, BatchNorm statistics, optimizer state), bit for bit."""
+  run_dir = preempted["run_dir"]
+  assert preempted["rerun"].returncode == 0
+  straight = tmp_path / "straight"  # in this process: what train.py runs, without a start-up
+  train.train(config(*PREEMPTED), straight)
+  logs = [list(run_record.read_events(d)) for d in (straight, run_dir)]
+  assert [(e["event"], e["step"]) for e in logs[0]] == [(e["event"], e["step"]) for e in logs[1]]
   for a, b in zip(*logs):
     for key in ("train_loss", "grad_norm", "min_train_loss", "val_loss", "val_accuracy"):
       assert a.get(key) == b.get(key), (a["step"], key)
@@ -537,10 +569,9 @@ def test_sigterm_checkpoints_and_a_rerun_continues_bit_for_bit(tmp_path):
     [(e["step"], e["sigma"]) for e in run_record.read_spectrum(d, strict=True)]
     for d in (straight, run_dir)
   ]
-  assert [step for step, _ in spectra[0]] == list(range(2, steps + 1, 2))
   assert spectra[0] == spectra[1]
-  like = train.build(config(*args)).state
-  a, b = (Checkpointer(d).restore(like, steps) for d in (straight, run_dir))
+  like = train.build(config(*PREEMPTED)).state
+  a, b = (Checkpointer(d).restore(like, PREEMPTED_STEPS) for d in (straight, run_dir))
   for x, y in zip(
     jax.tree.leaves((a.trainable, a.rest, a.opt_state)),
     jax.tree.leaves((b.trainable, b.rest, b.opt_state)),

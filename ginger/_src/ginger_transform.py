@@ -126,13 +126,13 @@ def scale_by_ginger(
     ``G = gamma I + (1 - alpha) g g^T``, so ``G^{-1} g = g / (gamma + (1 - alpha) ||g||^2)``:
     here per leaf, ``||g||^2`` = 6 for ``w`` and 2 for ``b``.
 
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> import ginger
     >>> params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
     >>> tx = ginger.scale_by_ginger(tau=2, alpha=0.5, gamma=1.0)
     >>> state = tx.init(params)
     >>> grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
-    >>> updates, state = tx.update(grads, state, fisher_grads=grads)
+    >>> updates, state = jax.jit(tx.update)(grads, state, fisher_grads=grads)
     >>> print(f"{float(updates['w'][0, 0]):.4f} {float(updates['b'][0]):.4f}")
     0.2500 0.5000
 

@@ -88,11 +88,11 @@ def scale_by_qng(
     One step with ``d_t = g``: ``G = alpha I + (1 - alpha) g g^T``, so
     ``G^{-1} g = g / (alpha + (1 - alpha) ||g||^2)``, here ``1 / (0.5 + 0.5 * 4) = 0.4``.
 
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> import ginger
     >>> tx = ginger.scale_by_qng(tau=2, alpha=0.5)
     >>> g = {"w": jnp.ones(4)}
-    >>> updates, _ = tx.update(g, tx.init(g), fisher_grads=g)
+    >>> updates, _ = jax.jit(tx.update)(g, tx.init(g), fisher_grads=g)
     >>> print(f"{float(updates['w'][0]):.4f}")
     0.4000
 
