@@ -160,6 +160,15 @@ class _Background:
         ) from background.error
 
 
+def _per_leaf_view(tree):
+  """:func:`ginger.checkpoint_state` of a state on the devices, each stacked object's
+  per-leaf view cut in one program (op by op, every leaf's slice would compile and dispatch a
+  program of its own: seconds at every resume)."""
+  stacked = lambda x: isinstance(x, ginger.StackedBasis | ginger.StackedSigma)  # noqa: E731
+  view = lambda x: jax.jit(type(x).tree)(x) if stacked(x) else x  # noqa: E731
+  return jax.tree.map(view, tree, is_leaf=stacked)
+
+
 def _bases_abstract(tree):
   """``tree`` with the arrays of Ginger's bases replaced by their shapes, dtypes and shardings
   (all that restoring into them reads); the rest, small, as it is."""
@@ -411,7 +420,7 @@ class Checkpointer:
       like = like()
     # The per-leaf view of `like` gives the entries' shapes and, for the bases, shardings
     # (its U is a fresh zero state: the copy lives only until `abstract` is made).
-    per_leaf = _abstract(ginger.checkpoint_state(like))
+    per_leaf = _abstract(_per_leaf_view(like))
     like = _bases_abstract(like)  # a template built here loses its U now
     saved = self._read(step, per_leaf)
     restacked = ginger.restore_checkpoint_state(saved, like)

@@ -751,7 +751,9 @@ def restore_checkpoint_state(saved, like):
     if _is_stacked(value):  # stacked otherwise: only one plan fits the template's shapes
       value = value.tree()
     _check_fits(jax.tree_util.keystr(path), template, value)
-    return type(template).from_tree(value, template.layout)
+    # One program: op by op, every leaf's padding, concatenation and stacking would compile
+    # and dispatch programs of their own (hundreds for a ResNet: seconds at every resume).
+    return jax.jit(type(template).from_tree, static_argnums=1)(value, template.layout)
 
   return jax.tree_util.tree_map_with_path(restack, like, saved, is_leaf=_is_stacked)
 
