@@ -238,17 +238,7 @@ def test_command_line(campaign: Path, tmp_path: Path, capsys: pytest.CaptureFixt
   )
   assert records.main(["add", str(archive), run_dirs[0]]) == 0
   assert capsys.readouterr().out == f"replaced {EXPERIMENT}/ginger/seed=0\n"
-  assert records.main(["list", str(archive)]) == 0
-  assert capsys.readouterr().out.splitlines() == [
-    f"{folder}/adam/seed=0\tcompleted",
-    f"{folder}/ginger/seed=0\tcompleted",
-  ]
-  out = tmp_path / "out"
-  assert (
-    records.main(["extract", str(archive), str(out), "--path", f"{EXPERIMENT}/adam/seed=0"]) == 0
-  )
-  assert (out / EXPERIMENT / "adam" / "seed=0" / "summary.json").exists()
-  assert not (out / EXPERIMENT / "ginger").exists()
+  _lists_both_and_extracts_one(archive, folder, tmp_path / "out", capsys, "adam", "ginger")
   assert records.main(["add", str(archive), str(tmp_path / "missing")]) == 2
   assert "not a run dir" in capsys.readouterr().err
 
@@ -399,17 +389,7 @@ def test_command_line_on_a_split_archive(
   assert (
     err == f"{folder / 'adam.runs.jsonl.gz'}: 1 runs\n{folder / 'ginger.runs.jsonl.gz'}: 1 runs\n"
   )
-  assert records.main(["list", str(archive)]) == 0
-  assert capsys.readouterr().out.splitlines() == [
-    f"{folder}/adam/seed=0\tcompleted",
-    f"{folder}/ginger/seed=0\tcompleted",
-  ]
-  out = tmp_path / "out"
-  assert (
-    records.main(["extract", str(archive), str(out), "--path", f"{EXPERIMENT}/ginger/seed=0"]) == 0
-  )
-  assert (out / EXPERIMENT / "ginger" / "seed=0" / "summary.json").exists()
-  assert not (out / EXPERIMENT / "adam").exists()
+  _lists_both_and_extracts_one(archive, folder, tmp_path / "out", capsys, "ginger", "adam")
 
 
 def test_no_committed_file_under_results_reaches_2_mb() -> None:
@@ -429,3 +409,16 @@ def test_no_committed_file_under_results_reaches_2_mb() -> None:
   sizes = {str(p.relative_to(ROOT)): p.stat().st_size for p in files if p.is_file()}
   assert sizes
   assert {p: s for p, s in sizes.items() if s >= LIMIT_BYTES} == {}
+
+
+def _lists_both_and_extracts_one(archive, folder, out, capsys, kept: str, left: str) -> None:
+  """``list`` names the adam and ginger runs; ``extract --path`` writes back ``kept`` only."""
+  assert records.main(["list", str(archive)]) == 0
+  assert capsys.readouterr().out.splitlines() == [
+    f"{folder}/adam/seed=0\tcompleted",
+    f"{folder}/ginger/seed=0\tcompleted",
+  ]
+  path = f"{EXPERIMENT}/{kept}/seed=0"
+  assert records.main(["extract", str(archive), str(out), "--path", path]) == 0
+  assert (out / EXPERIMENT / kept / "seed=0" / "summary.json").exists()
+  assert not (out / EXPERIMENT / left).exists()
