@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import ginger
 from ginger import fisher
@@ -57,7 +58,11 @@ def test_ginger_beats_tuned_adam_and_momentum():
   assert ginger_loss < 0.8 * min(adam, momentum), (ginger_loss, adam, momentum)
 
 
-def test_direction_approaches_exact_damped_ggn(x64):
+# tau 1 and full rank in `make test`; tau 16 between them (a program more) in `make test-all`.
+@pytest.mark.parametrize(
+  "middle", [(), pytest.param((16,), marks=pytest.mark.slow)], ids=["tau1,full", "tau1,16,full"]
+)
+def test_direction_approaches_exact_damped_ggn(x64, middle):
   x, y = X.astype(jnp.float64), Y
   rng = np.random.default_rng(1)
   params = {
@@ -100,6 +105,6 @@ def test_direction_approaches_exact_damped_ggn(x64):
     direction = jax.flatten_util.ravel_pytree(out)[0]
     return float(direction @ exact / (jnp.linalg.norm(direction) * jnp.linalg.norm(exact)))
 
-  cosines = [cosine(tau) for tau in (1, 16, flat.size)]
+  cosines = [cosine(tau) for tau in (1, *middle, flat.size)]
   assert all(b > a - 0.02 for a, b in zip(cosines, cosines[1:])), cosines
   assert cosines[-1] > 0.95 and cosines[-1] > cosines[0] + 0.2, cosines

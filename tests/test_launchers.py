@@ -102,10 +102,10 @@ def test_slurm_jobs_ask_for_one_gpu_and_sigterm_before_the_time_limit(tmp_path, 
 
 
 def test_submitit_local_multirun_runs_every_job_in_its_run_dir(tmp_path):
-  out = multirun("experiment=demo", "optimizer=adam,ginger", *FAST, f"hydra.sweep.dir={tmp_path}")
+  out = multirun("experiment=demo", "optimizer=adam,momentum", *FAST, f"hydra.sweep.dir={tmp_path}")
   text = out.stdout + out.stderr
   assert out.returncode == 0, text[-3000:]
-  for optimizer in ("adam", "ginger"):  # the run dirs of an in-process multirun
+  for optimizer in ("adam", "momentum"):  # the run dirs of an in-process multirun
     summary = run_record.read_summary(tmp_path / f"optimizer={optimizer}")
     assert summary["status"] == "completed" and summary["steps"] == 2, summary
   assert len(list((tmp_path / ".submitit").glob("*/*_result.pkl"))) == 2  # two processes
@@ -120,7 +120,9 @@ def test_submitit_local_multirun_runs_every_job_in_its_run_dir(tmp_path):
   rows = [
     line for line in compare.stdout.splitlines() if line.startswith("| ") and "---" not in line
   ]
-  assert sorted(row.split("|")[1].strip() for row in rows[1:]) == ["adam", "ginger"], compare.stdout
+  assert sorted(row.split("|")[1].strip() for row in rows[1:]) == ["adam", "momentum"], (
+    compare.stdout
+  )
 
 
 @pytest.mark.slow  # ~20 s; failed jobs listed with the default launcher: tests/test_train.py, fast
