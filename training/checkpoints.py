@@ -82,14 +82,19 @@ def _bases_on_host(tree):
   Bases spread over several processes cannot be read whole by one: they stay on the
   devices, and the per-leaf view is then a device copy of this process's part of ``U``.
   """
-  stacked = lambda x: isinstance(x, ginger.StackedBasis | ginger.StackedSigma)  # noqa: E731
 
   def to_host(x):
-    if not stacked(x) or not all(s.is_fully_addressable for s in x.stacks):
+    if not _is_stacked(x) or not all(s.is_fully_addressable for s in x.stacks):
       return x
     return type(x)([_host_copy(s) for s in x.stacks], x.layout)
 
-  return jax.tree.map(to_host, tree, is_leaf=stacked)
+  return jax.tree.map(to_host, tree, is_leaf=_is_stacked)
+
+
+def _is_stacked(x) -> bool:
+  """Ginger's state stacked by bucket (bases, momentum, per-tensor ``sigma``), which
+  :func:`ginger.checkpoint_state` saves per leaf."""
+  return isinstance(x, ginger.StackedBasis | ginger.StackedSigma)
 
 
 def _host_copy(x: jax.Array) -> np.ndarray:
@@ -164,9 +169,8 @@ def _per_leaf_view(tree):
   """:func:`ginger.checkpoint_state` of a state on the devices, each stacked object's
   per-leaf view cut in one program (op by op, every leaf's slice would compile and dispatch a
   program of its own: seconds at every resume)."""
-  stacked = lambda x: isinstance(x, ginger.StackedBasis | ginger.StackedSigma)  # noqa: E731
-  view = lambda x: jax.jit(type(x).tree)(x) if stacked(x) else x  # noqa: E731
-  return jax.tree.map(view, tree, is_leaf=stacked)
+  view = lambda x: jax.jit(ginger.checkpoint_state)(x) if _is_stacked(x) else x  # noqa: E731
+  return jax.tree.map(view, tree, is_leaf=_is_stacked)
 
 
 def _bases_abstract(tree):
