@@ -1145,6 +1145,7 @@ def _comparison_pairs(
         (f"Ginger τ={tau} − QNG τ={tau} clipped", cell("ginger", tau), control),
         (f"QNG τ={tau} clipped − QNG τ={tau}", control, cell("qng", tau)),
       ]
+  pairs += _ablation_pairs(runs, protocol, adam)
   sensitivity = TABLE_SWEEPS["table3"]
   for alpha in SENSITIVITY_ALPHAS:
     for tau in SENSITIVITY_TAUS:
@@ -1154,6 +1155,45 @@ def _comparison_pairs(
       a = select_runs(runs, {**base, "alpha": alpha}, sensitivity)
       b = select_runs(runs, {**base, "alpha": PAPER_ALPHA}, sensitivity)
       pairs.append((f"Ginger α={alpha} − α={PAPER_ALPHA}, τ={tau}", a, b))
+  return pairs
+
+
+def _variant_text(rho: Any, block: Any) -> str:
+  """ "ρ=1 per-tensor", "no clip global": an ablation variant in a comparison's label."""
+  clip = "no clip" if rho is None else f"ρ={rho:g}"
+  return f"{clip} {str(block).replace('_', '-')}"
+
+
+def _ablation_pairs(
+  runs: Sequence[Run], protocol: dict[str, Any], adam: Selection
+) -> list[tuple[str, Selection, Selection]]:
+  """The ablation's comparisons at each tau (and alpha) where Ginger has variants: every
+  variant against the authors' (clip rho = 1, per-tensor blocks) and against Adam, and the
+  unclipped variants' blocks against each other. A variant's cell is its ablation row's."""
+  pairs = []
+  for base, variants in sorted(
+    _ablation_groups(r for r in runs if matches(r, protocol)).items(),
+    key=lambda kv: tuple_key(kv[0]),
+  ):
+    if len(variants) < 2:
+      continue
+    tau = dict(zip(ABLATION_BASE, base, strict=True))["tau"]
+    cells = {}  # (rho, block) -> selection; one lr and gamma per clip and block
+    for (rho, block, _lr, _gamma), vruns in sorted(
+      variants.items(), key=lambda kv: tuple_key(kv[0])
+    ):
+      cells.setdefault((rho, block), one_configuration(vruns))
+    reference = (CLIPPED_PER_TENSOR["rho"], CLIPPED_PER_TENSOR["block"])
+    others = [v for v in cells if v != reference]
+    for variant in others:
+      name = f"Ginger τ={tau} {_variant_text(*variant)}"
+      if reference in cells:
+        pairs.append((f"{name} − {_variant_text(*reference)}", cells[variant], cells[reference]))
+      pairs.append((f"{name} − Adam", cells[variant], adam))
+    free_global, free_tensor = (None, "global"), (None, "per_tensor")
+    if free_global in cells and free_tensor in cells:
+      label = f"Ginger τ={tau} {_variant_text(*free_global)} − {_variant_text(*free_tensor)}"
+      pairs.append((label, cells[free_global], cells[free_tensor]))
   return pairs
 
 

@@ -875,6 +875,50 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
   assert qng_row.cells[0] == "3"
 
 
+def test_comparisons_cover_the_ablation_variants(tmp_path):
+  """Each ablation variant of Ginger (clip rho, block) at one tau is compared with the
+  authors' variant (clip, per-tensor; Table 1's runs of that configuration pool into it) and
+  with Adam; the two unclipped variants with each other (the block without the clip)."""
+  root = tmp_path / "runs"
+  authors = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  samples = {
+    "adam": ({}, [88.0, 87.6, 88.3]),
+    "authors": (authors, [88.1, 88.4, 87.9]),
+    "global": ({**authors, "block": "global", "sweep": "ablation"}, [85.2, 86.6]),
+    "free": ({**authors, "rho": None, "lr": 1e-6, "sweep": "ablation"}, [86.9, 86.5]),
+    "free_global": (
+      {**authors, "rho": None, "block": "global", "lr": 1e-6, "sweep": "ablation"},
+      [86.6],
+    ),
+  }
+  for name, (run, accs) in samples.items():
+    for seed, acc in enumerate(accs):
+      make_run(root, f"{name}{seed}", {**run, "seed": seed}, best_val_accuracy=acc)
+  rows = {
+    r.label: r.cells
+    for r in tables.build_comparisons(tables.collect_runs([root]), "cifar100", ["resnet18"]).rows
+  }
+  welch = tables.stats.welch
+  expected = {
+    "Ginger τ=4 ρ=1 global − ρ=1 per-tensor": welch(samples["global"][1], samples["authors"][1]),
+    "Ginger τ=4 no clip per-tensor − ρ=1 per-tensor": welch(
+      samples["free"][1], samples["authors"][1]
+    ),
+    "Ginger τ=4 ρ=1 global − Adam": welch(samples["global"][1], samples["adam"][1]),
+    "Ginger τ=4 no clip per-tensor − Adam": welch(samples["free"][1], samples["adam"][1]),
+  }
+  for label, diff in expected.items():
+    assert rows[label][2:] == [diff.text(), diff.verdict], label
+  assert rows["Ginger τ=4 ρ=1 global − ρ=1 per-tensor"][:2] == [
+    "85.90 ± 0.99 (n=2)",
+    "88.13 ± 0.25 (n=3)",
+  ]
+  # one seed: named, no interval
+  assert rows["Ginger τ=4 no clip global − no clip per-tensor"][3] == "n < 2"
+  assert rows["Ginger τ=4 no clip global − ρ=1 per-tensor"][3] == "n < 2"
+  assert "Ginger τ=4 ρ=1 per-tensor − Adam" not in rows  # Table 1's row says it
+
+
 def test_clip_fraction_table_averages_the_logged_share_by_stretch(tmp_path):
   root = tmp_path / "runs"
   ginger = {"optimizer": "ginger", "tau": 8, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
