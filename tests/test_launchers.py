@@ -101,6 +101,9 @@ def test_slurm_jobs_ask_for_one_gpu_and_sigterm_before_the_time_limit(tmp_path, 
     assert f"#SBATCH {line}\n" in sbatch, sbatch
 
 
+# ~24 s on 2 cores (two job processes, each importing JAX and compiling): `make test-all`; the
+# launcher's config is checked above, `results.compare` in tests/test_results_compare.py.
+@pytest.mark.slow
 def test_submitit_local_multirun_runs_every_job_in_its_run_dir(tmp_path):
   out = multirun("experiment=demo", "optimizer=adam,momentum", *FAST, f"hydra.sweep.dir={tmp_path}")
   text = out.stdout + out.stderr
