@@ -1177,7 +1177,9 @@ def _ablation_pairs(
   ):
     if len(variants) < 2:
       continue
-    tau = dict(zip(ABLATION_BASE, base, strict=True))["tau"]
+    setting = dict(zip(ABLATION_BASE, base, strict=True))
+    where = f"τ={setting['tau']}"  # and the alpha where not the paper's: one label per setting
+    where += f" α={setting['alpha']}" if setting["alpha"] not in (PAPER_ALPHA, None) else ""
     cells = {}  # (rho, block) -> selection; one lr and gamma per clip and block
     for (rho, block, _lr, _gamma), vruns in sorted(
       variants.items(), key=lambda kv: tuple_key(kv[0])
@@ -1186,13 +1188,13 @@ def _ablation_pairs(
     reference = (CLIPPED_PER_TENSOR["rho"], CLIPPED_PER_TENSOR["block"])
     others = [v for v in cells if v != reference]
     for variant in others:
-      name = f"Ginger τ={tau} {_variant_text(*variant)}"
+      name = f"Ginger {where} {_variant_text(*variant)}"
       if reference in cells:
         pairs.append((f"{name} − {_variant_text(*reference)}", cells[variant], cells[reference]))
       pairs.append((f"{name} − Adam", cells[variant], adam))
     free_global, free_tensor = (None, "global"), (None, "per_tensor")
     if free_global in cells and free_tensor in cells:
-      label = f"Ginger τ={tau} {_variant_text(*free_global)} − {_variant_text(*free_tensor)}"
+      label = f"Ginger {where} {_variant_text(*free_global)} − {_variant_text(*free_tensor)}"
       pairs.append((label, cells[free_global], cells[free_tensor]))
   return pairs
 
