@@ -4,17 +4,19 @@
     python -m bench.race races/cold races/warm      # run dirs collected into folders by kind
 
 Every folder below the given ones that holds a run's ``summary.json`` and ``metrics.jsonl`` is
-one row, grouped by the folder above it (e.g. ``cold`` and ``warm``: whether the compilation
-cache held the run's programs): optimizer, Ginger's K (``curvature_every``) and d-pass forward,
-seed, the seconds its programs took to lower and compile (or to read from the cache) and how
-they were lowered (read back from the programs an earlier run kept, exported, traced), the
-epochs and the seconds to the first evaluation at ``--target`` % or more, the best accuracy and
-the seconds to it, and the median step time. Seconds count from the training loop's start
-(``metrics.jsonl``'s ``wall_time_s``: compilation and evaluations included, building the data
-and model not). Then the mean of each (group, run) over its seeds, and each run's difference
-from Adam of its group in seconds to the target with its Welch 95 % interval
-(:func:`results.stats.welch`, over the seeds that reached the target; a tie where the interval
-contains 0).
+one row, grouped by the given folder and the first folder below it (a sweep's experiment,
+``curvature_every/cifar10_resnet18_30ep``, whose arms and seeds lie deeper; or ``races/cold``
+and ``races/warm``: whether the compilation cache held the run's programs); a run directly
+inside a given folder is grouped by that folder. Then optimizer, Ginger's K
+(``curvature_every``) and d-pass forward, seed, the seconds its programs took to lower and
+compile (or to read from the cache) and how they were lowered (read back from the programs an
+earlier run kept, exported, traced), the epochs and the seconds to the first evaluation at
+``--target`` % or more, the best accuracy and the seconds to it, and the median step time.
+Seconds count from the training loop's start (``metrics.jsonl``'s ``wall_time_s``: compilation
+and evaluations included, building the data and model not). Then the mean of each (group, run)
+over its seeds, and each run's difference from Adam of its group in seconds to the target with
+its Welch 95 % interval (:func:`results.stats.welch`, over the seeds that reached the target; a
+tie where the interval contains 0).
 """
 
 from __future__ import annotations
@@ -92,13 +94,20 @@ def programs_of(summary: dict) -> str:
   return "/".join(sorted({p["program"] for p in per_program if "program" in p}))
 
 
+def group_of(run_dir: Path, folder: Path) -> str:
+  """``folder``'s name and the first folder below it on the way to ``run_dir`` (``folder``'s
+  name alone for a run directly inside it): the arms of a sweep's experiment share a group."""
+  parts = run_dir.relative_to(folder).parts
+  return "/".join([folder.resolve().name, *parts[:-1][:1]])
+
+
 def collect(folders: list[Path], target: float) -> list[Race]:
   rows = []
   for folder in folders:
     for summary in sorted(folder.rglob("summary.json")):
       run_dir = summary.parent
       if (run_dir / "metrics.jsonl").is_file():
-        rows.append(race(run_dir, target, run_dir.parent.name))
+        rows.append(race(run_dir, target, group_of(run_dir, folder)))
   return sorted(rows, key=lambda r: (r.group, r.run, r.seed))
 
 

@@ -209,7 +209,7 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   summary = json.loads(summary_path.read_text())
   summary["startup_s"]["per_program"] = {"train_step": {"lower": 0.1, "program": "read"}}
   summary_path.write_text(json.dumps(summary))
-  rows = race.collect([tmp_path], target=85.0)
+  rows = race.collect([tmp_path / "warm"], target=85.0)
   assert [r.programs for r in rows] == ["", "", "read"]
   assert [(r.group, r.run, r.seed) for r in rows] == [
     ("warm", "adam", 0),
@@ -224,7 +224,7 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   )
   assert (rows[1].epochs_to_target, rows[1].s_to_target) == (4, 40.0)
   assert rows[2].epochs_to_target is None and rows[2].s_to_target is None
-  race.main([str(tmp_path)])
+  race.main([str(tmp_path / "warm")])
   out = capsys.readouterr().out
   table, means, _ = out.strip().split("\n\n")
   _check(table, expect_rows=3)
@@ -356,7 +356,7 @@ def test_race_differences_from_adam_carry_welch_intervals(tmp_path, capsys):
     _race_run(tmp_path / "cold" / f"a{seed}", "adam", seed, accuracies)
   for seed, accuracies in enumerate([[86.0], [80.0, 86.0], [84.0]]):
     _race_run(tmp_path / "cold" / f"g{seed}", "ginger", seed, accuracies, **ginger)
-  rows = race.collect([tmp_path], target=85.0)
+  rows = race.collect([tmp_path / "cold"], target=85.0)
   adam = [r.s_to_target for r in rows if r.run == "adam"]
   ginger_s = [r.s_to_target for r in rows if r.run != "adam" and r.s_to_target is not None]
   assert len(adam) == 3 and len(ginger_s) == 2  # the third Ginger seed never reached 85 %
@@ -367,8 +367,31 @@ def test_race_differences_from_adam_carry_welch_intervals(tmp_path, capsys):
     f"| cold | ginger tau=8 K=8 - adam | 2 / 3 | {expected.text(1)} | {expected.verdict} |"
     == (line)
   )
-  race.main([str(tmp_path)])
+  race.main([str(tmp_path / "cold")])
   assert capsys.readouterr().out.strip().split("\n\n")[-1] == out
+
+
+def test_race_compares_the_arms_of_a_sweep_folder(tmp_path, capsys):
+  """A sweep's layout (experiment / arm,lr / overrides / run files, as the GPU pool writes it):
+  the arms of one experiment are one group, so each Ginger arm gets its difference from Adam."""
+  from bench import race
+
+  exp = tmp_path / "curvature_every" / "cifar10_resnet18_30ep"
+  for seed in range(3):
+    adam = [80.0] * (seed + 1) + [86.0]
+    _race_run(exp / "adam,lr=0.001" / f"epochs=30,seed={seed}", "adam", seed, adam)
+    _race_run(
+      exp / "ginger_tau8_k8,lr=0.0005" / f"epochs=30,seed={seed}",
+      "ginger",
+      seed,
+      [86.0 - seed, 85.0 + seed],
+      tau=8,
+      curvature_every=8,
+    )
+  rows = race.collect([tmp_path / "curvature_every"], target=85.0)
+  assert {r.group for r in rows} == {"curvature_every/cifar10_resnet18_30ep"}
+  out = race.differences(rows)
+  assert "| curvature_every/cifar10_resnet18_30ep | ginger tau=8 K=8 - adam | 3 / 3 |" in out
 
 
 def test_table1_suite_holds_every_resnet18_arm_of_table1():
