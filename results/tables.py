@@ -1290,11 +1290,13 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
     label = f"{optimizer_label(rfield(run, 'optimizer'), rfield(run, 'tau'))}, {clip}"
     if rfield(run, "alpha") not in (PAPER_ALPHA, None):
       label += f", α={rfield(run, 'alpha')}"
+    if rfield(run, "curvature_every") not in (1, None):
+      label += f", K={rfield(run, 'curvature_every')}"
     table.rows.append(Row(f"{label}, {rfield(run, 'block')} ({rfield(run, 'sweep')})", cells))
   return _finish(table, logged, [])
 
 
-CLIP_ROW = ("optimizer", "tau", "rho", "block", "alpha", "sweep", "seed")
+CLIP_ROW = ("optimizer", "tau", "rho", "block", "alpha", "curvature_every", "sweep", "seed")
 
 
 def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:

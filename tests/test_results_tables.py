@@ -975,3 +975,25 @@ def test_clip_fraction_table_names_an_alpha_other_than_the_papers(tmp_path):
     "Ginger (τ=8), clip ρ=1, per_tensor (table1)",
     "Ginger (τ=8), clip ρ=1, α=0.9, per_tensor (table1)",
   ]
+
+
+def test_clip_fraction_table_names_a_curvature_every_other_than_one(tmp_path):
+  """Ginger updating its curvature every K steps is its own row label where K > 1 (the
+  curvature_every sweep runs K = 1 and K = 8 at one tau and seed)."""
+  root = tmp_path / "runs"
+  events = [{"event": "train", "step": 5, "epoch": 0.5, "clip_fraction": 0.2}]
+  for every in (1, 8):
+    ginger = {
+      "optimizer": "ginger",
+      "tau": 8,
+      "alpha": 0.99,
+      "rho": 1.0,
+      "block": "per_tensor",
+      "curvature_every": every,
+    }
+    make_run(root, f"k{every}", ginger, events=events, best_val_accuracy=88.0)
+  table = tables.build_clip_fraction(tables.collect_runs([root]), "cifar100")
+  assert sorted(r.label for r in table.rows) == [
+    "Ginger (τ=8), clip ρ=1, K=8, per_tensor (table1)",
+    "Ginger (τ=8), clip ρ=1, per_tensor (table1)",
+  ]
