@@ -264,12 +264,27 @@ def test_unknown_config_group_is_a_hydra_error():
     config("optimizer=nope")
 
 
-def test_cli_help_and_multirun_dirs(tmp_path):
+def test_cli_help_and_a_bad_value(tmp_path):
   help_text = subprocess.run(
     [sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
   ).stdout
   for group in ("optimizer: adam, ginger, momentum, qng", "experiment:", "logger: none, wandb"):
     assert group in help_text
+  bad = subprocess.run(
+    [sys.executable, "train.py", "experiment=demo", "tau=0", f"hydra.run.dir={tmp_path / 'bad'}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert bad.returncode == 1 and "tau=0: must be an integer >= 1" in bad.stdout + bad.stderr
+  assert "Traceback" not in bad.stdout + bad.stderr
+
+
+# Two jobs trained to the end (~15 s on 2 cores): `make test-all`. `make test` runs the CLI's
+# multirun in test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list and the job dirs'
+# names in tests/test_sweeps.py.
+@pytest.mark.slow
+def test_cli_multirun_dirs(tmp_path):
   out = subprocess.run(
     [
       sys.executable,
@@ -289,14 +304,6 @@ def test_cli_help_and_multirun_dirs(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   dirs = sorted(p.parent.name for p in tmp_path.glob("*/summary.json"))
   assert dirs == ["optimizer=adam,seed=0", "optimizer=adam,seed=1"]
-  bad = subprocess.run(
-    [sys.executable, "train.py", "experiment=demo", "tau=0", f"hydra.run.dir={tmp_path / 'bad'}"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-  )
-  assert bad.returncode == 1 and "tau=0: must be an integer >= 1" in bad.stdout + bad.stderr
-  assert "Traceback" not in bad.stdout + bad.stderr
 
 
 # ----------------------------------------------------------------------------- run dirs
@@ -684,6 +691,9 @@ def test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list(tmp_path):
   assert "tau=0: must be an integer >= 1" in listed, listed
   assert "tau=-1: must be an integer >= 1" in listed, listed
   assert "Traceback" not in text
+  # each job has its own dir, named by its overrides (a sweep's job: configs/config.yaml)
+  jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+  assert jobs == ["optimizer=ginger,tau=-1", "optimizer=ginger,tau=0"], jobs
 
 
 @pytest.mark.parametrize("passes, warned", [("pallas", True), ("auto", False), ("jnp", False)])
