@@ -76,7 +76,10 @@ def tiny_hf_t5_dir(root: Path, vocab_size: int) -> Path:
     return {**out, f"{prefix}.o.weight": normal(d_model, inner)}
 
   def mlp(prefix: str) -> dict[str, np.ndarray]:
-    return {f"{prefix}.wi.weight": normal(d_ff, d_model), f"{prefix}.wo.weight": normal(d_model, d_ff)}
+    return {
+      f"{prefix}.wi.weight": normal(d_ff, d_model),
+      f"{prefix}.wo.weight": normal(d_model, d_ff),
+    }
 
   tensors = {"shared.weight": normal(vocab_size, d_model)}
   for side in ("encoder", "decoder"):
