@@ -89,11 +89,12 @@ print(json.dumps(out))
 @pytest.mark.parametrize(
   "names",
   [
-    # the CPU's own layout, and the GPUs' row-blocked rotation where a device's rows are one
-    # block (which once cost a 311 MB all-gather)
-    ["pinned_solo", "pinned_one_block_per_device"],
-    # the GPUs' stacked buckets unblocked, and in several blocks per device: `make test-all`
-    pytest.param(["pinned", "pinned_row_blocks"], marks=pytest.mark.slow),
+    # the GPUs' row-blocked rotation where a device's rows are one block (which once cost a
+    # 311 MB all-gather)
+    ["pinned_one_block_per_device"],
+    # the CPU's own layout (its values on 4 devices: test_sharding.py in `make test`), the
+    # GPUs' stacked buckets unblocked and in several blocks per device: `make test-all`
+    pytest.param(["pinned_solo", "pinned", "pinned_row_blocks"], marks=pytest.mark.slow),
   ],
 )
 def test_pinned_step_slices_g_and_d_locally_and_gathers_the_update_once(names):
