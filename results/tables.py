@@ -27,7 +27,9 @@ curvature updated every K steps, beyond the paper) enter only their own table,
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
+import itertools
 import json
 import math
 import re
@@ -1158,10 +1160,16 @@ def _comparison_pairs(
   return pairs
 
 
-def _variant_text(rho: Any, block: Any) -> str:
-  """ "ρ=1 per-tensor", "no clip global": an ablation variant in a comparison's label."""
+def _variant_text(rho: Any, block: Any, lr: Any = None) -> str:
+  """ "ρ=1 per-tensor", "no clip global": an ablation variant in a comparison's label, with its
+  ``lr`` where one is given."""
   clip = "no clip" if rho is None else f"ρ={rho:g}"
-  return f"{clip} {str(block).replace('_', '-')}"
+  return f"{clip} {str(block).replace('_', '-')}" + ("" if lr is None else f" lr={lr:g}")
+
+
+def _cells_of(cells: dict[tuple, Any], rho: Any, block: Any) -> list:
+  """The cells of one clip and block, whatever their lr and gamma."""
+  return [cell for key, cell in cells.items() if key[:2] == (rho, block)]
 
 
 def _ablation_pairs(
@@ -1169,7 +1177,8 @@ def _ablation_pairs(
 ) -> list[tuple[str, Selection, Selection]]:
   """The ablation's comparisons at each tau (and alpha) where Ginger has variants: every
   variant against the authors' (clip rho = 1, per-tensor blocks) and against Adam, and the
-  unclipped variants' blocks against each other. A variant's cell is its ablation row's."""
+  unclipped variants' blocks against each other. A variant's cell is its ablation row's: one
+  per (clip, block, lr, gamma), named by its lr where its clip and block ran at several."""
   pairs = []
   for base, variants in sorted(
     _ablation_groups(r for r in runs if matches(r, protocol)).items(),
@@ -1180,22 +1189,22 @@ def _ablation_pairs(
     setting = dict(zip(ABLATION_BASE, base, strict=True))
     where = f"τ={setting['tau']}"  # and the alpha where not the paper's: one label per setting
     where += f" α={setting['alpha']}" if setting["alpha"] not in (PAPER_ALPHA, None) else ""
-    cells = {}  # (rho, block) -> selection; one lr and gamma per clip and block
-    for (rho, block, _lr, _gamma), vruns in sorted(
-      variants.items(), key=lambda kv: tuple_key(kv[0])
-    ):
-      cells.setdefault((rho, block), one_configuration(vruns))
-    reference = (CLIPPED_PER_TENSOR["rho"], CLIPPED_PER_TENSOR["block"])
-    others = [v for v in cells if v != reference]
-    for variant in others:
-      name = f"Ginger {where} {_variant_text(*variant)}"
-      if reference in cells:
-        pairs.append((f"{name} − {_variant_text(*reference)}", cells[variant], cells[reference]))
-      pairs.append((f"{name} − Adam", cells[variant], adam))
-    free_global, free_tensor = (None, "global"), (None, "per_tensor")
-    if free_global in cells and free_tensor in cells:
-      label = f"Ginger {where} {_variant_text(*free_global)} − {_variant_text(*free_tensor)}"
-      pairs.append((label, cells[free_global], cells[free_tensor]))
+    configs = collections.Counter((rho, block) for rho, block, _lr, _gamma in variants)
+    cells: dict[tuple, tuple[str, Selection]] = {}  # (rho, block, lr, gamma) -> (text, runs)
+    for (rho, block, lr, gamma), vruns in sorted(variants.items(), key=lambda kv: tuple_key(kv[0])):
+      text = _variant_text(rho, block, lr if configs[(rho, block)] > 1 else None)
+      cells[(rho, block, lr, gamma)] = (text, one_configuration(vruns))
+    references = _cells_of(cells, CLIPPED_PER_TENSOR["rho"], CLIPPED_PER_TENSOR["block"])
+    for key, (text, cell) in cells.items():
+      if key[:2] == (CLIPPED_PER_TENSOR["rho"], CLIPPED_PER_TENSOR["block"]):
+        continue
+      for reference_text, reference in references:
+        pairs.append((f"Ginger {where} {text} − {reference_text}", cell, reference))
+      pairs.append((f"Ginger {where} {text} − Adam", cell, adam))
+    free = (_cells_of(cells, None, "global"), _cells_of(cells, None, "per_tensor"))
+    for free_global, free_tensor in itertools.product(*free):
+      label = f"Ginger {where} {free_global[0]} − {free_tensor[0]}"
+      pairs.append((label, free_global[1], free_tensor[1]))
   return pairs
 
 

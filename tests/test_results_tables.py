@@ -997,3 +997,30 @@ def test_clip_fraction_table_names_a_curvature_every_other_than_one(tmp_path):
     "Ginger (τ=8), clip ρ=1, K=8, per_tensor (table1)",
     "Ginger (τ=8), clip ρ=1, per_tensor (table1)",
   ]
+
+
+def test_an_ablation_variant_at_two_learning_rates_is_two_comparisons(tmp_path):
+  """A variant (clip, block) that ran at two learning rates is two cells, each named by its lr,
+  each compared with the authors' variant and Adam: neither lr's runs stand for the other's."""
+  root = tmp_path / "runs"
+  authors = {"optimizer": "ginger", "tau": 4, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  free = {**authors, "rho": None, "sweep": "ablation"}
+  samples = {
+    "adam": ({}, [88.0, 87.6, 88.3]),
+    "authors": (authors, [88.1, 88.4, 87.9]),
+    "slow": ({**free, "lr": 1e-6}, [86.9, 86.5]),
+    "fast": ({**free, "lr": 1e-5}, [80.1, 81.0, 80.4]),
+  }
+  for name, (run, accs) in samples.items():
+    for seed, acc in enumerate(accs):
+      make_run(root, f"{name}{seed}", {**run, "seed": seed}, best_val_accuracy=acc)
+  rows = {
+    r.label: r.cells
+    for r in tables.build_comparisons(tables.collect_runs([root]), "cifar100", ["resnet18"]).rows
+  }
+  welch = tables.stats.welch
+  for name, lr in (("slow", "1e-06"), ("fast", "1e-05")):
+    diff = welch(samples[name][1], samples["authors"][1])
+    label = f"Ginger τ=4 no clip per-tensor lr={lr} − ρ=1 per-tensor"
+    assert rows[label][2:] == [diff.text(), diff.verdict], label
+    assert f"Ginger τ=4 no clip per-tensor lr={lr} − Adam" in rows
