@@ -875,6 +875,18 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
   assert qng_row.cells[0] == "3"
 
 
+def _comparison_rows(root, samples) -> dict[str, list[str]]:
+  """ResNet-18 runs of ``samples`` ({name: (run fields, best accuracy per seed)}) under
+  ``root``: the comparisons table's cells by row label."""
+  for name, (run, accs) in samples.items():
+    for seed, acc in enumerate(accs):
+      make_run(root, f"{name}{seed}", {**run, "seed": seed}, best_val_accuracy=acc)
+  return {
+    r.label: r.cells
+    for r in tables.build_comparisons(tables.collect_runs([root]), "cifar100", ["resnet18"]).rows
+  }
+
+
 def test_comparisons_cover_the_ablation_variants(tmp_path):
   """Each ablation variant of Ginger (clip rho, block) at one tau is compared with the
   authors' variant (clip, per-tensor; Table 1's runs of that configuration pool into it) and
@@ -891,13 +903,7 @@ def test_comparisons_cover_the_ablation_variants(tmp_path):
       [86.6],
     ),
   }
-  for name, (run, accs) in samples.items():
-    for seed, acc in enumerate(accs):
-      make_run(root, f"{name}{seed}", {**run, "seed": seed}, best_val_accuracy=acc)
-  rows = {
-    r.label: r.cells
-    for r in tables.build_comparisons(tables.collect_runs([root]), "cifar100", ["resnet18"]).rows
-  }
+  rows = _comparison_rows(root, samples)
   welch = tables.stats.welch
   expected = {
     "Ginger τ=4 ρ=1 global − ρ=1 per-tensor": welch(samples["global"][1], samples["authors"][1]),
@@ -964,39 +970,38 @@ def test_clip_fraction_table_averages_the_logged_share_by_stretch(tmp_path):
   ]
 
 
-def test_clip_fraction_table_names_an_alpha_other_than_the_papers(tmp_path):
+@pytest.mark.parametrize(
+  "key, values, labels",
+  [
+    (
+      "alpha",
+      (0.9, 0.99),
+      [
+        "Ginger (τ=8), clip ρ=1, per_tensor (table1)",
+        "Ginger (τ=8), clip ρ=1, α=0.9, per_tensor (table1)",
+      ],
+    ),
+    # the curvature_every sweep runs K = 1 and K = 8 at one tau and seed
+    (
+      "curvature_every",
+      (1, 8),
+      [
+        "Ginger (τ=8), clip ρ=1, K=8, per_tensor (table1)",
+        "Ginger (τ=8), clip ρ=1, per_tensor (table1)",
+      ],
+    ),
+  ],
+)
+def test_clip_fraction_table_names_a_setting_other_than_the_papers(tmp_path, key, values, labels):
+  """An alpha other than the paper's, or a curvature update every K > 1 steps, is named in the
+  run's label: two such runs at one tau and seed do not share one."""
   root = tmp_path / "runs"
   events = [{"event": "train", "step": 5, "epoch": 0.5, "clip_fraction": 0.2}]
-  for alpha in (0.9, 0.99):
-    ginger = {"optimizer": "ginger", "tau": 8, "alpha": alpha, "rho": 1.0, "block": "per_tensor"}
-    make_run(root, f"a{alpha}", ginger, events=events, best_val_accuracy=88.0)
+  ginger = {"optimizer": "ginger", "tau": 8, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  for value in values:
+    make_run(root, f"{key}{value}", {**ginger, key: value}, events=events, best_val_accuracy=88.0)
   table = tables.build_clip_fraction(tables.collect_runs([root]), "cifar100")
-  assert sorted(r.label for r in table.rows) == [
-    "Ginger (τ=8), clip ρ=1, per_tensor (table1)",
-    "Ginger (τ=8), clip ρ=1, α=0.9, per_tensor (table1)",
-  ]
-
-
-def test_clip_fraction_table_names_a_curvature_every_other_than_one(tmp_path):
-  """Ginger updating its curvature every K steps is its own row label where K > 1 (the
-  curvature_every sweep runs K = 1 and K = 8 at one tau and seed)."""
-  root = tmp_path / "runs"
-  events = [{"event": "train", "step": 5, "epoch": 0.5, "clip_fraction": 0.2}]
-  for every in (1, 8):
-    ginger = {
-      "optimizer": "ginger",
-      "tau": 8,
-      "alpha": 0.99,
-      "rho": 1.0,
-      "block": "per_tensor",
-      "curvature_every": every,
-    }
-    make_run(root, f"k{every}", ginger, events=events, best_val_accuracy=88.0)
-  table = tables.build_clip_fraction(tables.collect_runs([root]), "cifar100")
-  assert sorted(r.label for r in table.rows) == [
-    "Ginger (τ=8), clip ρ=1, K=8, per_tensor (table1)",
-    "Ginger (τ=8), clip ρ=1, per_tensor (table1)",
-  ]
+  assert sorted(r.label for r in table.rows) == labels
 
 
 def test_an_ablation_variant_at_two_learning_rates_is_two_comparisons(tmp_path):
@@ -1011,13 +1016,7 @@ def test_an_ablation_variant_at_two_learning_rates_is_two_comparisons(tmp_path):
     "slow": ({**free, "lr": 1e-6}, [86.9, 86.5]),
     "fast": ({**free, "lr": 1e-5}, [80.1, 81.0, 80.4]),
   }
-  for name, (run, accs) in samples.items():
-    for seed, acc in enumerate(accs):
-      make_run(root, f"{name}{seed}", {**run, "seed": seed}, best_val_accuracy=acc)
-  rows = {
-    r.label: r.cells
-    for r in tables.build_comparisons(tables.collect_runs([root]), "cifar100", ["resnet18"]).rows
-  }
+  rows = _comparison_rows(root, samples)
   welch = tables.stats.welch
   for name, lr in (("slow", "1e-06"), ("fast", "1e-05")):
     diff = welch(samples[name][1], samples["authors"][1])
