@@ -1194,9 +1194,10 @@ def _ablation_pairs(
     for (rho, block, lr, gamma), vruns in sorted(variants.items(), key=lambda kv: tuple_key(kv[0])):
       text = _variant_text(rho, block, lr if configs[(rho, block)] > 1 else None)
       cells[(rho, block, lr, gamma)] = (text, one_configuration(vruns))
-    references = _cells_of(cells, CLIPPED_PER_TENSOR["rho"], CLIPPED_PER_TENSOR["block"])
+    authors = (CLIPPED_PER_TENSOR["rho"], CLIPPED_PER_TENSOR["block"])
+    references = _cells_of(cells, *authors)
     for key, (text, cell) in cells.items():
-      if key[:2] == (CLIPPED_PER_TENSOR["rho"], CLIPPED_PER_TENSOR["block"]):
+      if key[:2] == authors:
         continue
       for reference_text, reference in references:
         pairs.append((f"Ginger {where} {text} − {reference_text}", cell, reference))

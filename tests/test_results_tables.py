@@ -924,15 +924,11 @@ def test_comparisons_cover_the_ablation_variants(tmp_path):
   assert rows["Ginger τ=4 no clip global − ρ=1 per-tensor"][3] == "n < 2"
   assert "Ginger τ=4 ρ=1 per-tensor − Adam" not in rows  # Table 1's row says it
   # Variants at another alpha: rows of their own, named by it.
-  for name, (run, accs) in [("authors", samples["authors"]), ("global", samples["global"])]:
-    for seed, acc in enumerate(accs):
-      make_run(
-        root, f"{name}_a9_{seed}", {**run, "alpha": 0.9, "seed": seed}, best_val_accuracy=acc
-      )
-  rows = {
-    r.label: r.cells
-    for r in tables.build_comparisons(tables.collect_runs([root]), "cifar100", ["resnet18"]).rows
+  at_alpha = {
+    f"{name}_a9_": ({**samples[name][0], "alpha": 0.9}, samples[name][1])
+    for name in ("authors", "global")
   }
+  rows = _comparison_rows(root, at_alpha)
   assert rows["Ginger τ=4 α=0.9 ρ=1 global − ρ=1 per-tensor"] == [
     "85.90 ± 0.99 (n=2)",
     "88.13 ± 0.25 (n=3)",

@@ -281,8 +281,8 @@ def test_cli_help_and_a_bad_value(tmp_path):
 
 
 # Two jobs trained to the end (~15 s on 2 cores): `make test-all`. `make test` runs the CLI's
-# multirun in test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list and the job dirs'
-# names in tests/test_sweeps.py.
+# multirun, and checks its job dirs' names, in
+# test_cli_multirun_with_failing_jobs_exits_nonzero_with_a_list.
 @pytest.mark.slow
 def test_cli_multirun_dirs(tmp_path):
   out = subprocess.run(
