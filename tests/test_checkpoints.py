@@ -8,6 +8,8 @@ import gc
 import json
 import logging
 import signal
+import sys
+import time
 from pathlib import Path
 
 import fakes
@@ -433,6 +435,26 @@ def test_a_checkpoint_of_another_configuration_is_refused(tmp_path):
   like = ginger.ginger(0.1, tau=2, alpha=0.9, gamma=1e-2).init(params)
   with pytest.raises(CheckpointError, match=r"checkpoint 3 in .* cannot be read .*stored shape"):
     Checkpointer(tmp_path).restore(like, 3)
+
+
+def test_a_refused_restore_leaves_no_read_running(tmp_path, monkeypatch):
+  """When one array of a checkpoint cannot be read, every other array's read has ended before
+  the error is raised. orbax runs the reads on an event loop it closes at the first failure: a
+  read still running then ends on the closed loop ("Event loop is closed") or is collected
+  unfinished ("Exception ignored in: <coroutine object _read_array_index_and_device_put>"),
+  each a traceback on stderr after the clear error."""
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+  params = {f"w{i}": jnp.zeros((64, 33)) for i in range(8)}
+  writer = Checkpointer(tmp_path)
+  writer.save(3, ginger.ginger(0.1, tau=3, alpha=0.9, gamma=1e-2).init(params))
+  writer.wait()
+  like = ginger.ginger(0.1, tau=2, alpha=0.9, gamma=1e-2).init(params)
+  with pytest.raises(CheckpointError, match="stored shape"):
+    Checkpointer(tmp_path).restore(like, 3)
+  time.sleep(0.5)  # reads left running would end within this on their own threads
+  gc.collect()
+  assert [repr(u.exc_value) for u in unraisable] == []
 
 
 # ----------------------------------------------------------------------------- metrics.jsonl

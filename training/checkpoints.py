@@ -220,9 +220,48 @@ class _NumpyHandler(ocp.type_handlers.NumpyHandler):
     await super()._open_and_write(value, tspec, ts_context)
 
 
-def _numpy_arrays_saved_as_given() -> None:
+class _ArrayHandler(ocp.type_handlers.ArrayHandler):
+  """orbax's reader of jax.Arrays, which waits for all of a restore's array reads before it
+  raises the failure of one.
+
+  orbax gathers the reads of a restore's arrays on an event loop of its own and closes the loop
+  when the gather fails, at the first array that cannot be read (a corrupt file, a shape of
+  another configuration): each read still running then ends on the closed loop ("RuntimeError:
+  Event loop is closed") or is collected unfinished ("Exception ignored in: <coroutine object
+  _read_array_index_and_device_put>"), a traceback on stderr for each, after the clear error.
+  The reads are the tasks started while ``deserialize`` runs: none of them waits on it.
+  """
+
+  async def deserialize(self, infos, args=None):
+    before = asyncio.all_tasks()
+    try:
+      return await super().deserialize(infos, args)
+    except Exception:
+      started = asyncio.all_tasks() - before - {asyncio.current_task()}
+      running = [task for task in started if not task.done()]
+      if running:
+        await asyncio.wait(running)
+      for task in started:  # their failures are this one's: not logged again when collected
+        if task.done() and not task.cancelled():
+          task.exception()
+      raise
+
+
+def _register(kind: type, handler) -> None:
+  """Registers orbax's type handler of ``kind`` process-wide, without orbax's warning that
+  it overrides one (meant here)."""
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)
+  try:
+    ocp.type_handlers.register_type_handler(kind, handler, override=True)
+  finally:
+    absl.setLevel(level)
+
+
+def _orbax_handlers() -> None:
   """Makes orbax write the numpy arrays it is handed as they are, without a copy first, with
-  :class:`_NumpyHandler`.
+  :class:`_NumpyHandler`, and read jax.Arrays with :class:`_ArrayHandler`.
 
   orbax deep-copies every numpy array it saves before ``save`` returns (the caller might
   change it while the write goes on in the background). The only numpy arrays this module
@@ -230,21 +269,18 @@ def _numpy_arrays_saved_as_given() -> None:
   buckets (:func:`_bases_on_host`, cut per leaf as views) and, in one process, of every other
   array of the state (:func:`_on_host`). Copying them again would hold training for another
   pass over ``U`` in host memory at every checkpoint. orbax's handler registry is
-  process-wide: the option holds for every numpy array saved in this process.
+  process-wide: both hold for every array saved or restored in this process. The jax.Array
+  handler keeps the options of the one registered (a copy of its attributes).
   """
+  array_handler = ocp.type_handlers.get_type_handler(jax.Array)
+  if type(array_handler) is ocp.type_handlers.ArrayHandler:
+    ours = _ArrayHandler.__new__(_ArrayHandler)
+    ours.__dict__.update(vars(array_handler))
+    _register(jax.Array, ours)
   if "deepcopy_host_arrays" not in inspect.signature(_NumpyHandler.__init__).parameters:
     return  # an orbax older than requirements.txt's: its own handler, which copies first
-  handler = ocp.type_handlers.get_type_handler(np.ndarray)
-  if not isinstance(handler, _NumpyHandler):
-    absl = logging.getLogger("absl")  # orbax warns on every override: this one is meant
-    level = absl.level
-    absl.setLevel(logging.ERROR)
-    try:
-      ocp.type_handlers.register_type_handler(
-        np.ndarray, _NumpyHandler(deepcopy_host_arrays=False), override=True
-      )
-    finally:
-      absl.setLevel(level)
+  if not isinstance(ocp.type_handlers.get_type_handler(np.ndarray), _NumpyHandler):
+    _register(np.ndarray, _NumpyHandler(deepcopy_host_arrays=False))
 
 
 class _OrbaxNoSpace(logging.Filter):
@@ -277,7 +313,7 @@ class Checkpointer:
     return Path(run_dir).absolute() / "checkpoints"
 
   def __init__(self, run_dir: str | Path, keep: int = 2):
-    _numpy_arrays_saved_as_given()
+    _orbax_handlers()
     logging.getLogger("absl").addFilter(_ORBAX_NO_SPACE)  # orbax logs through absl
     _Background.join_all()  # a save another Checkpointer handed to a thread
     self.writing: int | None = None  # the step orbax is writing (not yet known to be written)
