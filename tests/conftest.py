@@ -62,34 +62,34 @@ def no_waiting(monkeypatch):
 # files of a few tests, and several of those are among the longest (a process on 4 simulated
 # devices, 3000-step scans), so that one worker went on alone for half a minute at the end.
 # The files below go first instead, longest first (each file's total on 2 CPU cores with an
-# empty compilation cache, from `--durations=0`; those under ~15 s follow in xdist's order).
+# empty compilation cache, from `--durations=0`; those under ~10 s follow in xdist's order).
 # The order changes no result; a stale list only balances the two workers less well.
 LONGEST_FIRST = (
   "test_train.py",
   "test_ginger.py",
   "test_curvature_every.py",
+  "test_ginger_kernels_wired.py",
   "test_float32_exactness.py",
   "test_contract.py",
   "test_sharding.py",
-  "test_ginger_kernels_wired.py",
-  "test_kernels.py",
-  "test_startup.py",
   "test_checkpoints.py",
-  "test_batchnorm_groups.py",
+  "test_kernels.py",
   "test_sweeps.py",
-  "test_loop_reorthonormalise.py",
-  "test_fisher.py",
-  "test_properties.py",
-  "test_ginger_layout.py",
-  "test_sharding_collectives.py",
-  "test_convergence.py",
-  "test_resnet.py",
   "test_t5.py",
-  "test_bench_update_check.py",
+  "test_startup.py",
+  "test_batchnorm_groups.py",
+  "test_ginger_layout.py",
+  "test_properties.py",
+  "test_fisher.py",
+  "test_resnet.py",
+  "test_loop_reorthonormalise.py",
   "test_config_check.py",
-  "test_secular.py",
   "test_qng.py",
+  "test_sharding_collectives.py",
+  "test_secular.py",
   "test_standin_scale.py",
+  "test_configuration_doc.py",
+  "test_registry.py",
 )
 
 

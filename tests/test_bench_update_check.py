@@ -9,6 +9,7 @@ from bench import update_check
 from ginger._src import kernels
 
 
+@pytest.mark.slow  # ~11 s; that the check fails a slightly wrong kernel: make test
 def test_update_check_passes_and_restores_x64(capsys):
   x64 = jax.config.jax_enable_x64
   assert update_check.main(["--size", "tiny", "--taus", "4", "--steps", "3"]) == 0
