@@ -6,6 +6,8 @@
         --blocks per_tensor global --passes jnp pallas       # Ginger's passes both ways
     python -m bench.optimizer_step --sizes resnet18 --optimizers ginger --taus 8 \
         --blocks per_tensor --passes pallas --solo-rows 0 2097152   # other bucket plans
+    python -m bench.optimizer_step --sizes resnet18 --optimizers ginger --taus 8 \
+        --blocks per_tensor --passes pallas --bucket-overhead 0 16777216   # fewer buckets
 
 Each step is ``tx.update`` followed by ``optax.apply_updates``, so every update entry is
 consumed (a benchmark that returned one entry would let XLA drop the rest of the output).
@@ -109,16 +111,21 @@ def make_optimizer(
 
 
 @contextlib.contextmanager
-def solo_buckets(rows: int):
-  """With ``rows`` > 0, per-tensor blocks of >= ``rows`` rows planned as buckets of their own
-  (``common.SOLO_BUCKETS``, ``SOLO_ROWS``) while the state is initialised; 0: the library's."""
-  saved = common.SOLO_BUCKETS, common.SOLO_ROWS
-  if rows:
-    common.SOLO_BUCKETS, common.SOLO_ROWS = True, rows
+def bucket_plan(solo_rows: int, overhead: int):
+  """Ginger's bucket plan while the state is initialised: with ``solo_rows`` > 0, per-tensor
+  blocks of >= ``solo_rows`` rows planned as buckets of their own (``common.SOLO_BUCKETS``,
+  ``SOLO_ROWS``); with ``overhead`` > 0, ``common.BUCKET_OVERHEAD = overhead`` (the modelled
+  cost of a bucket: a larger one merges more block sizes into fewer, more padded buckets).
+  0: the library's."""
+  saved = common.SOLO_BUCKETS, common.SOLO_ROWS, common.BUCKET_OVERHEAD
+  if solo_rows:
+    common.SOLO_BUCKETS, common.SOLO_ROWS = True, solo_rows
+  if overhead:
+    common.BUCKET_OVERHEAD = overhead
   try:
     yield
   finally:
-    common.SOLO_BUCKETS, common.SOLO_ROWS = saved
+    common.SOLO_BUCKETS, common.SOLO_ROWS, common.BUCKET_OVERHEAD = saved
 
 
 def time_update(
@@ -251,6 +258,16 @@ def main(argv=None) -> None:
     "read where they are instead of copied into a stack",
   )
   parser.add_argument(
+    "--bucket-overhead",
+    nargs="+",
+    type=int,
+    default=[0],
+    metavar="N",
+    help="Ginger's bucket plan (column 'block', with the number of buckets): 0, the library's "
+    "(common.BUCKET_OVERHEAD); N, that modelled cost of a bucket in padded row-entries: a "
+    "larger N, fewer and more padded buckets (fewer kernels to launch and compile)",
+  )
+  parser.add_argument(
     "--curvature-every",
     type=int,
     default=1,
@@ -291,24 +308,28 @@ def main(argv=None) -> None:
     shapes = SIZES[size]()
     d = sum(math.prod(s) for s in shapes)
     # Adam always runs first: it is the reference of the "x Adam" column.
-    configs = [("adam", None, None, None, None, 0)]
+    configs = [("adam", None, None, None, None, 0, 0)]
     if "momentum" in args.optimizers:
-      configs.append(("momentum", None, None, None, None, 0))
+      configs.append(("momentum", None, None, None, None, 0, 0))
     if "qng" in args.optimizers:
-      configs += [("qng", t, b, None, None, 0) for t in args.qng_taus for b in args.blocks]
+      configs += [("qng", t, b, None, None, 0, 0) for t in args.qng_taus for b in args.blocks]
     if "ginger" in args.optimizers:
       configs += [
-        ("ginger" if e == "secular" else f"ginger/{e}", t, b, p, dt, n)
+        ("ginger" if e == "secular" else f"ginger/{e}", t, b, p, dt, n, o)
         for t in args.taus
         for b in args.blocks
         for e in args.eigensolvers
         for p in args.passes
         for dt in args.state_dtypes
         for n in args.solo_rows
+        for o in args.bucket_overhead
       ]
     adam_s = None
-    for name, tau, block, passes, state, solo in configs:
-      with solo_buckets(solo):
+    for name, tau, block, passes, state, solo, overhead in configs:
+      with bucket_plan(solo, overhead):
+        if name.startswith("ginger"):
+          sizes = [math.prod(s) for s in shapes]
+          buckets = len(common.plan_layout(sizes, tau, block, None).buckets)
         seconds, compile_s, report = time_update(
           make_optimizer(
             name,
@@ -325,8 +346,9 @@ def main(argv=None) -> None:
           args.kernels if name.startswith("ginger") else 0,
           curvature=args.curvature_every == 1 or not name.startswith("ginger"),
         )
-      if solo and block == "per_tensor":
-        block = f"{block} solo>={solo}"
+      if name.startswith("ginger") and block == "per_tensor":
+        plan = (f" solo>={solo}" if solo else "") + (f" overhead={overhead}" if overhead else "")
+        block = f"{block}{plan} ({buckets} buckets)"
       if report:
         reports.append(f"{size} {name} tau={tau} {block} passes={passes} {state}:\n{report}")
       adam_s = adam_s or seconds

@@ -299,9 +299,41 @@ def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypa
   assert (common.SOLO_BUCKETS, common.SOLO_ROWS) == before
   out = capsys.readouterr().out
   _check(out, expect_rows=3)
-  assert "| per_tensor solo>=100 |" in out
+  assert "| per_tensor solo>=100 (3 buckets) |" in out
   library = len(common.plan_layout([256, 256, 3], 2, "per_tensor", None).buckets)
   assert library < 3 and seen == [None, library, 3]  # Adam's row first; then both 256s alone
+
+
+def test_optimizer_step_bucket_overhead_plans_fewer_buckets_while_timing(monkeypatch, capsys):
+  """--bucket-overhead N: each Ginger row is timed with common.BUCKET_OVERHEAD = N (a larger
+  one merges more block sizes into fewer, more padded buckets), labelled with it and the
+  number of buckets in the block column; 0 is the library's; restored after each row."""
+  from bench import optimizer_step
+  from ginger._src import common
+
+  seen = []
+
+  def fake_time(tx, shapes, *a, **kw):
+    state = tx.init([jnp.zeros(s) for s in shapes])[0]
+    seen.append(len(state.u.layout.buckets) if hasattr(state, "u") else None)
+    return 1e-3, 0.1, ""
+
+  monkeypatch.setattr(optimizer_step, "time_update", fake_time)
+  monkeypatch.setattr(common, "SOLO_BUCKETS", False)
+  monkeypatch.setitem(optimizer_step.SIZES, "tiny", lambda: [(1 << 12,), (3,), (5,), (7,)])
+  before = common.BUCKET_OVERHEAD
+  optimizer_step.main(
+    ["--sizes", "tiny", "--optimizers", "ginger", "--taus", "2", "--blocks", "per_tensor"]
+    + ["--bucket-overhead", "0", "1", str(1 << 30), "--reorthonormalise-every", "0"]
+  )
+  assert common.BUCKET_OVERHEAD == before
+  out = capsys.readouterr().out
+  _check(out, expect_rows=4)
+  library = len(common.plan_layout([4096, 3, 5, 7], 2, "per_tensor", None).buckets)
+  assert seen == [None, library, 4, 1]  # Adam's row; the library's; every size alone; one
+  assert f"| per_tensor ({library} buckets) |" in out
+  assert "| per_tensor overhead=1 (4 buckets) |" in out
+  assert f"| per_tensor overhead={1 << 30} (1 buckets) |" in out
 
 
 def test_optimizer_step_times_the_update_the_training_loop_runs(capsys):
