@@ -275,13 +275,9 @@ def test_optimizer_step_rows_match_the_header_with_state_dtypes(monkeypatch, cap
   _check(capsys.readouterr().out, expect_rows=3)
 
 
-def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypatch, capsys):
-  """--solo-rows N: each Ginger row is timed with blocks of >= N rows in buckets of their own
-  (the plan is read when the state is built, inside time_update), labelled in the block
-  column; 0 is the library's plan; the module's plan is restored after each row."""
-  from bench import optimizer_step
-  from ginger._src import common
-
+def _buckets_while_timing(monkeypatch, optimizer_step) -> list:
+  """Replaces optimizer_step's timing by a record of each row's number of Ginger buckets (the
+  plan as the state is built inside time_update; None for a row without them)."""
   seen = []
 
   def fake_time(tx, shapes, *a, **kw):
@@ -290,6 +286,17 @@ def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypa
     return 1e-3, 0.1, ""
 
   monkeypatch.setattr(optimizer_step, "time_update", fake_time)
+  return seen
+
+
+def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypatch, capsys):
+  """--solo-rows N: each Ginger row is timed with blocks of >= N rows in buckets of their own
+  (the plan is read when the state is built, inside time_update), labelled in the block
+  column; 0 is the library's plan; the module's plan is restored after each row."""
+  from bench import optimizer_step
+  from ginger._src import common
+
+  seen = _buckets_while_timing(monkeypatch, optimizer_step)
   monkeypatch.setitem(optimizer_step.SIZES, "tiny", lambda: [(64, 4), (64, 4), (3,)])
   before = common.SOLO_BUCKETS, common.SOLO_ROWS
   optimizer_step.main(
@@ -311,14 +318,7 @@ def test_optimizer_step_bucket_overhead_plans_fewer_buckets_while_timing(monkeyp
   from bench import optimizer_step
   from ginger._src import common
 
-  seen = []
-
-  def fake_time(tx, shapes, *a, **kw):
-    state = tx.init([jnp.zeros(s) for s in shapes])[0]
-    seen.append(len(state.u.layout.buckets) if hasattr(state, "u") else None)
-    return 1e-3, 0.1, ""
-
-  monkeypatch.setattr(optimizer_step, "time_update", fake_time)
+  seen = _buckets_while_timing(monkeypatch, optimizer_step)
   monkeypatch.setattr(common, "SOLO_BUCKETS", False)
   monkeypatch.setitem(optimizer_step.SIZES, "tiny", lambda: [(1 << 12,), (3,), (5,), (7,)])
   before = common.BUCKET_OVERHEAD
