@@ -220,6 +220,10 @@ class _NumpyHandler(ocp.type_handlers.NumpyHandler):
     await super()._open_and_write(value, tspec, ts_context)
 
 
+# How long a failed restore waits for its other array reads to end before it raises.
+_READS_END_WITHIN_S = 300.0
+
+
 class _ArrayHandler(ocp.type_handlers.ArrayHandler):
   """orbax's reader of jax.Arrays, which waits for all of a restore's array reads before it
   raises the failure of one.
@@ -239,8 +243,8 @@ class _ArrayHandler(ocp.type_handlers.ArrayHandler):
     except Exception:
       started = asyncio.all_tasks() - before - {asyncio.current_task()}
       running = [task for task in started if not task.done()]
-      if running:
-        await asyncio.wait(running)
+      if running:  # bounded: a task of another coroutine that never ends must not hold it
+        await asyncio.wait(running, timeout=_READS_END_WITHIN_S)
       for task in started:  # their failures are this one's: not logged again when collected
         if task.done() and not task.cancelled():
           task.exception()
