@@ -119,7 +119,7 @@ def _jitted_float32_ginger(block, tau, eigensolver):
 
 
 @pytest.mark.parametrize("block", ["per_tensor", "global"])
-@pytest.mark.parametrize("tau", [4, 8])
+@pytest.mark.parametrize("tau", [pytest.param(4, marks=pytest.mark.slow), 8])  # 4: test-all
 @pytest.mark.parametrize("ratio, eigensolver", [(1e5, "secular"), (1e9, "secular"), (1e9, "dense")])
 def test_float32_is_exact_from_the_first_step(block, tau, ratio, eigensolver):
   """float32 state against the float64 definition, every step from the first, with

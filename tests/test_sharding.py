@@ -514,8 +514,9 @@ BUGS = {
   # Ginger's passes over the split U sum U^T x over each device's own rows only
   "state_sums_without_all_reduce": CORRECT["four_split"],
 }
-# Bugs that need a program of their own (a compilation each): `make test-all` only.
-SLOW_BUGS = ("local_loss_mean", "state_sums_without_all_reduce")
+# Bugs that need a program of their own (a compilation each; the others reuse the correct
+# variant's program).
+OWN_PROGRAM_BUGS = ("local_loss_mean", "state_sums_without_all_reduce")
 
 
 def _host(state):
@@ -673,7 +674,7 @@ def _compare_meshes(configs: str, variants: dict, common: tuple = ()) -> dict:
   for name, extra in variants.items():
     bug = name if name in BUGS else None
     with _injected(bug, sharding.make_mesh(4)):  # when the step is built and traced
-      key = (tuple(extra), bug if bug in SLOW_BUGS else None)  # a new program or not
+      key = (tuple(extra), bug if bug in OWN_PROGRAM_BUGS else None)  # a new program or not
       if key not in built:
         built[key] = build(extra)
       _, setup, arrays, val = built[key]
@@ -793,6 +794,11 @@ def four_device_comparison(four_devices):
   return four_devices["comparison"]
 
 
+# The 4-device process (~47 s on 2 CPU cores) runs in `make test-all`; `make test` keeps the
+# multi-device pieces on 4 devices: the pinned step's collectives (test_sharding_collectives),
+# per-device BatchNorm statistics (test_batchnorm_groups) and the per-device pull-back
+# (test_fisher).
+@pytest.mark.slow
 def test_four_devices_give_the_one_device_results(four_device_comparison):
   """Ginger's demo with the batch and the optimizer state split over 4 devices: each of 8
   steps from the 1-device state gives the 1-device step's loss, gradient, BatchNorm
@@ -849,9 +855,8 @@ def test_the_per_device_pull_back_on_a_two_by_two_mesh(four_devices):
   _check_local(four_devices["local"], LOCAL_2X2)
 
 
-@pytest.mark.parametrize(
-  "bug", [pytest.param(b, marks=pytest.mark.slow) if b in SLOW_BUGS else b for b in BUGS]
-)
+@pytest.mark.slow  # the 4-device process: `make test-all`
+@pytest.mark.parametrize("bug", list(BUGS))
 def test_the_comparison_catches_an_injected_sharding_bug(four_device_comparison, bug):
   """The same comparison fails on each injected bug: the test above is not vacuous."""
   bad = _violations(four_device_comparison, bug)
