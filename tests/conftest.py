@@ -71,7 +71,6 @@ LONGEST_FIRST = (
   "test_ginger_kernels_wired.py",
   "test_float32_exactness.py",
   "test_contract.py",
-  "test_sharding.py",
   "test_checkpoints.py",
   "test_kernels.py",
   "test_sweeps.py",
