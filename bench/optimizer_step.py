@@ -306,7 +306,8 @@ def main(argv=None) -> None:
   reports: list[str] = []
   for size in args.sizes:
     shapes = SIZES[size]()
-    d = sum(math.prod(s) for s in shapes)
+    sizes = [math.prod(s) for s in shapes]
+    d = sum(sizes)
     # Adam always runs first: it is the reference of the "x Adam" column.
     configs = [("adam", None, None, None, None, 0, 0)]
     if "momentum" in args.optimizers:
@@ -328,7 +329,6 @@ def main(argv=None) -> None:
     for name, tau, block, passes, state, solo, overhead in configs:
       with bucket_plan(solo, overhead):
         if name.startswith("ginger"):
-          sizes = [math.prod(s) for s in shapes]
           buckets = len(common.plan_layout(sizes, tau, block, None).buckets)
         seconds, compile_s, report = time_update(
           make_optimizer(

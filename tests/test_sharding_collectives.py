@@ -92,8 +92,8 @@ print(json.dumps(out))
     # the GPUs' row-blocked rotation where a device's rows are one block (which once cost a
     # 311 MB all-gather)
     ["pinned_one_block_per_device"],
-    # the CPU's own layout (its values on 4 devices: test_sharding.py in `make test`), the
-    # GPUs' stacked buckets unblocked and in several blocks per device: `make test-all`
+    # the CPU's own layout (its values on 4 devices: test_sharding.py, also `make test-all`),
+    # the GPUs' stacked buckets unblocked and in several blocks per device: `make test-all`
     pytest.param(["pinned_solo", "pinned", "pinned_row_blocks"], marks=pytest.mark.slow),
   ],
 )
