@@ -213,12 +213,14 @@ def one_configuration(runs: Sequence[Run], note: str | None = None) -> Selection
   if len(chosen) == 1:
     return Selection(best, f"{note} (n={len(best)})" if note else None)
   varying = [k for i, k in enumerate(CONFIG_KEYS) if len({repr(g[i]) for g in chosen}) > 1]
-  used = _describe(best[0], [k for k in varying if k != "settings"])
+  fields = [k for k in varying if k != "settings"]
+  used = _describe(best[0], fields)
   if "settings" in varying:  # name the settings that differ, not their digest
     firsts = [group[0]["settings"] for group in chosen.values()]
-    keys = sorted({k for f in firsts for k in f if len({repr(x.get(k)) for x in firsts}) > 1})
+    differ = {k for f in firsts for k in f if len({repr(x.get(k)) for x in firsts}) > 1}
+    keys = sorted(differ - set(fields))  # a setting that is also a field is named once
     own = ", ".join(f"{k}={best[0]['settings'].get(k)}" for k in keys)
-    used = f"{used}, {own}" if used else own
+    used = ", ".join(part for part in (used, own) if part)
   matched = f"{len(chosen)} configurations matched"
   return Selection(best, f"{note + '; ' if note else ''}{matched}; used {used} (n={len(best)})")
 

@@ -209,6 +209,16 @@ def test_table1_dataset_override_and_extra_tau(tmp_path: Path) -> None:
   assert all(r.label != "Ginger (τ=64)" for r in tables.build_table1(runs).rows)
 
 
+def test_selection_note_names_a_differing_setting_once(tmp_path: Path) -> None:
+  """A setting that is also a run field (lr, in every real run's config) is named once in the
+  note, not once as the field and again as the setting."""
+  for i, (lr, seed) in enumerate([(1e-3, 0), (1e-3, 1), (5e-3, 0)]):
+    run = {"lr": lr, "seed": seed}
+    make_run(tmp_path, f"r{i}", run, config={"epochs": 200, "max_steps": None, "lr": lr})
+  sel = tables.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "adam"}, ())
+  assert sel.note == "2 configurations matched; used lr=0.001 (n=2)"
+
+
 def test_selection_rules(tmp_path: Path) -> None:
   """Reruns of a seed count once (newest wins); lr_tune never counts; the configuration with
   the most seeds wins and a note says so; runs of the table's own sweep are preferred."""
