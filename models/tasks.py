@@ -217,7 +217,7 @@ class ImageClassification(Task):
     augment: bool = True,
     batchnorm_groups: int = 1,
   ):
-    from models.flops import resnet_forward_macs
+    from models.flops import forward_macs
     from models.resnet import build_resnet
 
     channels = dataset.train_images.shape[-1]
@@ -243,9 +243,7 @@ class ImageClassification(Task):
     self.mean = np.asarray(dataset.mean, np.float32)
     self.std = np.asarray(dataset.std, np.float32)
     self.augment = augment
-    self._macs = resnet_forward_macs(
-      model_cfg.name, dataset.num_classes, tuple(dataset.train_images.shape[1:])
-    )
+    self._macs = forward_macs(model, tuple(dataset.train_images.shape[1:]))
 
   def train_batch(self, arrays, idx, rng):
     from data.images import augment, normalize

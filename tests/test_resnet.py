@@ -13,6 +13,7 @@ from models.flops import (
   conv2d_macs,
   count_macs,
   dense_macs,
+  forward_macs,
   resnet_forward_macs,
   train_step_flops,
 )
@@ -215,6 +216,18 @@ def test_resnet50_macs():
 def test_tiny_macs_on_digits_shape():
   hand = _hand_count("basic", [1, 1, 1, 1], 10, width=16, hw=8, in_channels=1)[1]
   assert resnet_forward_macs("resnet_tiny", 10, (8, 8, 1)) == hand
+
+
+def test_a_built_model_is_counted_as_the_named_one_and_left_as_it_was():
+  """The task counts its own network (train mode, real arrays) instead of building an abstract
+  copy: the same MACs as the count by name, and the model keeps its mode and statistics."""
+  model = build_resnet("resnet_tiny", 10, in_channels=1, rngs=nnx.Rngs(0))
+  before = jax.tree.map(np.asarray, nnx.state(model))
+  assert forward_macs(model, (8, 8, 1)) == resnet_forward_macs("resnet_tiny", 10, (8, 8, 1))
+  after = jax.tree.map(np.asarray, nnx.state(model))
+  jax.tree.map(np.testing.assert_array_equal, before, after)
+  bn = next(m for _, m in model.iter_modules() if isinstance(m, nnx.BatchNorm))
+  assert not bn.use_running_average  # still in train mode
 
 
 def test_layer_helpers_and_generic_counter():
