@@ -32,17 +32,30 @@ def compute_dtype(precision: str):
   return DTYPES[precision]
 
 
-# LLVM optimisation for the one-off initialisation program on the CPU: XLA:CPU's default (-O3)
-# spends 7-12 s compiling a ResNet's initialisation (many small random fills) that then runs
-# once; without LLVM's optimisations it compiles in 1.5-2 s (resnet_tiny 7.5 -> 1.6 s,
-# ResNet-18 11.6 -> 2.2 s on 2 cores) and runs no slower to notice. The values are the same
-# draw up to float rounding in the normal sampler (threefry's integer bits are exact).
+# The one-off initialisation program runs on the host's CPU whatever the accelerator: on an
+# H200 host a ResNet-18's initialisation (many small random fills) took 7.9 s of the run's
+# 8.5 s build, nearly all of it XLA:GPU compiling a program that then runs once. On the CPU
+# without LLVM's optimisations it compiles in 1.5-2 s (XLA:CPU's default -O3: resnet_tiny
+# 7.5 -> 1.6 s, ResNet-18 11.6 -> 2.2 s on 2 cores) and runs no slower to notice; the run then
+# places the parameters. One draw on every backend: threefry's bits are exact, the normal
+# sampler's rounding is the CPU's.
 _CPU_INIT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _host_cpu():
+  """The host's first CPU device, or None where JAX runs without its CPU backend
+  (``JAX_PLATFORMS=cuda``)."""
+  try:
+    return jax.devices("cpu")[0]
+  except RuntimeError:
+    return None
 
 
 def init_model(build: Callable[[jax.Array], nnx.Module], seed: int) -> nnx.Module:
   """``build(key)`` as one compiled program (op by op, a ResNet's initialisation dispatches
-  hundreds of small programs), ``key = jax.random.key(seed)``. The key is an argument, not a
+  hundreds of small programs), ``key = jax.random.key(seed)``, on the host's CPU
+  (``_CPU_INIT_OPTIONS``): the arrays stay there (uncommitted) until the run places them where
+  its plan says (``training.sharding.put``). The key is an argument, not a
   constant of the program: every seed runs the one compiled initialisation, which the
   persistent compilation cache then serves to a sweep's other seeds."""
   graphdef = []
@@ -52,10 +65,12 @@ def init_model(build: Callable[[jax.Array], nnx.Module], seed: int) -> nnx.Modul
     graphdef.append(model_graphdef)  # static structure, recorded while tracing
     return state
 
-  key = jax.random.key(seed)
-  lowered = jax.jit(init).lower(key)
-  options = _CPU_INIT_OPTIONS if jax.default_backend() == "cpu" else None
-  return nnx.merge(graphdef[0], lowered.compile(compiler_options=options)(key))
+  cpu = _host_cpu()
+  with jax.default_device(cpu):  # None: the default device
+    key = jax.random.key(seed)
+    lowered = jax.jit(init).lower(key)
+    state = lowered.compile(compiler_options=_CPU_INIT_OPTIONS if cpu else None)(key)
+  return nnx.merge(graphdef[0], state)
 
 
 def build_task(cfg) -> Task:
