@@ -267,3 +267,26 @@ def test_init_model_is_the_op_by_op_draw():
   assert all(jax.tree.leaves(same))
   kernel = lambda m: np.asarray(m.layers[0].kernel.value)
   assert not np.allclose(kernel(compiled), kernel(other))
+
+
+def test_init_model_runs_where_jax_has_no_cpu_backend(monkeypatch):
+  """init_model compiles the initialisation for the host's CPU; under ``JAX_PLATFORMS=cuda``
+  (no CPU backend: ``jax.devices("cpu")`` raises) it builds the same draw on the default
+  device."""
+  from models import tasks
+
+  def build(key):
+    return nnx.Linear(3, 2, rngs=nnx.Rngs(key))
+
+  on_cpu = tasks.init_model(build, 0)
+  real = jax.devices
+
+  def no_cpu(backend=None):
+    if backend == "cpu":
+      raise RuntimeError("Unknown backend cpu")
+    return real(backend)
+
+  monkeypatch.setattr(jax, "devices", no_cpu)
+  assert tasks._host_cpu() is None
+  default = tasks.init_model(build, 0)
+  np.testing.assert_array_equal(on_cpu.kernel.value, default.kernel.value)
