@@ -125,7 +125,7 @@ def forward_macs(model: nnx.Module, image_shape: tuple[int, ...]) -> int:
   """Forward-pass MACs per example of the image model ``model`` (its arrays or their shapes) on
   ``image_shape`` images, traced in inference mode on a copy: ``model`` keeps its mode and
   state. A network already built costs only the trace (a ResNet-18's abstract build for
-  :func:`resnet_forward_macs` takes ~1.4 s more on 2 CPU cores)."""
+  :func:`resnet_forward_macs` takes about 1 s more on 2 CPU cores)."""
   graphdef, state = nnx.split(model)
   state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
 
