@@ -33,8 +33,8 @@ def compute_dtype(precision: str):
 
 
 # The one-off initialisation program runs on the host's CPU whatever the accelerator: on an
-# H200 host a ResNet-18's initialisation (many small random fills) took 7.9 s of the run's
-# 8.5 s build, nearly all of it XLA:GPU compiling a program that then runs once. On the CPU
+# H200 host, XLA:GPU compiling a ResNet-18's initialisation (many small random fills) was most
+# of the run's build (bench.startup's "build s"), for a program that then runs once. On the CPU
 # without LLVM's optimisations it compiles in 1.5-2 s (XLA:CPU's default -O3: resnet_tiny
 # 7.5 -> 1.6 s, ResNet-18 11.6 -> 2.2 s on 2 cores) and runs no slower to notice; the run then
 # places the parameters. One draw on every backend: threefry's bits are exact, the normal
