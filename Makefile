@@ -69,8 +69,9 @@ docs: $(STAMP)
 # xsum-1000.jsonl>, default .data) or smoke (embedded data and tiny models, minutes on a CPU);
 # SEEDS=0,1,2 (a sweep axis; results/tables.py averages seeds); GPUS=0,1,2,3 (default: every
 # GPU nvidia-smi lists, or one job at a time without GPUs); SWEEP_ARGS="max_steps=2 ..." (more
-# overrides). Jobs run through sweeps/gpu_pool.py: one process per job, one job per GPU,
-# completed runs skipped, a diverging run does not stop the sweep.
+# overrides). Jobs run through sweeps/gpu_pool.py: one process per job, one job per GPU
+# (JOBS_PER_GPU=4: up to four, for runs whose accuracy alone counts; their times and memory stay
+# out of the tables), completed runs skipped, a diverging run does not stop the sweep.
 # LAUNCHER=slurm runs them as SLURM jobs instead, one GPU each (`train.py -m
 # hydra/launcher=submitit_slurm`; PARTITION=<partition>, more in SWEEP_ARGS, e.g.
 # "hydra.launcher.account=<account>"); LAUNCHER=local through submitit on this machine, every
@@ -79,6 +80,7 @@ docs: $(STAMP)
 SCALE ?= full
 SEEDS ?= 0
 GPUS ?=
+JOBS_PER_GPU ?=
 SWEEP_ARGS ?=
 DATA ?=
 LAUNCHER ?= pool
@@ -89,7 +91,8 @@ endif
 # Smoke sweeps run on the CPU; the others on whatever JAX finds (the GPU), unless
 # JAX_PLATFORMS is set in the environment or on the command line.
 SWEEP_PLATFORMS = $(if $(JAX_PLATFORMS),$(JAX_PLATFORMS),$(if $(filter smoke,$(SCALE)),cpu,))
-POOL_RUN = $(PY) -m sweeps.gpu_pool $(if $(GPUS),--devices $(GPUS)) --
+POOL_RUN = $(PY) -m sweeps.gpu_pool $(if $(GPUS),--devices $(GPUS)) \
+  $(if $(JOBS_PER_GPU),--jobs-per-device $(JOBS_PER_GPU)) --
 SUBMITIT_RUN = $(PY) train.py -m hydra/launcher=submitit_$(LAUNCHER) \
   $(if $(and $(PARTITION),$(filter slurm,$(LAUNCHER))),hydra.launcher.partition=$(PARTITION))
 SWEEP_RUN = JAX_PLATFORMS=$(SWEEP_PLATFORMS) $(if $(filter pool,$(LAUNCHER)),$(POOL_RUN),$(SUBMITIT_RUN))

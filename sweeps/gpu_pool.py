@@ -1,6 +1,8 @@
-"""Run a sweep's jobs on a pool of GPUs: one job per GPU at a time, never two on one device.
+"""Run a sweep's jobs on a pool of GPUs: one job per GPU at a time, never two on one device
+unless asked (``--jobs-per-device``).
 
-    python -m sweeps.gpu_pool [--devices 0,1,2,3] [--dry-run] [--rerun] -- +sweep=table1 seed=0,1,2
+    python -m sweeps.gpu_pool [--devices 0,1,2,3] [--jobs-per-device N] [--dry-run] [--rerun] \
+        -- +sweep=table1 seed=0,1,2
 
 Hydra's joblib launcher runs jobs in parallel but pins no device: each job would see every GPU
 and JAX would put them all on the first one. This pool expands the sweep exactly as
@@ -23,6 +25,13 @@ CUDA_VISIBLE_DEVICES once, at start-up).
   and end. It exits non-zero if a job failed, except for runs that diverged (NaN/Inf loss:
   train.py exits 1 after writing summary.json with status "failed"), which are results (an lr
   too large, say) that results/tables.py skips and sweeps/best_lr.py marks as diverged.
+- ``--jobs-per-device N`` runs up to N jobs on each device at once, for runs whose accuracy
+  alone counts (a ResNet-18 step at batch 128 leaves most of a large GPU idle: four to six runs
+  on one H200 give up to about twice the throughput of one, results/cifar10/CAMPAIGN.md,
+  "Cost"). Each such job runs with
+  ``GINGER_DEVICE_SHARED=1`` (its summary.json says ``device_shared``, and results/tables.py
+  leaves its step time and memory out) and ``XLA_PYTHON_CLIENT_PREALLOCATE=false``. Time and
+  memory figures come only from runs alone on their device: the default, 1.
 - ``--command`` replaces ``python train.py -m`` (the job's overrides are appended): the tests use
   it to record what each child would get, without a GPU.
 """
@@ -45,6 +54,8 @@ from sweeps.expand import ROOT, Job, expand
 from training import run_record
 
 DEVICE_ENV = "CUDA_VISIBLE_DEVICES"
+# The environment of jobs that share a device (run_pool's jobs_per_device > 1).
+SHARED_ENV = {"GINGER_DEVICE_SHARED": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 def detect_devices() -> list[str]:
@@ -82,17 +93,27 @@ def run_pool(
   logs: Sequence[Path | None] | None = None,
   cwd: Path = ROOT,
   labels: Sequence[str] | None = None,
+  jobs_per_device: int = 1,
 ) -> list[int]:
-  """Run `commands`, at most one per device at a time, each with CUDA_VISIBLE_DEVICES set to
-  the device it holds (a None device leaves the environment as it is). Returns the exit codes
-  in the order of `commands`."""
+  """Run `commands`, at most `jobs_per_device` per device at a time, each with
+  CUDA_VISIBLE_DEVICES set to the device it holds (a None device leaves the environment as it
+  is). Returns the exit codes in the order of `commands`.
+
+  With `jobs_per_device` > 1 the jobs are spread over the devices (the first len(devices)
+  jobs on distinct ones) and each gets SHARED_ENV: ``GINGER_DEVICE_SHARED=1``, so that its
+  run record keeps its time and memory figures out of the tables, and
+  ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, so that JAX takes the device's memory as it needs
+  it instead of 75 % of it at start-up, which would leave the device's other jobs too little."""
   if not devices:
     raise ValueError("no devices: pass --devices (e.g. --devices 0,1,2,3)")
   if len(set(devices)) != len(devices):
     raise ValueError(f"devices must be distinct, got {list(devices)}")
+  if jobs_per_device < 1:
+    raise ValueError(f"jobs_per_device must be at least 1, got {jobs_per_device}")
   free: queue.Queue[str | None] = queue.Queue()
-  for device in devices:
-    free.put(device)
+  for _ in range(jobs_per_device):
+    for device in devices:
+      free.put(device)
   logs = list(logs) if logs is not None else [None] * len(commands)
   labels = list(labels) if labels is not None else [shlex.join(c) for c in commands]
   total, lock = len(commands), threading.Lock()
@@ -104,7 +125,7 @@ def run_pool(
   def work(i: int) -> int:
     device = free.get()  # blocks until a device is free; the pool has len(devices) workers
     try:
-      env = dict(os.environ)
+      env = dict(os.environ) | (SHARED_ENV if jobs_per_device > 1 else {})
       if device is not None:
         env[DEVICE_ENV] = device
       where = "the default device" if device is None else f"device {device}"
@@ -128,7 +149,7 @@ def run_pool(
     finally:
       free.put(device)
 
-  with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+  with ThreadPoolExecutor(max_workers=len(devices) * jobs_per_device) as pool:
     return list(pool.map(work, range(total)))
 
 
@@ -150,6 +171,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="what runs one job, before its overrides (default: %(default)s)",
   )
   parser.add_argument(
+    "--jobs-per-device",
+    type=int,
+    default=1,
+    metavar="N",
+    help="run up to N jobs on each device at once, for runs whose accuracy alone counts: "
+    "their run records mark them as sharing a device, and the tables leave their times and "
+    "memory out (default: %(default)s)",
+  )
+  parser.add_argument(
     "--rerun",
     action="store_true",
     help="also run jobs whose run dir holds a completed summary.json",
@@ -161,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     help="train.py -m overrides (after --), e.g. +sweep=table1 seed=0,1,2",
   )
   args = parser.parse_args(argv)
+  if args.jobs_per_device < 1:
+    parser.error(f"--jobs-per-device must be at least 1, got {args.jobs_per_device}")
   overrides = [o for o in args.overrides if o != "--"]
   jobs = expand(overrides)
   todo = [j for j in jobs if args.rerun or not is_completed(j)]
@@ -171,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   print(
     f"{len(jobs)} jobs, {len(jobs) - len(todo)} already completed (skipped), "
-    f"{len(todo)} to run on devices {devices or '(none found)'}",
+    f"{len(todo)} to run on devices {devices or '(none found)'}"
+    + (f", {args.jobs_per_device} jobs per device" if args.jobs_per_device > 1 else ""),
     flush=True,
   )
   prefix = shlex.split(args.command)
@@ -195,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     devices or [None],
     logs=[j.run_dir / "train.log" for j in todo],
     labels=[str(j.run_dir) for j in todo],
+    jobs_per_device=args.jobs_per_device,
   )
   bad = [j for j, rc in zip(todo, codes, strict=True) if rc]
   diverged = [str(j.run_dir) for j in bad if diverged_run(j)]

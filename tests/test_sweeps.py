@@ -411,7 +411,8 @@ import json, os, sys, time
 start = time.time()
 time.sleep(0.2)
 record = {"device": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time(),
-          "args": sys.argv[1:]}
+          "args": sys.argv[1:], "shared": os.environ.get("GINGER_DEVICE_SHARED"),
+          "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")}
 with open(os.environ["FAKE_RECORD"], "a") as f:
     f.write(json.dumps(record) + "\\n")
 sys.exit(1 if any("fail" in a for a in sys.argv[1:]) else 0)
@@ -447,6 +448,47 @@ def test_gpu_pool_pins_distinct_devices(tmp_path, monkeypatch):
   assert max(running) <= 3  # ... but never more jobs than devices
   with pytest.raises(ValueError, match="distinct"):
     gpu_pool.run_pool(commands, ["0", "0"])
+
+
+def _most_at_once(records, device):
+  """The most jobs that ran on ``device`` at the same time."""
+  mine = [r for r in records if r["device"] == device]
+  events = sorted([(r["start"], 1) for r in mine] + [(r["end"], -1) for r in mine])
+  return max(sum(d for _, d in events[: i + 1]) for i in range(len(events)))
+
+
+def test_gpu_pool_shares_a_device_only_when_asked(tmp_path, monkeypatch):
+  """``jobs_per_device=2``: at most two jobs on a device at once, spread over the devices,
+  each told it shares its device (GINGER_DEVICE_SHARED=1: the run record keeps its times out
+  of the tables) and not to preallocate the device's memory; one job per device says neither."""
+  fake = tmp_path / "fake.py"
+  fake.write_text(FAKE.replace("time.sleep(0.2)", "time.sleep(0.5)"))
+  record = tmp_path / "record.jsonl"
+  monkeypatch.setenv("FAKE_RECORD", str(record))
+  monkeypatch.delenv("GINGER_DEVICE_SHARED", raising=False)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  commands = [[sys.executable, str(fake), f"job{i}"] for i in range(8)]
+  codes = gpu_pool.run_pool(commands, ["0", "1"], cwd=tmp_path, jobs_per_device=2)
+  assert codes == [0] * 8
+  records = _records(record)
+  assert {r["device"] for r in records} == {"0", "1"}
+  assert {_most_at_once(records, "0"), _most_at_once(records, "1")} == {2}
+  assert {(r["shared"], r["preallocate"]) for r in records} == {("1", "false")}
+
+  record.unlink()
+  assert gpu_pool.run_pool(commands[:2], ["0"], cwd=tmp_path) == [0, 0]
+  records = _records(record)
+  assert _most_at_once(records, "0") == 1
+  assert {(r["shared"], r["preallocate"]) for r in records} == {(None, None)}
+  with pytest.raises(ValueError, match="jobs_per_device must be at least 1, got 0"):
+    gpu_pool.run_pool(commands, ["0"], jobs_per_device=0)
+
+
+def test_gpu_pool_refuses_a_bad_jobs_per_device(capsys):
+  with pytest.raises(SystemExit) as e:
+    gpu_pool.main(["--jobs-per-device", "0", "--dry-run", "--", "+sweep=table1"])
+  assert e.value.code == 2
+  assert "--jobs-per-device must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_gpu_pool_runs_a_sweep(tmp_path, cfg_dir, monkeypatch, capsys):
