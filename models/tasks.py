@@ -42,9 +42,10 @@ def compute_dtype(precision: str):
 _CPU_INIT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _host_cpu():
+def host_cpu():
   """The host's first CPU device, or None where JAX runs without its CPU backend
-  (``JAX_PLATFORMS=cuda``)."""
+  (``JAX_PLATFORMS=cuda``): where a run's initial values are made before they are placed
+  (``with jax.default_device(host_cpu())``; None there means the default device)."""
   try:
     return jax.devices("cpu")[0]
   except RuntimeError:
@@ -65,7 +66,7 @@ def init_model(build: Callable[[jax.Array], nnx.Module], seed: int) -> nnx.Modul
     graphdef.append(model_graphdef)  # static structure, recorded while tracing
     return state
 
-  cpu = _host_cpu()
+  cpu = host_cpu()
   with jax.default_device(cpu):  # None: the default device
     key = jax.random.key(seed)
     lowered = jax.jit(init).lower(key)

@@ -287,6 +287,6 @@ def test_init_model_runs_where_jax_has_no_cpu_backend(monkeypatch):
     return real(backend)
 
   monkeypatch.setattr(jax, "devices", no_cpu)
-  assert tasks._host_cpu() is None
+  assert tasks.host_cpu() is None
   default = tasks.init_model(build, 0)
   np.testing.assert_array_equal(on_cpu.kernel.value, default.kernel.value)

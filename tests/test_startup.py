@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SELECTED_ITEMS
@@ -405,6 +406,58 @@ def test_another_seed_is_the_same_program():
   assert texts[0].keys() == texts[1].keys() and len(texts[0]) == 5
   for key in texts[0]:
     assert texts[0][key] == texts[1][key], key
+
+
+def test_the_initial_state_compiles_no_program_of_its_own(monkeypatch):
+  """Beside the model's initialisation and the optimizer state's one program, building the
+  run's initial state compiles nothing: its counters are host values and its key is drawn on
+  the host's CPU, as the model's was (op by op on a GPU, each scalar compiled a program of
+  its own for the device: five at every start-up). The values are those of the plain
+  definitions, dtypes and weak types included."""
+  from training import run_setup
+
+  built = {}
+  real = run_setup.initial_state
+
+  def initial_state(*args, **kwargs):
+    compiled: list[str] = []
+
+    def listen(event, duration, **kw):
+      del duration
+      if event == "/jax/core/compile/backend_compile_duration":
+        compiled.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+      out = real(*args, **kwargs)
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listen)
+    built["compiled"], built["state"] = compiled, out[0]
+    return out
+
+  monkeypatch.setattr(run_setup, "initial_state", initial_state)
+  jax.clear_caches()  # cold, as a fresh process is
+  run_setup.build(config(*BASE, "seed=7"), materialize=False)
+  assert built["compiled"] == []
+  state = built["state"]
+  zero = jnp.zeros([], jnp.float32)
+  want = {
+    "step": jnp.zeros([], jnp.int32),
+    "key": jax.random.key_data(jax.random.key(7)),
+    "loss_min": jnp.asarray(jnp.inf, jnp.float32),
+    "loss_sum": zero,
+    "loss_count": jnp.zeros([], jnp.int32),
+    "nonfinite": jnp.zeros([], bool),
+    "last_loss": zero,
+    "grad_norm": zero,
+    "clip_fraction": zero,  # Ginger's clip is on (rho = 1)
+  }
+  got = {"step": state.step, "key": jax.random.key_data(state.rng), **state.stats}
+  assert got.keys() == want.keys()
+  for name, value in want.items():
+    assert isinstance(got[name], jax.Array), name  # placed on the run's devices
+    assert (got[name].dtype, got[name].weak_type) == (value.dtype, value.weak_type), name
+    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)
 
 
 @pytest.mark.parametrize("optimizer", ["ginger", "adam"])

@@ -11,13 +11,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from omegaconf import DictConfig
 
-from models.tasks import Task, build_task
+from models.tasks import Task, build_task, host_cpu
 from training import sharding
 from training.compilation import use_compilation_cache
 from training.config_check import ConfigError
@@ -168,12 +167,17 @@ def initial_state(tx, trainable, rest, rc: RunConfig, plan: sharding.Plan, mater
   """``(state, init_state, state_shardings)``: the initial state, with ``materialize=False``
   its optimizer state as shapes and shardings only; ``init_state()``, the initial state on
   the devices (a fresh one each call); where :class:`TrainState`'s leaves live."""
+  # The counters are host values and the key is drawn on the host's CPU, as the model's was
+  # (models.tasks.init_model: the same compiled program), so that none compiles a program for
+  # the device; sharding.put places them.
+  with jax.default_device(host_cpu()):
+    key = jax.random.key(rc.seed)
   state = TrainState(
-    jnp.zeros([], jnp.int32),
+    np.zeros((), np.int32),
     trainable,
     rest,
     jax.eval_shape(tx.init, trainable),  # shapes only: built by init_state
-    jax.random.key(rc.seed),
+    key,
     initial_stats(clip_bound(rc)),
   )
   state_shardings = plan.state(state)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -49,17 +50,18 @@ class Steps(NamedTuple):
 
 def initial_stats(bound: float | None = None):
   """The running statistics the step keeps; ``clip_fraction`` where ``clip_bound`` is set
-  (``bound``: :func:`training.optimizers.clip_bound`)."""
+  (``bound``: :func:`training.optimizers.clip_bound`). Host values (numpy): placing them
+  compiles nothing, where ``jnp.zeros`` would compile a program per dtype for the device."""
   stats = {
-    "loss_min": jnp.asarray(jnp.inf, jnp.float32),
-    "loss_sum": jnp.zeros([], jnp.float32),
-    "loss_count": jnp.zeros([], jnp.int32),
-    "nonfinite": jnp.zeros([], bool),
-    "last_loss": jnp.zeros([], jnp.float32),
-    "grad_norm": jnp.zeros([], jnp.float32),
+    "loss_min": np.array(np.inf, np.float32),
+    "loss_sum": np.zeros((), np.float32),
+    "loss_count": np.zeros((), np.int32),
+    "nonfinite": np.zeros((), bool),
+    "last_loss": np.zeros((), np.float32),
+    "grad_norm": np.zeros((), np.float32),
   }
   if bound is not None:
-    stats["clip_fraction"] = jnp.zeros([], jnp.float32)
+    stats["clip_fraction"] = np.zeros((), np.float32)
   return stats
 
 
