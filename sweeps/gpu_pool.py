@@ -10,14 +10,14 @@ and JAX would put them all on the first one. This pool expands the sweep exactly
 ``python train.py -m <that job's overrides>`` (a one-job multirun, so Hydra itself picks the same
 run dir as the whole sweep would), with ``CUDA_VISIBLE_DEVICES`` set to one free device of the
 pool. A device goes back to the pool only when its job's process has exited, so concurrent jobs
-always hold distinct devices, and every job starts in a fresh process (JAX reads
-CUDA_VISIBLE_DEVICES once, at start-up).
+hold distinct devices (by default: ``--jobs-per-device``), and every job starts in a fresh
+process (JAX reads CUDA_VISIBLE_DEVICES once, at start-up).
 
 - Devices: ``--devices`` (comma-separated ids or UUIDs), else $CUDA_VISIBLE_DEVICES, else every
   GPU that ``nvidia-smi`` lists; with none of these (a CPU machine) the jobs run one at a time
-  with the environment left as it is.
-- Each job is a separate process with its own device, so a failing job (train.py exits 1) does
-  not touch the others (``train.py -m`` also runs every job, one at a time, and exits 1 with
+  (N with ``--jobs-per-device N``) with CUDA_VISIBLE_DEVICES left as it is.
+- Each job is a separate process, so a failing job (train.py exits 1) does not touch the
+  others (``train.py -m`` also runs every job, one at a time, and exits 1 with
   a list of the failed ones).
 - Jobs whose run dir already holds a completed summary.json of the same resolved config are
   skipped (``--rerun`` runs them anyway; train.py then resumes from the last checkpoint).
@@ -123,7 +123,7 @@ def run_pool(
       print(text, flush=True)
 
   def work(i: int) -> int:
-    device = free.get()  # blocks until a device is free; the pool has len(devices) workers
+    device = free.get()  # blocks until a device has a free slot; one worker per slot
     try:
       env = dict(os.environ) | (SHARED_ENV if jobs_per_device > 1 else {})
       if device is not None:
