@@ -48,6 +48,23 @@ def config(*overrides):
     return compose(config_name="config", overrides=list(overrides))
 
 
+@contextlib.contextmanager
+def backend_compiles():
+  """The names of the programs XLA compiles inside the block (a list, filled as they are)."""
+  compiled: list[str] = []
+
+  def listen(event, duration, **kwargs):
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield compiled
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def events(run_dir: Path) -> list[dict]:
   """metrics.jsonl without its wall-clock fields."""
   out = []
@@ -420,18 +437,8 @@ def test_the_initial_state_compiles_no_program_of_its_own(monkeypatch):
   real = run_setup.initial_state
 
   def initial_state(*args, **kwargs):
-    compiled: list[str] = []
-
-    def listen(event, duration, **kw):
-      del duration
-      if event == "/jax/core/compile/backend_compile_duration":
-        compiled.append(kw.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with backend_compiles() as compiled:
       out = real(*args, **kwargs)
-    finally:
-      jax.monitoring.unregister_event_duration_listener(listen)
     built["compiled"], built["state"] = compiled, out[0]
     return out
 
@@ -468,18 +475,8 @@ def test_optimizer_state_is_initialised_as_op_by_op(optimizer):
   from training.optimizers import build_optimizer, learning_rate
 
   cfg = config(*BASE, f"optimizer={optimizer}")
-  compiled: list[str] = []
-
-  def listen(event, duration, **kwargs):
-    del duration
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiled.append(kwargs.get("fun_name"))
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with backend_compiles() as compiled:
     setup = train.build(cfg)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
   assert "jit(init_fn)" in compiled, compiled  # one program, not op by op
   rc = setup.rc
   tx = build_optimizer(rc, learning_rate(rc, setup.steps_per_epoch, setup.total_steps))
