@@ -10,8 +10,8 @@ and JAX would put them all on the first one. This pool expands the sweep exactly
 ``python train.py -m <that job's overrides>`` (a one-job multirun, so Hydra itself picks the same
 run dir as the whole sweep would), with ``CUDA_VISIBLE_DEVICES`` set to one free device of the
 pool. A device goes back to the pool only when its job's process has exited, so concurrent jobs
-hold distinct devices (by default: ``--jobs-per-device``), and every job starts in a fresh
-process (JAX reads CUDA_VISIBLE_DEVICES once, at start-up).
+hold distinct devices (unless ``--jobs-per-device`` allows more), and every job starts in a
+fresh process (JAX reads CUDA_VISIBLE_DEVICES once, at start-up).
 
 - Devices: ``--devices`` (comma-separated ids or UUIDs), else $CUDA_VISIBLE_DEVICES, else every
   GPU that ``nvidia-smi`` lists; with none of these (a CPU machine) the jobs run one at a time
@@ -28,10 +28,10 @@ process (JAX reads CUDA_VISIBLE_DEVICES once, at start-up).
 - ``--jobs-per-device N`` runs up to N jobs on each device at once, for runs whose accuracy
   alone counts (a ResNet-18 step at batch 128 leaves most of a large GPU idle: four to six runs
   on one H200 give up to about twice the throughput of one, results/cifar10/CAMPAIGN.md,
-  "Cost"). Each such job runs with
-  ``GINGER_DEVICE_SHARED=1`` (its summary.json says ``device_shared``, and results/tables.py
-  leaves its step time and memory out) and ``XLA_PYTHON_CLIENT_PREALLOCATE=false``. Time and
-  memory figures come only from runs alone on their device: the default, 1.
+  "Cost"). Each such job runs with ``GINGER_DEVICE_SHARED=1`` (its summary.json says
+  ``device_shared``, and results/tables.py leaves its step time and memory out) and
+  ``XLA_PYTHON_CLIENT_PREALLOCATE=false``. Time and memory figures come only from runs alone on
+  their device: the default, 1.
 - ``--command`` replaces ``python train.py -m`` (the job's overrides are appended): the tests use
   it to record what each child would get, without a GPU.
 """

@@ -430,6 +430,13 @@ def _assert_no_shared_device(records):
         assert a["device"] != b["device"], (a, b)
 
 
+def _most_at_once(records, device=None):
+  """The most jobs that ran at the same time (on ``device``; None: on any)."""
+  mine = [r for r in records if device is None or r["device"] == device]
+  events = sorted([(r["start"], 1) for r in mine] + [(r["end"], -1) for r in mine])
+  return max(sum(d for _, d in events[: i + 1]) for i in range(len(events)))
+
+
 def test_gpu_pool_pins_distinct_devices(tmp_path, monkeypatch):
   fake = tmp_path / "fake.py"
   fake.write_text(FAKE)
@@ -442,19 +449,9 @@ def test_gpu_pool_pins_distinct_devices(tmp_path, monkeypatch):
   assert sorted(r["args"][0] for r in records) == sorted(f"job{i}" for i in range(7))
   assert {r["device"] for r in records} == {"0", "1", "2"}
   _assert_no_shared_device(records)
-  events = sorted([(r["start"], 1) for r in records] + [(r["end"], -1) for r in records])
-  running = [sum(d for _, d in events[: i + 1]) for i in range(len(events))]
-  assert max(running) >= 2  # really in parallel ...
-  assert max(running) <= 3  # ... but never more jobs than devices
+  assert 2 <= _most_at_once(records) <= 3  # really in parallel, never more jobs than devices
   with pytest.raises(ValueError, match="distinct"):
     gpu_pool.run_pool(commands, ["0", "0"])
-
-
-def _most_at_once(records, device):
-  """The most jobs that ran on ``device`` at the same time."""
-  mine = [r for r in records if r["device"] == device]
-  events = sorted([(r["start"], 1) for r in mine] + [(r["end"], -1) for r in mine])
-  return max(sum(d for _, d in events[: i + 1]) for i in range(len(events)))
 
 
 def test_gpu_pool_shares_a_device_only_when_asked(tmp_path, monkeypatch):
