@@ -69,6 +69,10 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
     setup.frozen,
     sharding.put(setup.task.val_arrays, setup.plan.replicated),
     setup.rc,
+    setup.eval_weights,
+    None
+    if setup.eval_weights is None
+    else sharding.put(setup.task.train_arrays, setup.plan.replicated),
   )
   split = setup.task.eval_split
   result = {"run_dir": str(run_dir), "step": int(state.step), "split": split} | metrics

@@ -50,9 +50,23 @@ from training.stopping import StopRequest, agreed, preempted, stop_on_signals
 log = logging.getLogger("train")
 
 
-def evaluate(task: Task, eval_step, state: TrainState, frozen, arrays, rc: RunConfig) -> dict:
+def evaluate(
+  task: Task,
+  eval_step,
+  state: TrainState,
+  frozen,
+  arrays,
+  rc: RunConfig,
+  eval_weights=None,
+  train_arrays=None,
+) -> dict:
   """The task's metrics of ``state`` on its evaluation split (``arrays``, placed on the
-  devices), in batches of ``rc.eval_batch_size``; generation-based metrics included."""
+  devices), in batches of ``rc.eval_batch_size``; generation-based metrics included.
+  ``eval_weights`` (``Setup.eval_weights``; it reads ``train_arrays``): the weights to score
+  where the optimizer's are not the trained ones; None: the state's."""
+  if eval_weights is not None:
+    trainable, rest = eval_weights(state, frozen, train_arrays)
+    state = state._replace(trainable=trainable, rest=rest)
   batch_size = rc.eval_batch_size
   sums: dict[str, float] = {}
   for start in range(0, task.num_val, batch_size):
@@ -418,7 +432,14 @@ def _evaluate_and_log(loop: _Loop, state, stats, done: int, progress) -> None:
   """An evaluation step's eval record (with the mean training loss so far) and its line."""
   setup = loop.setup
   result = evaluate(
-    setup.task, loop.compiled.eval_step, state, setup.frozen, loop.val_arrays, loop.rc
+    setup.task,
+    loop.compiled.eval_step,
+    state,
+    setup.frozen,
+    loop.val_arrays,
+    loop.rc,
+    setup.eval_weights,
+    loop.train_arrays,
   )
   epoch_mean = float(stats["loss_sum"] / max(int(stats["loss_count"]), 1))
   record = loop.metrics.write("eval", done, **result, train_loss_mean=epoch_mean)

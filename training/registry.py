@@ -66,6 +66,9 @@ ReorthonormaliseEvery = Callable[[Any], int]
 # ``advice(opt)``: what of its own to change after a NaN/Inf loss, beside the learning rate
 # ("raise gamma (now 1e-05)"), from the run's :class:`OptimizerConfig`.
 Advice = Callable[[Any], str]
+# ``eval_params(opt_state, trainable)``: the weights an evaluation scores where they are not the
+# trained ones (schedule-free AdamW's x sequence: ``optax.contrib.schedule_free_eval_params``).
+EvalParams = Callable[[Any, Any], Any]
 
 
 def number(low: float, high: float | None = None, *, closed=(True, True), optional=False) -> Check:
@@ -159,6 +162,9 @@ class Optimizer:
       (:data:`ReorthonormaliseEvery`); None: it has none.
     advice: its own knobs against a diverging loss (:data:`Advice`); None: the learning rate
       and the gradient clip are all there is.
+    eval_params: the weights evaluations score (:data:`EvalParams`); None: the trained ones.
+      With it, a model with BatchNorm has its running statistics recomputed at those weights
+      before each evaluation (``training.steps.make_eval_weights``).
   """
 
   name: str
@@ -170,6 +176,7 @@ class Optimizer:
   update_flops: UpdateFlops = elementwise_flops
   reorthonormalise_every: ReorthonormaliseEvery | None = None
   advice: Advice | None = None
+  eval_params: EvalParams | None = None
 
   @property
   def hyperparameters(self) -> tuple[str, ...]:
@@ -486,5 +493,96 @@ register(
     display="Momentum",
     keys={"optimizer.b1": DECAY},
     build=_build_momentum,
+  )
+)
+
+
+# ------------------------------------------------------------------ today's first-order methods
+
+
+def _build_muon(opt: OptimizerConfig, schedule, sharding):
+  import optax
+
+  from training import muon_layout
+
+  return optax.contrib.muon(
+    schedule,
+    ns_steps=opt.extra["optimizer.ns_steps"],
+    beta=opt.b1,
+    nesterov=opt.extra["optimizer.nesterov"],
+    adam_b1=opt.extra["optimizer.adam_b1"],
+    adam_b2=opt.b2,
+    eps=opt.eps,
+    muon_weight_dimension_numbers=muon_layout.dimension_numbers,
+    consistent_rms=opt.extra["optimizer.consistent_rms"],
+  )
+
+
+def _muon_flops(sizes, **_) -> float:
+  # The Newton-Schulz iterations depend on the matrices' shapes, which the sizes alone do not
+  # give: summary.json's measured FLOPs (XLA's count of the compiled step) hold them.
+  return elementwise_flops(sizes)
+
+
+def _build_schedule_free_adamw(opt: OptimizerConfig, schedule, sharding):
+  import optax
+
+  return optax.contrib.schedule_free_adamw(
+    schedule,
+    b1=opt.b1,
+    b2=opt.b2,
+    eps=opt.eps,
+    weight_lr_power=opt.extra["optimizer.weight_lr_power"],
+  )
+
+
+def _schedule_free_eval_params(opt_state, trainable):
+  """Schedule-free's x sequence (where its guarantees hold) from the trained y and the state's
+  z: ``x = (y - (1 - b1) z) / b1`` (``optax.contrib.schedule_free_eval_params``), found in
+  the state however the framework chained it."""
+  import jax
+  import optax
+
+  found = [
+    s
+    for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda s: isinstance(s, optax.contrib.ScheduleFreeState)
+    )
+    if isinstance(s, optax.contrib.ScheduleFreeState)
+  ]
+  if len(found) != 1:
+    raise ValueError(f"expected one ScheduleFreeState in the optimizer state, found {len(found)}.")
+  return optax.contrib.schedule_free_eval_params(found[0], trainable)
+
+
+register(
+  Optimizer(
+    name="muon",
+    display="Muon",
+    keys={
+      "optimizer.b1": DECAY,
+      "optimizer.nesterov": choice((True, False)),
+      "optimizer.ns_steps": integer(1),
+      "optimizer.consistent_rms": number(0, closed=(False, True), optional=True),
+      "optimizer.adam_b1": DECAY,
+      "optimizer.b2": DECAY,
+      "optimizer.eps": number(0, closed=(False, True)),
+    },
+    build=_build_muon,
+    update_flops=_muon_flops,
+  )
+)
+register(
+  Optimizer(
+    name="schedule_free_adamw",
+    display="SF-AdamW",
+    keys={
+      "optimizer.b1": number(0, 1, closed=(False, False)),  # schedule_free needs b1 > 0
+      "optimizer.b2": DECAY,
+      "optimizer.eps": number(0, closed=(False, True)),
+      "optimizer.weight_lr_power": number(0),
+    },
+    build=_build_schedule_free_adamw,
+    eval_params=_schedule_free_eval_params,
   )
 )

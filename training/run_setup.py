@@ -70,6 +70,10 @@ class Setup(NamedTuple):
   # (batched, sequential or local); None where the step has no shared d-pass.
   fisher_backward: str | None = None
   rc: RunConfig | None = None  # the checked config it was built from
+  # The weights evaluations score where the optimizer's are not the trained ones (schedule-free
+  # AdamW), with BatchNorm's statistics recomputed there (training.steps.make_eval_weights):
+  # eval_weights(state, frozen, train_arrays) -> (trainable, rest); None: the state's own.
+  eval_weights: Any = None
 
   def updates_curvature(self, step: int) -> bool:
     """Whether step ``step`` (0-based) runs ``train_step`` (else ``precondition_step``).
@@ -262,4 +266,5 @@ def build(
     reorthonormalise_every(rc),
     graphs.backward,
     rc,
+    steps.eval_weights,
   )

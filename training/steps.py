@@ -23,7 +23,7 @@ from flax import nnx
 
 import ginger
 from models.tasks import per_shard_model
-from training import sharding
+from training import registry, sharding
 from training.config_check import ConfigError
 from training.optimizers import clip_bound
 from training.optimizers import reorthonormalise_every as reorthonormalise_every_of
@@ -46,6 +46,7 @@ class Steps(NamedTuple):
   eval_step: EvalStep
   precondition_step: Any
   reorthonormalise_step: Any
+  eval_weights: Any = None
 
 
 def initial_stats(bound: float | None = None):
@@ -278,7 +279,11 @@ def make_steps(
   if reorthonormalise_every_of(rc):
     reorthonormalise = reorthonormalise_step(rc, plan, state_shardings)
   eval_step = make_eval_step(task, graphdef_eval, plan)
-  return Steps(train_step, eval_step, precondition_step, reorthonormalise)
+  eval_weights = None
+  eval_params = registry.get(rc.optimizer.name).eval_params
+  if eval_params is not None:
+    eval_weights = make_eval_weights(task, apply, graphdef_train, eval_params, rc.batch_size)
+  return Steps(train_step, eval_step, precondition_step, reorthonormalise, eval_weights)
 
 
 def _train_step_fn(
@@ -364,6 +369,47 @@ def reorthonormalise_step(rc, plan: sharding.Plan, state_shardings):
 
 
 # ----------------------------------------------------------------------------- evaluation
+
+# Training batches whose forward passes recompute BatchNorm's running statistics at the weights
+# an evaluation scores (:func:`make_eval_weights`): the schedule-free authors' recipe (50
+# batches in training mode before each evaluation). With the models' BatchNorm momentum 0.9,
+# what the statistics held before weighs 0.9^50 < 0.6 % after them.
+RECALIBRATION_BATCHES = 50
+
+
+def has_batchnorm(rest) -> bool:
+  """Whether a model's non-parameter state holds BatchNorm statistics (``nnx.BatchStat``)."""
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  return any(isinstance(v, nnx.BatchStat) for v in jax.tree.leaves(rest, is_leaf=is_variable))
+
+
+def make_eval_weights(task, apply, graphdef_train, eval_params, batch_size: int):
+  """The jitted ``eval_weights(state, frozen, train_arrays) -> (trainable, rest)``: the
+  weights an evaluation scores, ``eval_params(opt_state, trainable)`` (the registry entry's),
+  and the model's other state with BatchNorm's running statistics recomputed at them:
+  :data:`RECALIBRATION_BATCHES` forward passes in training mode over the training set's first
+  examples (fixed, with a fixed augmentation key: every evaluation of a run sees the same
+  batches). Running statistics the training steps kept belong to the trained weights; scored
+  at other weights they would not match. The state itself is left as it is: training, its
+  checkpoints and a resume are unchanged. A model without BatchNorm keeps its state (its
+  forward passes leave only counters that evaluation does not read)."""
+  key = jax.random.key(0)
+
+  def eval_weights(state: TrainState, frozen, train_arrays):
+    trainable = eval_params(state.opt_state, state.trainable)
+    num_train = len(jax.tree.leaves(train_arrays)[0])
+
+    def forward(rest, i):
+      idx = (i * batch_size + jnp.arange(batch_size)) % num_train
+      inputs, _, _ = task.train_batch(train_arrays, idx, key)
+      return apply(graphdef_train, trainable, frozen, rest, inputs)[1], None
+
+    if not has_batchnorm(state.rest):
+      return trainable, state.rest
+    rest, _ = jax.lax.scan(forward, state.rest, jnp.arange(RECALIBRATION_BATCHES))
+    return trainable, rest
+
+  return jax.jit(eval_weights)
 
 
 def make_eval_step(task, graphdef_eval, plan: sharding.Plan) -> EvalStep:
