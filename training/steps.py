@@ -383,30 +383,40 @@ def has_batchnorm(rest) -> bool:
   return any(isinstance(v, nnx.BatchStat) for v in jax.tree.leaves(rest, is_leaf=is_variable))
 
 
+def recalibration_indices(num_train: int, batch_size: int) -> np.ndarray:
+  """The training examples of the :data:`RECALIBRATION_BATCHES` batches that recompute
+  BatchNorm's statistics, ``(RECALIBRATION_BATCHES, batch_size)``: a fixed random
+  permutation of the training set, repeated where the set is smaller than the batches. Not
+  the set's first examples: an image folder is read class by class, and statistics of a few
+  classes are not the data's."""
+  count = RECALIBRATION_BATCHES * batch_size
+  order = np.random.default_rng(0).permutation(num_train)
+  return np.resize(order, count).reshape(RECALIBRATION_BATCHES, batch_size).astype(np.int32)
+
+
 def make_eval_weights(task, apply, graphdef_train, eval_params, batch_size: int):
   """The jitted ``eval_weights(state, frozen, train_arrays) -> (trainable, rest)``: the
   weights an evaluation scores, ``eval_params(opt_state, trainable)`` (the registry entry's),
   and the model's other state with BatchNorm's running statistics recomputed at them:
-  :data:`RECALIBRATION_BATCHES` forward passes in training mode over the training set's first
-  examples (fixed, with a fixed augmentation key: every evaluation of a run sees the same
-  batches). Running statistics the training steps kept belong to the trained weights; scored
-  at other weights they would not match. The state itself is left as it is: training, its
-  checkpoints and a resume are unchanged. A model without BatchNorm keeps its state (its
-  forward passes leave only counters that evaluation does not read)."""
+  :data:`RECALIBRATION_BATCHES` forward passes in training mode over fixed training batches
+  (:func:`recalibration_indices`, with a fixed augmentation key: every evaluation of a run
+  sees the same batches). Running statistics the training steps kept belong to the trained
+  weights; scored at other weights they would not match. The state itself is left as it is:
+  training, its checkpoints and a resume are unchanged. A model without BatchNorm keeps its
+  state."""
   key = jax.random.key(0)
+  batches = recalibration_indices(task.num_train, batch_size)
 
   def eval_weights(state: TrainState, frozen, train_arrays):
     trainable = eval_params(state.opt_state, state.trainable)
-    num_train = len(jax.tree.leaves(train_arrays)[0])
+    if not has_batchnorm(state.rest):
+      return trainable, state.rest
 
-    def forward(rest, i):
-      idx = (i * batch_size + jnp.arange(batch_size)) % num_train
+    def forward(rest, idx):
       inputs, _, _ = task.train_batch(train_arrays, idx, key)
       return apply(graphdef_train, trainable, frozen, rest, inputs)[1], None
 
-    if not has_batchnorm(state.rest):
-      return trainable, state.rest
-    rest, _ = jax.lax.scan(forward, state.rest, jnp.arange(RECALIBRATION_BATCHES))
+    rest, _ = jax.lax.scan(forward, state.rest, jnp.asarray(batches))
     return trainable, rest
 
   return jax.jit(eval_weights)
