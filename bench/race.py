@@ -47,7 +47,7 @@ class Race(NamedTuple):
   group: str
   run: str
   seed: int
-  compile_s: float
+  compile_s: float | None  # None for records older than summary.json's startup_s
   # How its programs were lowered (summary.json's startup_s.per_program: "read" back from the
   # programs an earlier run kept, "exported", "traced"; "" where the record lacks it)
   programs: str
@@ -85,7 +85,7 @@ def race(run_dir: Path, target: float, group: str) -> Race:
     group,
     run_label(summary),
     summary["run"]["seed"],
-    summary["startup_s"]["lower_and_compile"],
+    summary.get("startup_s", {}).get("lower_and_compile"),
     programs_of(summary),
     None if hit is None else round(hit["step"] / per_epoch),
     None if hit is None else s_to_target,
@@ -97,7 +97,7 @@ def race(run_dir: Path, target: float, group: str) -> Race:
 
 def programs_of(summary: dict) -> str:
   """The ways the run's programs were lowered, e.g. "read" or "exported" ("" if unrecorded)."""
-  per_program = summary["startup_s"].get("per_program", {}).values()
+  per_program = summary.get("startup_s", {}).get("per_program", {}).values()
   return "/".join(sorted({p["program"] for p in per_program if "program" in p}))
 
 
@@ -127,7 +127,7 @@ def table(rows: list[Race], target: float) -> str:
   out = [header, "|---" * (header.count("|") - 1) + "|"]
   for r in rows:
     out.append(
-      f"| {r.group} | {r.run} | {r.seed} | {r.compile_s:.1f} | {r.programs} "
+      f"| {r.group} | {r.run} | {r.seed} | {_cell(r.compile_s, '.1f')} | {r.programs} "
       f"| {_cell(r.epochs_to_target, 'd')} "
       f"| {_cell(r.s_to_target, '.1f')} | {r.best:.2f} | {r.s_to_best:.1f} "
       f"| {r.ms_per_step:.2f} |"

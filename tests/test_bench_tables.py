@@ -464,3 +464,18 @@ def test_table1_suite_holds_every_resnet18_arm_of_table1():
     got.add((named["optimizer"], int(named["tau"]) if "tau" in named else None))
   assert len(runs) == len(arms) == 14
   assert got == expected
+
+
+def test_race_reads_records_older_than_the_startup_timings(tmp_path):
+  """A record from before summary.json kept ``startup_s`` still races: its compile cell is
+  blank, its time to the target counted as any other."""
+  from bench import race
+
+  _race_run(tmp_path / "old" / "a0", "adam", 0, [80.0, 86.0])
+  summary_path = tmp_path / "old" / "a0" / "summary.json"
+  summary = json.loads(summary_path.read_text())
+  del summary["startup_s"]
+  summary_path.write_text(json.dumps(summary))
+  (row,) = race.collect([tmp_path / "old"], target=85.0)
+  assert (row.compile_s, row.programs, row.s_to_target) == (None, "", 20.0)
+  assert "| old | adam | 0 |  |  | 2 | 20.0 |" in race.table([row], 85.0)
