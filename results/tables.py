@@ -1165,6 +1165,7 @@ def _comparison_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[Com
       label = f"{name} τ={high} − τ={low}"
       pairs.append((f"{name} τ pairs", label, cell(optimizer, high), cell(optimizer, low)))
   pairs += _control_pairs(cell, taus)
+  pairs += _curvature_every_pairs(runs, protocol)
   pairs += _ablation_pairs(runs, protocol, adam)
   sensitivity = TABLE_SWEEPS["table3"]
   for alpha in SENSITIVITY_ALPHAS:
@@ -1191,6 +1192,36 @@ def _control_pairs(cell: Callable[..., Selection], taus: Sequence[Any]) -> list[
         ("clip control", f"Ginger τ={tau} − QNG τ={tau} clipped", cell("ginger", tau), control),
         ("clip control", f"QNG τ={tau} clipped − QNG τ={tau}", control, cell("qng", tau)),
       ]
+  return pairs
+
+
+def _curvature_every_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[ComparisonPair]:
+  """The curvature_every sweep's comparisons (one family): each Ginger K against Adam of the
+  same sweep and each K > 1 against K = 1 at the same tau, the cells of its table."""
+
+  def cell(optimizer: str, tau: Any = None, every: Any = None) -> Selection:
+    crit = {**protocol, "optimizer": optimizer, "tau": tau, "curvature_every": every}
+    sel = select_runs(runs, crit, (CURVATURE_EVERY_SWEEP,))
+    sel.runs = [r for r in sel.runs if rfield(r, "sweep") == CURVATURE_EVERY_SWEEP]
+    return sel
+
+  arms = sorted(
+    {
+      (rfield(r, "tau"), rfield(r, "curvature_every"))
+      for r in runs
+      if rfield(r, "sweep") == CURVATURE_EVERY_SWEEP
+      and rfield(r, "optimizer") == "ginger"
+      and matches(r, protocol)
+    },
+    key=tuple_key,
+  )
+  adam, pairs = cell("adam"), []
+  for tau, every in arms:
+    ginger = cell("ginger", tau, every)
+    pairs.append(("curvature every K", f"Ginger τ={tau} K={every} − Adam", ginger, adam))
+    if every != 1 and (tau, 1) in arms:
+      label = f"Ginger τ={tau} K={every} − K=1"
+      pairs.append(("curvature every K", label, ginger, cell("ginger", tau, 1)))
   return pairs
 
 

@@ -1064,3 +1064,28 @@ def test_an_ablation_variant_at_two_learning_rates_is_two_comparisons(tmp_path):
     label = f"Ginger τ=4 no clip per-tensor lr={lr} − ρ=1 per-tensor"
     assert rows[label][2:4] == [diff.text(), diff.verdict], label
     assert f"Ginger τ=4 no clip per-tensor lr={lr} − Adam" in rows
+
+
+def test_comparisons_hold_the_curvature_every_family(tmp_path: Path) -> None:
+  """The curvature_every sweep's cells are compared too, one family: each K against Adam and
+  each K > 1 against K = 1 (the diverged K=2 run has no cell, the one-seed K=8 no interval)."""
+  runs = tables.collect_runs([curvature_every_runs(tmp_path)])
+  rows = {
+    r.label: r.cells for r in tables.build_comparisons(runs, "cifar10", ["resnet18"], "10ep").rows
+  }
+  assert set(rows) == {
+    "Ginger τ=8 K=1 − Adam",
+    "Ginger τ=8 K=4 − Adam",
+    "Ginger τ=8 K=4 − K=1",
+    "Ginger τ=8 K=8 − Adam",
+    "Ginger τ=8 K=8 − K=1",
+  }
+  expected = tables.stats.welch([88.0, 89.0], [86.0, 87.0])
+  assert rows["Ginger τ=8 K=1 − Adam"][:5] == [
+    "88.50 ± 0.71 (n=2)",
+    "86.50 ± 0.71 (n=2)",
+    expected.text(),
+    expected.verdict,
+    "curvature every K (3)",
+  ]
+  assert rows["Ginger τ=8 K=8 − K=1"][3] == "n < 2"
