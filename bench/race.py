@@ -13,22 +13,28 @@ compile (or to read from the cache) and how they were lowered (read back from th
 earlier run kept, exported, traced), the epochs and the seconds to the first evaluation at
 ``--target`` % or more, the best accuracy and the seconds to it, and the median step time.
 Seconds count from the training loop's start (``metrics.jsonl``'s ``wall_time_s``: compilation
-and evaluations included, building the data and model not). Then the mean of each (group, run)
-over its seeds, and each run's difference from Adam of its group in seconds to the target with
-its Welch 95 % interval (:func:`results.stats.welch`, over the seeds that reached the target; a
-tie where the interval contains 0).
+and evaluations included, building the data and model not). Then per (group, run) over its
+seeds, as AlgoPerf scores time to a target: a run that never reached the target counts as not
+reached (infinite time), not as a dropped seed; ``reached / seeds``, the median epochs and
+seconds to the target with the misses at infinity (``not reached`` when half or more missed),
+the mean seconds to the best. Last, each run against ``adam`` of its group (the baseline keeps
+its row, whether or not it reached the target): the Hodges-Lehmann difference in seconds to
+the target with its 95 % interval from the exact rank test inverted, misses included
+(:func:`results.stats.race_difference`), and the reading (faster / slower / tie) after Holm's
+correction over the group's comparisons with the baseline, the family.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
-from results.stats import welch
+from results import stats
 from training import run_record
 
 HEADER = (
@@ -41,7 +47,7 @@ class Race(NamedTuple):
   group: str
   run: str
   seed: int
-  compile_s: float
+  compile_s: float | None  # None for records older than summary.json's startup_s
   # How its programs were lowered (summary.json's startup_s.per_program: "read" back from the
   # programs an earlier run kept, "exported", "traced"; "" where the record lacks it)
   programs: str
@@ -72,16 +78,17 @@ def race(run_dir: Path, target: float, group: str) -> Race:
   if not evals:
     raise ValueError(f"{run_dir}: no evaluation in metrics.jsonl")
   per_epoch = summary["steps_per_epoch"]
-  hit = next((e for e in evals if e["val_accuracy"] >= target), None)
+  s_to_target = stats.time_to_target([(e["wall_time_s"], e["val_accuracy"]) for e in evals], target)
+  hit = next((e for e in evals if e["wall_time_s"] == s_to_target), None)
   best = max(evals, key=lambda e: e["val_accuracy"])
   return Race(
     group,
     run_label(summary),
     summary["run"]["seed"],
-    summary["startup_s"]["lower_and_compile"],
+    summary.get("startup_s", {}).get("lower_and_compile"),
     programs_of(summary),
     None if hit is None else round(hit["step"] / per_epoch),
-    None if hit is None else hit["wall_time_s"],
+    None if hit is None else s_to_target,
     best["val_accuracy"],
     best["wall_time_s"],
     1e3 * summary["step_time_s"],
@@ -90,7 +97,7 @@ def race(run_dir: Path, target: float, group: str) -> Race:
 
 def programs_of(summary: dict) -> str:
   """The ways the run's programs were lowered, e.g. "read" or "exported" ("" if unrecorded)."""
-  per_program = summary["startup_s"].get("per_program", {}).values()
+  per_program = summary.get("startup_s", {}).get("per_program", {}).values()
   return "/".join(sorted({p["program"] for p in per_program if "program" in p}))
 
 
@@ -120,7 +127,7 @@ def table(rows: list[Race], target: float) -> str:
   out = [header, "|---" * (header.count("|") - 1) + "|"]
   for r in rows:
     out.append(
-      f"| {r.group} | {r.run} | {r.seed} | {r.compile_s:.1f} | {r.programs} "
+      f"| {r.group} | {r.run} | {r.seed} | {_cell(r.compile_s, '.1f')} | {r.programs} "
       f"| {_cell(r.epochs_to_target, 'd')} "
       f"| {_cell(r.s_to_target, '.1f')} | {r.best:.2f} | {r.s_to_best:.1f} "
       f"| {r.ms_per_step:.2f} |"
@@ -128,43 +135,71 @@ def table(rows: list[Race], target: float) -> str:
   return "\n".join(out)
 
 
-def means(rows: list[Race]) -> str:
-  """Mean over seeds of each (group, run); s to target over the seeds that got there."""
+def _cells(rows: list[Race]) -> dict[tuple[str, str], list[Race]]:
   cells = defaultdict(list)
   for r in rows:
     cells[(r.group, r.run)].append(r)
-  out = ["| group | run | seeds | epochs to target | s to target | s to best |", "|---" * 6 + "|"]
-  for (group, run), rs in sorted(cells.items()):
-    hit = [r for r in rs if r.s_to_target is not None]
-    mean = lambda xs: f"{statistics.fmean(xs):.1f}" if xs else ""  # noqa: E731
+  return dict(sorted(cells.items()))
+
+
+def _missed(x: float | None) -> float:
+  return math.inf if x is None else float(x)
+
+
+def _median_text(values: list[float | None], fmt: str = ".1f") -> str:
+  """The median with misses at infinity: "not reached" when half or more missed."""
+  median = stats.median_time([_missed(x) for x in values])
+  return format(median, fmt) if math.isfinite(median) else "not reached"
+
+
+def _reached(values: list[float | None]) -> str:
+  return f"{sum(x is not None and math.isfinite(x) for x in values)} / {len(values)}"
+
+
+def means(rows: list[Race]) -> str:
+  """Per (group, run): reached / seeds, the median epochs and seconds to the target with the
+  misses at infinity (AlgoPerf's rule), and the mean seconds to each run's best."""
+  out = [
+    "| group | run | reached / seeds | epochs to target, median | s to target, median "
+    "| s to best, mean |",
+    "|---" * 6 + "|",
+  ]
+  for (group, run), rs in _cells(rows).items():
     out.append(
-      f"| {group} | {run} | {len(rs)} ({len(hit)} reached) "
-      f"| {mean([r.epochs_to_target for r in hit])} | {mean([r.s_to_target for r in hit])} "
-      f"| {mean([r.s_to_best for r in rs])} |"
+      f"| {group} | {run} | {_reached([r.s_to_target for r in rs])} "
+      f"| {_median_text([r.epochs_to_target for r in rs])} "
+      f"| {_median_text([r.s_to_target for r in rs])} "
+      f"| {statistics.fmean(r.s_to_best for r in rs):.1f} |"
     )
   return "\n".join(out)
 
 
 def differences(rows: list[Race], baseline: str = "adam") -> str:
-  """Per group, each run's mean seconds to the target minus ``baseline``'s, with the Welch 95 %
-  interval over the seeds that reached the target (``reached / seeds`` for the run)."""
-  times = defaultdict(list)
-  seeds = defaultdict(int)
-  for r in rows:
-    seeds[(r.group, r.run)] += 1
-    if r.s_to_target is not None:
-      times[(r.group, r.run)].append(r.s_to_target)
+  """Per group, each run's seconds to the target against ``baseline``'s, misses counted
+  (:func:`results.stats.race_difference`): the Hodges-Lehmann shift with its 95 % interval,
+  the rank test's p-value adjusted by Holm over the group's runs (the family) and its reading.
+  The baseline's row gives its reached / seeds and median; a group without it is left out."""
+  times = {key: [_missed(r.s_to_target) for r in rs] for key, rs in _cells(rows).items()}
   out = [
-    f"| group | run - {baseline} | reached / seeds | s to target [95 %] | verdict |",
-    "|---" * 5 + "|",
+    f"| group | run - {baseline} | reached / seeds | s to target, median | shift s [95 %] "
+    "| p (Holm) | reading (Holm) |",
+    "|---" * 7 + "|",
   ]
-  for group, run in sorted(seeds):
+  for group in sorted({g for g, _ in times}):
     base = times.get((group, baseline))
-    if run == baseline or not base or not times.get((group, run)):
+    if base is None:
       continue
-    diff = welch(times[(group, run)], base)
-    reached = f"{len(times[(group, run)])} / {seeds[(group, run)]}"
-    out.append(f"| {group} | {run} - {baseline} | {reached} | {diff.text(1)} | {diff.verdict} |")
+    arms = [(run, t) for (g, run), t in times.items() if g == group and run != baseline]
+    diffs = [stats.race_difference(t, base) for _, t in arms]
+    adjusted = stats.holm([d.p for d in diffs])
+    out.append(
+      f"| {group} | {baseline} (baseline) | {_reached(base)} | {_median_text(base)} | | | |"
+    )
+    for (run, t), d, p in zip(arms, diffs, adjusted, strict=True):
+      out.append(
+        f"| {group} | {run} - {baseline} | {_reached(t)} | {_median_text(t)} | {d.text(1)} "
+        f"| {p:.3f} | {stats.race_verdict(d, p)} |"
+      )
   return "\n".join(out)
 
 

@@ -1,6 +1,7 @@
 """Print the runs under a folder side by side (what `make train` shows at the end).
 
 python -m results.compare multirun/demo
+python -m results.compare results/cifar10/runs/table1/cifar10_resnet50_30ep   # archives too
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ COLUMNS = [
   ("min_train_loss", "min train loss"),
   ("steps", "steps"),
   ("step_time_s", "s/step"),
+  ("flops_per_iter", "FLOPs/iter (analytic)"),
+  ("step_memory_bytes", "step GB"),
+  ("peak_memory_bytes", "peak GB"),
+  ("device_shared", "shared GPU"),
 ]
 
 
@@ -35,12 +40,22 @@ def _fmt(value) -> str:
   return str(value)
 
 
+def _value(run: dict, key: str):
+  """``run[key]``, as the column shows it: bytes in GB (1e9), FLOPs by the analytic count."""
+  value = run.get(key)
+  if isinstance(value, dict):
+    value = value.get("analytic")
+  if key.endswith("_bytes") and isinstance(value, (int, float)):
+    value = round(value / 1e9, 2)
+  return value
+
+
 def _shown(key: str, run: dict) -> bool:
   """Whether ``run`` earns column ``key`` a place: any value, but the numerics only where not
   float32 (most runs are: no column for them)."""
   if key in run_record.NUMERICS:
     return key in run_record.narrow_numerics(run)
-  return run.get(key) is not None
+  return _value(run, key) is not None
 
 
 def rows(root: Path) -> list[dict]:
@@ -64,7 +79,7 @@ def main(argv=None) -> None:
   print("| " + " | ".join(title for _, title in columns) + " |")
   print("|" + "---|" * len(columns))
   for r in found:
-    print("| " + " | ".join(_fmt(r.get(k)) for k, _ in columns) + " |")
+    print("| " + " | ".join(_fmt(_value(r, k)) for k, _ in columns) + " |")
 
 
 if __name__ == "__main__":

@@ -984,6 +984,19 @@ def _times_cell(values: Sequence[float], n: int) -> str:
   return text if len(reached) == n else f"{text} ({len(reached)}/{n} seeds)"
 
 
+def time_to_target_cell(values: Sequence[float], fmt: str = ".0f") -> str:
+  """Seconds to a target over seeds as AlgoPerf scores them: the median with a seed that
+  never reached it (NaN or inf) at infinity, then (reached / seeds): "45 (5/5)", "not reached
+  (2/5)" when half or more missed; "" without seeds."""
+  if not values:
+    return ""
+  times = [v if is_number(v) and math.isfinite(v) else math.inf for v in values]
+  median = stats.median_time(times)
+  reached = sum(math.isfinite(t) for t in times)
+  text = format(median, fmt) if math.isfinite(median) else "not reached"
+  return f"{text} ({reached}/{len(times)})"
+
+
 def _accuracy_times(run: Run, levels: Sequence[float]) -> dict[str, float] | None:
   """:func:`results.series.accuracy_times` of the run's metrics (None without them)."""
   return series.accuracy_times(series.read_series(run["path"], spectrum=False), levels)
@@ -1019,9 +1032,11 @@ def build_curvature_every(
     "K = curvature_every: Ginger's d-pass and curvature update on steps 0, K, 2K, ... only, "
     "every step preconditioned with the current curvature (K = 1: the paper). Best / final "
     "acc = best / last validation accuracy (%); ms/step = median step time; × Adam = its "
-    f"ratio to Adam's; s to {level:g}% / s to best = wall-clock seconds from the run's start "
-    "(compilation and evaluations included) to the first evaluation at that accuracy / at "
-    "the run's best (mean over the seeds that got there). ± = sample std over seeds; "
+    f"ratio to Adam's; s to {level:g}% = wall-clock seconds from the run's start (compilation "
+    "and evaluations included) to the first evaluation at that accuracy, the median over "
+    "seeds with a seed that never got there counted as infinitely slow (AlgoPerf's rule), "
+    "then (reached / seeds); s to best = the same to the run's best evaluation, mean over "
+    "seeds. ± = sample std over seeds; "
     "timings are only comparable on one kind of device (see the last note)."
   )
   labels = ["K", "seeds", "Best acc", "Final acc", "ms/step", "× Adam"]
@@ -1060,7 +1075,7 @@ def build_curvature_every(
       fmt_stat(aggregate(_finite(t.get("final") for t in times)), "f2"),
       fmt_stat(ms, "f1"),
       fmt_num(ratio, "f2"),
-      _times_cell([t.get(str(level)) for t in times], n),
+      time_to_target_cell([t.get(str(level), math.nan) for t in times]),
       _times_cell([t.get("to_best") for t in times], n),
     ]
     new_model = bool(table.rows) and model != previous_model
@@ -1115,13 +1130,16 @@ def _sample_text(values: Sequence[float]) -> str:
   return f"{fmt_stat(aggregate(values), 'f2')} (n={len(values)})"
 
 
-def _comparison_pairs(
-  runs: Sequence[Run], protocol: dict[str, Any]
-) -> list[tuple[str, Selection, Selection]]:
-  """(label, a, b) for every comparison of best validation accuracy that REPRODUCTION.md
-  makes on one model: each Ginger tau against Adam, Momentum and QNG at that tau; QNG against
-  Adam; Momentum against Adam; the clip control (QNG with Ginger's clip and blocks) where it
-  has runs; and each alpha of Tables 3/4 against the paper's alpha at the same tau."""
+ComparisonPair = tuple[str, str, Selection, Selection]  # (family, label, a, b)
+
+
+def _comparison_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[ComparisonPair]:
+  """(family, label, a, b) for every comparison of best validation accuracy that
+  REPRODUCTION.md makes on one model: each Ginger tau against Adam, Momentum and QNG at that
+  tau; QNG against Adam; Momentum against Adam; the pairs of taus of Ginger and of QNG; the clip
+  control (QNG with Ginger's clip and blocks) where it has runs; the ablation; and each alpha
+  of Tables 3/4 against the paper's alpha at the same tau. A family is the set of comparisons
+  one sentence reads together (e.g. Ginger - Adam at every tau): Holm's correction runs over it."""
   table1 = TABLE_SWEEPS["table1"]
 
   def cell(optimizer: str, tau: Any = None, sweeps: Sequence[str] = table1, **extra) -> Selection:
@@ -1130,25 +1148,24 @@ def _comparison_pairs(
   adam, momentum = cell("adam"), cell("momentum")
   found = _found(runs, **protocol)
   taus = sorted({t for o, t in found if o == "ginger" and t is not None}, key=sort_key)
+  qng_taus = sorted({t for o, t in found if o == "qng" and t is not None}, key=sort_key)
   pairs = []
   for tau in taus:
     ginger, qng = cell("ginger", tau), cell("qng", tau)
     pairs += [
-      (f"Ginger τ={tau} − Adam", ginger, adam),
-      (f"Ginger τ={tau} − Momentum", ginger, momentum),
-      (f"Ginger τ={tau} − QNG τ={tau}", ginger, qng),
+      ("Ginger − Adam over τ", f"Ginger τ={tau} − Adam", ginger, adam),
+      ("Ginger − Momentum over τ", f"Ginger τ={tau} − Momentum", ginger, momentum),
+      ("Ginger − QNG over τ", f"Ginger τ={tau} − QNG τ={tau}", ginger, qng),
     ]
-  for tau in sorted({t for o, t in found if o == "qng" and t is not None}, key=sort_key):
-    pairs.append((f"QNG τ={tau} − Adam", cell("qng", tau), adam))
-  pairs.append(("Momentum − Adam", momentum, adam))
-  for tau in taus:
-    control = cell("qng", tau, (QNG_CONTROL_SWEEP,), **CLIPPED_PER_TENSOR)
-    control.runs = [r for r in control.runs if rfield(r, "sweep") == QNG_CONTROL_SWEEP]
-    if control.runs:
-      pairs += [
-        (f"Ginger τ={tau} − QNG τ={tau} clipped", cell("ginger", tau), control),
-        (f"QNG τ={tau} clipped − QNG τ={tau}", control, cell("qng", tau)),
-      ]
+  for tau in qng_taus:
+    pairs.append(("QNG − Adam over τ", f"QNG τ={tau} − Adam", cell("qng", tau), adam))
+  pairs.append(("Momentum − Adam", "Momentum − Adam", momentum, adam))
+  for name, optimizer, opt_taus in (("Ginger", "ginger", taus), ("QNG", "qng", qng_taus)):
+    for low, high in itertools.combinations(opt_taus, 2):
+      label = f"{name} τ={high} − τ={low}"
+      pairs.append((f"{name} τ pairs", label, cell(optimizer, high), cell(optimizer, low)))
+  pairs += _control_pairs(cell, taus)
+  pairs += _curvature_every_pairs(runs, protocol)
   pairs += _ablation_pairs(runs, protocol, adam)
   sensitivity = TABLE_SWEEPS["table3"]
   for alpha in SENSITIVITY_ALPHAS:
@@ -1158,7 +1175,53 @@ def _comparison_pairs(
       base = {**protocol, "optimizer": "ginger", "tau": tau}
       a = select_runs(runs, {**base, "alpha": alpha}, sensitivity)
       b = select_runs(runs, {**base, "alpha": PAPER_ALPHA}, sensitivity)
-      pairs.append((f"Ginger α={alpha} − α={PAPER_ALPHA}, τ={tau}", a, b))
+      family = f"α − {PAPER_ALPHA} over α and τ"
+      pairs.append((family, f"Ginger α={alpha} − α={PAPER_ALPHA}, τ={tau}", a, b))
+  return pairs
+
+
+def _control_pairs(cell: Callable[..., Selection], taus: Sequence[Any]) -> list[ComparisonPair]:
+  """The clip control's comparisons (one family): at each tau where QNG with Ginger's clip and
+  blocks has runs, Ginger against it and it against unclipped QNG."""
+  pairs = []
+  for tau in taus:
+    control = cell("qng", tau, (QNG_CONTROL_SWEEP,), **CLIPPED_PER_TENSOR)
+    control.runs = [r for r in control.runs if rfield(r, "sweep") == QNG_CONTROL_SWEEP]
+    if control.runs:
+      pairs += [
+        ("clip control", f"Ginger τ={tau} − QNG τ={tau} clipped", cell("ginger", tau), control),
+        ("clip control", f"QNG τ={tau} clipped − QNG τ={tau}", control, cell("qng", tau)),
+      ]
+  return pairs
+
+
+def _curvature_every_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[ComparisonPair]:
+  """The curvature_every sweep's comparisons (one family): each Ginger K against Adam of the
+  same sweep and each K > 1 against K = 1 at the same tau, the cells of its table."""
+
+  def cell(optimizer: str, tau: Any = None, every: Any = None) -> Selection:
+    crit = {**protocol, "optimizer": optimizer, "tau": tau, "curvature_every": every}
+    sel = select_runs(runs, crit, (CURVATURE_EVERY_SWEEP,))
+    sel.runs = [r for r in sel.runs if rfield(r, "sweep") == CURVATURE_EVERY_SWEEP]
+    return sel
+
+  arms = sorted(
+    {
+      (rfield(r, "tau"), rfield(r, "curvature_every"))
+      for r in runs
+      if rfield(r, "sweep") == CURVATURE_EVERY_SWEEP
+      and rfield(r, "optimizer") == "ginger"
+      and matches(r, protocol)
+    },
+    key=tuple_key,
+  )
+  adam, pairs = cell("adam"), []
+  for tau, every in arms:
+    ginger = cell("ginger", tau, every)
+    pairs.append(("curvature every K", f"Ginger τ={tau} K={every} − Adam", ginger, adam))
+    if every != 1 and (tau, 1) in arms:
+      label = f"Ginger τ={tau} K={every} − K=1"
+      pairs.append(("curvature every K", label, ginger, cell("ginger", tau, 1)))
   return pairs
 
 
@@ -1176,7 +1239,7 @@ def _cells_of(cells: dict[tuple, Any], rho: Any, block: Any) -> list:
 
 def _ablation_pairs(
   runs: Sequence[Run], protocol: dict[str, Any], adam: Selection
-) -> list[tuple[str, Selection, Selection]]:
+) -> list[ComparisonPair]:
   """The ablation's comparisons at each tau (and alpha) where Ginger has variants: every
   variant against the authors' (clip rho = 1, per-tensor blocks) and against Adam, and the
   unclipped variants' blocks against each other. A variant's cell is its ablation row's: one
@@ -1202,51 +1265,87 @@ def _ablation_pairs(
       if key[:2] == authors:
         continue
       for reference_text, reference in references:
-        pairs.append((f"Ginger {where} {text} − {reference_text}", cell, reference))
-      pairs.append((f"Ginger {where} {text} − Adam", cell, adam))
+        label = f"Ginger {where} {text} − {reference_text}"
+        pairs.append((f"ablation {where}", label, cell, reference))
+      pairs.append((f"ablation {where}", f"Ginger {where} {text} − Adam", cell, adam))
     free = (_cells_of(cells, None, "global"), _cells_of(cells, None, "per_tensor"))
     for free_global, free_tensor in itertools.product(*free):
       label = f"Ginger {where} {free_global[0]} − {free_tensor[0]}"
-      pairs.append((label, free_global[1], free_tensor[1]))
+      pairs.append((f"ablation {where}", label, free_global[1], free_tensor[1]))
   return pairs
 
 
 def build_comparisons(
   runs: Sequence[Run], dataset: str, models: Sequence[str], length: str | None = None
 ) -> Table:
-  """Every comparison the results make, with its Welch 95 % interval (results/stats.py):
-  one row per (model, comparison) that has runs on both sides."""
+  """Every comparison the results make, with its Welch 95 % interval and its reading after
+  Holm's correction over its family (results/stats.py): one row per (model, comparison) that
+  has runs on both sides."""
   protocol = image_protocol(dataset, length)
-  what = _set_text(dataset, length)
   caption = (
     "Best validation accuracy (%): A and B as mean ± sample std (n seeds); A − B = difference "
-    "of means [Welch 95 % interval]; reading: above / below where the interval excludes 0, "
-    "tie where it contains 0, n < 2 where a side has one run (no interval). A cell pools the "
-    "runs of one resolved configuration (the cell of Tables 1 and 3 it comes from), reruns "
-    "included, on any card: accuracy does not depend on the card's kind."
+    "of means [Welch 95 % interval, uncorrected]; reading: above / below where that interval "
+    "excludes 0, tie where it contains 0, n < 2 where a side has one run (no interval). Family "
+    "(m): the comparisons of one model read together (e.g. Ginger − Adam at every τ), m of "
+    "them tested; p (Holm): Welch's p-value adjusted by Holm's step-down procedure over the "
+    "family, which keeps the chance of any false above / below in the family at 5 %; reading "
+    "(Holm): above / below where it is below 0.05. A sentence about a family uses the Holm "
+    "reading. A cell pools the runs of one resolved configuration (the cell of Tables 1 and 3 "
+    "it comes from; a rerun of a seed replaces the earlier run), on any card: accuracy does "
+    "not depend on the card's kind."
   )
-  columns = [Column("", label) for label in ("A", "B", "A − B [95 % CI]", "Reading")]
+  labels = ("A", "B", "A − B [95 % CI]", "Reading", "Family (m)", "p (Holm)", "Reading (Holm)")
   table = Table(
     _set_name("comparisons", dataset, length),
-    f"Comparisons with 95 % intervals: {what}",
+    f"Comparisons with 95 % intervals, Holm-corrected by family: {_set_text(dataset, length)}",
     caption,
     "Comparison",
-    columns,
+    [Column("", label) for label in labels],
   )
   used = []
   for model in models:
-    first = True
-    for label, a, b in _comparison_pairs(runs, {**protocol, "model": model}):
-      va, vb = _accuracies(a), _accuracies(b)
-      if not va or not vb:
-        continue
-      diff = stats.welch(va, vb)
-      name = f"{MODEL_NAMES.get(model, model)}: {label}" if len(models) > 1 else label
-      cells = [_sample_text(va), _sample_text(vb), diff.text(), diff.verdict]
-      table.rows.append(Row(name, cells, rule_before=first and bool(table.rows)))
-      first = False
-      used += [r for r in a.runs + b.runs if r not in used]
+    rows, model_runs = _comparison_rows(runs, {**protocol, "model": model})
+    prefix = f"{MODEL_NAMES.get(model, model)}: " if len(models) > 1 else ""
+    for k, (label, cells) in enumerate(rows):
+      table.rows.append(Row(prefix + label, cells, rule_before=k == 0 and bool(table.rows)))
+    used += [r for r in model_runs if r not in used]
   return _finish(table, used, [])
+
+
+def _comparison_rows(
+  runs: Sequence[Run], protocol: dict[str, Any]
+) -> tuple[list[tuple[str, list[str]]], list[Run]]:
+  """(label, cells) of one model's comparisons with runs on both sides, in order, the Holm
+  columns computed over each family's comparisons; and the runs they use."""
+  tested, used = [], []
+  for family, label, a, b in _comparison_pairs(runs, protocol):
+    va, vb = _accuracies(a), _accuracies(b)
+    if va and vb:
+      tested.append((family, label, va, vb, stats.welch(va, vb)))
+      used += [r for r in a.runs + b.runs if r not in used]
+  by_family: dict[str, list[int]] = collections.defaultdict(list)
+  for k, (family, *_rest) in enumerate(tested):
+    by_family[family].append(k)
+  holm: dict[int, tuple[float | None, str, int]] = {}
+  for ks in by_family.values():
+    diffs = [tested[k][4] for k in ks]
+    m = sum(d.p is not None for d in diffs)
+    for k, p, reading in zip(
+      ks, stats.holm([d.p for d in diffs]), stats.holm_verdicts(diffs), strict=True
+    ):
+      holm[k] = (p, reading, m)
+  out = []
+  for k, (family, label, va, vb, diff) in enumerate(tested):
+    p, reading, m = holm[k]
+    cells = [_sample_text(va), _sample_text(vb), diff.text(), diff.verdict]
+    cells += [f"{family} ({m})", "" if p is None else _p_text(p), reading]
+    out.append((label, cells))
+  return out, used
+
+
+def _p_text(p: float) -> str:
+  """A p-value to two significant digits, "< 0.0001" below that."""
+  return "< 0.0001" if p < 1e-4 else f"{p:.2g}"
 
 
 CLIP_EPOCHS = ((0, 1), (1, 5), (5, 10), (10, 20), (20, None))

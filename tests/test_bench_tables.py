@@ -2,6 +2,7 @@
 header shifts every value under the wrong name, as bench.scaling's once did)."""
 
 import json
+import math
 import subprocess
 
 import jax
@@ -228,8 +229,8 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   out = capsys.readouterr().out
   table, means, _ = out.strip().split("\n\n")
   _check(table, expect_rows=3)
-  assert "| warm | adam | 2 (2 reached) | 3.0 | 30.0 | 40.0 |" in means
-  assert "| warm | ginger tau=8 K=8 | 1 (0 reached) |  |  | 20.0 |" in means
+  assert "| warm | adam | 2 / 2 | 3.0 | 30.0 | 40.0 |" in means
+  assert "| warm | ginger tau=8 K=8 | 0 / 1 | not reached | not reached | 20.0 |" in means
 
 
 def test_startup_rows_match_the_header():
@@ -377,11 +378,12 @@ def test_race_labels_runs_by_their_numerics(tmp_path):
   assert [r.seed for r in rows if r.run.endswith("bfloat16 state")] == [0, 1]
 
 
-def test_race_differences_from_adam_carry_welch_intervals(tmp_path, capsys):
-  """The race's last table: per group, each run's mean seconds to the target minus Adam's, with
-  the Welch 95 % interval over the seeds that reached it (results.stats), and the verdict."""
+def test_race_differences_count_the_runs_that_miss_the_target(tmp_path, capsys):
+  """The race's last table: per group, each run's seconds to the target against Adam's with a
+  run that never reached it as infinitely slow (results.stats.race_difference), the p-value
+  Holm-adjusted over the group's runs, and the reading; Adam's own row first."""
   from bench import race
-  from results.stats import welch
+  from results import stats
 
   ginger = dict(tau=8, curvature_every=8)
   for seed, accuracies in enumerate([[80.0, 86.0], [70.0, 80.0, 86.0], [86.0]]):
@@ -389,18 +391,31 @@ def test_race_differences_from_adam_carry_welch_intervals(tmp_path, capsys):
   for seed, accuracies in enumerate([[86.0], [80.0, 86.0], [84.0]]):
     _race_run(tmp_path / "cold" / f"g{seed}", "ginger", seed, accuracies, **ginger)
   rows = race.collect([tmp_path / "cold"], target=85.0)
-  adam = [r.s_to_target for r in rows if r.run == "adam"]
-  ginger_s = [r.s_to_target for r in rows if r.run != "adam" and r.s_to_target is not None]
-  assert len(adam) == 3 and len(ginger_s) == 2  # the third Ginger seed never reached 85 %
-  expected = welch(ginger_s, adam)
+  assert [r.s_to_target for r in rows if r.run != "adam"] == [10.0, 20.0, None]
+  expected = stats.race_difference([10.0, 20.0, math.inf], [20.0, 30.0, 10.0])
   out = race.differences(rows)
+  assert "| cold | adam (baseline) | 3 / 3 | 20.0 | | | |" in out.splitlines()
   line = next(x for x in out.splitlines() if "ginger tau=8 K=8" in x)
-  assert (
-    f"| cold | ginger tau=8 K=8 - adam | 2 / 3 | {expected.text(1)} | {expected.verdict} |"
-    == (line)
+  assert line == (
+    f"| cold | ginger tau=8 K=8 - adam | 2 / 3 | 20.0 | {expected.text(1)} "
+    f"| {expected.p:.3f} | {expected.verdict} |"
   )
   race.main([str(tmp_path / "cold")])
   assert capsys.readouterr().out.strip().split("\n\n")[-1] == out
+
+
+def test_race_keeps_a_baseline_that_never_reaches_the_target(tmp_path):
+  """Adam misses the target in every seed, Ginger reaches it in two of three: both rows stay,
+  Adam's with 0 / 3 and no median, Ginger's with a reading that counts every miss."""
+  from bench import race
+
+  for seed in range(3):
+    _race_run(tmp_path / "c" / f"a{seed}", "adam", seed, [80.0, 84.0])
+    ginger = [86.0] if seed < 2 else [84.0]
+    _race_run(tmp_path / "c" / f"g{seed}", "ginger", seed, ginger, tau=8, curvature_every=8)
+  lines = race.differences(race.collect([tmp_path / "c"], target=85.0)).splitlines()
+  assert "| c | adam (baseline) | 0 / 3 | not reached | | | |" in lines
+  assert "| c | ginger tau=8 K=8 - adam | 2 / 3 | 10.0 | -inf [-inf, +inf] | 0.400 | tie |" in lines
 
 
 def test_race_compares_the_arms_of_a_sweep_folder(tmp_path, capsys):
@@ -449,3 +464,18 @@ def test_table1_suite_holds_every_resnet18_arm_of_table1():
     got.add((named["optimizer"], int(named["tau"]) if "tau" in named else None))
   assert len(runs) == len(arms) == 14
   assert got == expected
+
+
+def test_race_reads_records_older_than_the_startup_timings(tmp_path):
+  """A record from before summary.json kept ``startup_s`` still races: its compile cell is
+  blank, its time to the target counted as any other."""
+  from bench import race
+
+  _race_run(tmp_path / "old" / "a0", "adam", 0, [80.0, 86.0])
+  summary_path = tmp_path / "old" / "a0" / "summary.json"
+  summary = json.loads(summary_path.read_text())
+  del summary["startup_s"]
+  summary_path.write_text(json.dumps(summary))
+  (row,) = race.collect([tmp_path / "old"], target=85.0)
+  assert (row.compile_s, row.programs, row.s_to_target) == (None, "", 20.0)
+  assert "| old | adam | 0 |  |  | 2 | 20.0 |" in race.table([row], 85.0)

@@ -47,3 +47,19 @@ def test_compare_names_non_float32_numerics(tmp_path: Path, capsys: pytest.Captu
     "| ginger | 4 | 0.9 | 0.0002 | bfloat16 | 97.5 |",
     "| ginger | 4 | 0.9 | 0.0002 | float32 | 97.5 |",
   ]
+
+
+def test_compare_shows_cost_columns(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+  """FLOPs by the analytic count, memory in GB (1e9 bytes), and whether the run shared its GPU:
+  the cost figures REPRODUCTION.md quotes from runs no table holds."""
+  summary = {
+    "run": {"optimizer": "adam", "lr": 1e-3},
+    "flops_per_iter": {"analytic": 996968562404.0, "xla": 9.9e9},
+    "step_memory_bytes": 3787941913,
+    "peak_memory_bytes": 6439506432,
+  }
+  _summary(tmp_path, "adam", json.dumps(summary))
+  compare.main([str(tmp_path)])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == "| optimizer | lr | FLOPs/iter (analytic) | step GB | peak GB |"
+  assert lines[2] == "| adam | 0.001 | 9.97e+11 | 3.79 | 6.44 |"

@@ -154,8 +154,8 @@ def test_a_missing_root_is_an_error(tmp_path: Path, capsys) -> None:
 
 
 def test_time_to_accuracy(tmp_path: Path) -> None:
-  """Seconds to the first eval at or above each level, mean over seeds; 'never' when not
-  reached; only table-sweep runs count."""
+  """Seconds to the first eval at or above each level, the median over seeds with misses as
+  infinitely slow, and reached / seeds; only table-sweep runs count."""
   root = tmp_path / "runs"
   for seed, offset in ((0, 0.0), (1, 1.0)):
     evs = [
@@ -172,7 +172,7 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
   (tmp_path / "out").mkdir()
   written = plots.plot_time_to_accuracy(infos, tmp_path / "out", levels=(60.0, 85.0))
   md = next(p for p in written if p.suffix == ".md").read_text()
-  assert "| adam | 80.00 | 40 | 30 | never |" in md
+  assert "| adam | 80.00 | 40 | 30 (2/2) | not reached (0/2) |" in md
   assert is_png(next(p for p in written if p.suffix == ".png"))
 
 

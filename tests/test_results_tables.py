@@ -653,13 +653,13 @@ def test_curvature_every_table(tmp_path: Path) -> None:
   )
   rows = [
     # Adam: best 86.0 at 9 s and 87.0 at 12 s; 85 % first at 9 s in both.
-    "| Adam |  | 0, 1 | 86.50 ± 0.71 | 86.00 ± 1.41 | 6.1 ± 0.1 | 1.00 | 9 ± 0 | 10 ± 2 |",
-    "| Ginger (τ=8) | 1 | 0, 1 | 88.50 ± 0.71 | 88.00 ± 1.41 | 10.0 ± 0.0 | 1.64 | 10 ± 0 "
+    "| Adam |  | 0, 1 | 86.50 ± 0.71 | 86.00 ± 1.41 | 6.1 ± 0.1 | 1.00 | 9 (2/2) | 10 ± 2 |",
+    "| Ginger (τ=8) | 1 | 0, 1 | 88.50 ± 0.71 | 88.00 ± 1.41 | 10.0 ± 0.0 | 1.64 | 10 (2/2) "
     "| 15 ± 0 |",
-    "| Ginger (τ=8) | 4 | 0, 1 | 86.50 ± 0.71 | 86.00 ± 1.41 | 7.0 ± 0.0 | 1.15 | 10 ± 3 "
+    "| Ginger (τ=8) | 4 | 0, 1 | 86.50 ± 0.71 | 86.00 ± 1.41 | 7.0 ± 0.0 | 1.15 | 10 (2/2) "
     "| 12 ± 0 |",
-    # One seed, never at 85 %; the diverged K=2 run has no row.
-    "| Ginger (τ=8) | 8 | 0 | 84.00 | 84.00 | 6.6 | 1.08 | never | 14 |",
+    # One seed, never at 85 %: counted, not dropped; the diverged K=2 run has no row.
+    "| Ginger (τ=8) | 8 | 0 | 84.00 | 84.00 | 6.6 | 1.08 | not reached (0/1) | 14 |",
   ]
   assert md.split("\n")[4 : 4 + 2 + len(rows)] == [header, "|---|" + "---:|" * 8, *rows]
   assert "K=2" not in md and "| 2 |" not in md
@@ -869,6 +869,9 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
     "87.97 ± 0.35 (n=3)",
     tie.text(),
     "tie",
+    "Ginger − Adam over τ (1)",
+    f"{tie.p:.2g}",
+    "tie",
   ]
   assert rows["Ginger τ=8 − QNG τ=8"][3] == "above"
   assert rows["QNG τ=8 − Adam"][3] == "below"
@@ -883,6 +886,37 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
   table1 = tables.build_table1(runs, "cifar100", ["resnet18"])
   qng_row = next(r for r in table1.rows if r.label == "QNG (τ=8)")
   assert qng_row.cells[0] == "3"
+
+
+def test_comparisons_read_each_family_after_holms_correction(tmp_path):
+  """Ginger against Adam at three taus is one family of m = 3: each row keeps its uncorrected
+  Welch interval and reading beside the Holm-adjusted p-value and reading; a margin that
+  clears 0.05 alone but not after the correction reads as a tie; the pairs of taus form a
+  family of their own."""
+  root = tmp_path / "runs"
+  ginger = {"optimizer": "ginger", "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  adam = [88.0, 87.9, 88.1]
+  samples = {
+    "adam": ({}, adam),
+    "g1": ({**ginger, "tau": 1}, [88.0, 88.1, 87.9]),
+    "g2": ({**ginger, "tau": 2}, [88.3, 88.15, 88.4]),  # p 0.040: 0.081 after Holm
+    "g4": ({**ginger, "tau": 4}, [89.0, 89.1, 88.9]),
+  }
+  rows = _comparison_rows(root, samples)
+  diffs = [tables.stats.welch(samples[k][1], adam) for k in ("g1", "g2", "g4")]
+  adjusted = tables.stats.holm([d.p for d in diffs])
+  for k, (tau, d, p) in enumerate(zip((1, 2, 4), diffs, adjusted, strict=True)):
+    cells = rows[f"Ginger τ={tau} − Adam"]
+    assert cells[2:] == [
+      d.text(),
+      d.verdict,
+      "Ginger − Adam over τ (3)",
+      f"{p:.2g}",
+      tables.stats.holm_verdicts(diffs)[k],
+    ]
+  assert rows["Ginger τ=2 − Adam"][3] == "above" and rows["Ginger τ=2 − Adam"][6] == "tie"
+  assert rows["Ginger τ=4 − Adam"][6] == "above"
+  assert rows["Ginger τ=4 − τ=1"][4] == "Ginger τ pairs (3)"
 
 
 def _comparison_rows(root, samples) -> dict[str, list[str]]:
@@ -924,7 +958,7 @@ def test_comparisons_cover_the_ablation_variants(tmp_path):
     "Ginger τ=4 no clip per-tensor − Adam": welch(samples["free"][1], samples["adam"][1]),
   }
   for label, diff in expected.items():
-    assert rows[label][2:] == [diff.text(), diff.verdict], label
+    assert rows[label][2:4] == [diff.text(), diff.verdict], label
   assert rows["Ginger τ=4 ρ=1 global − ρ=1 per-tensor"][:2] == [
     "85.90 ± 0.99 (n=2)",
     "88.13 ± 0.25 (n=3)",
@@ -939,11 +973,12 @@ def test_comparisons_cover_the_ablation_variants(tmp_path):
     for name in ("authors", "global")
   }
   rows = _comparison_rows(root, at_alpha)
-  assert rows["Ginger τ=4 α=0.9 ρ=1 global − ρ=1 per-tensor"] == [
+  assert rows["Ginger τ=4 α=0.9 ρ=1 global − ρ=1 per-tensor"][:5] == [
     "85.90 ± 0.99 (n=2)",
     "88.13 ± 0.25 (n=3)",
     welch(samples["global"][1], samples["authors"][1]).text(),
     "tie",
+    "ablation τ=4 α=0.9 (2)",  # a family of its own, apart from alpha 0.99's
   ]
   assert rows["Ginger τ=4 ρ=1 global − ρ=1 per-tensor"][:2] == [
     "85.90 ± 0.99 (n=2)",
@@ -1027,5 +1062,30 @@ def test_an_ablation_variant_at_two_learning_rates_is_two_comparisons(tmp_path):
   for name, lr in (("slow", "1e-06"), ("fast", "1e-05")):
     diff = welch(samples[name][1], samples["authors"][1])
     label = f"Ginger τ=4 no clip per-tensor lr={lr} − ρ=1 per-tensor"
-    assert rows[label][2:] == [diff.text(), diff.verdict], label
+    assert rows[label][2:4] == [diff.text(), diff.verdict], label
     assert f"Ginger τ=4 no clip per-tensor lr={lr} − Adam" in rows
+
+
+def test_comparisons_hold_the_curvature_every_family(tmp_path: Path) -> None:
+  """The curvature_every sweep's cells are compared too, one family: each K against Adam and
+  each K > 1 against K = 1 (the diverged K=2 run has no cell, the one-seed K=8 no interval)."""
+  runs = tables.collect_runs([curvature_every_runs(tmp_path)])
+  rows = {
+    r.label: r.cells for r in tables.build_comparisons(runs, "cifar10", ["resnet18"], "10ep").rows
+  }
+  assert set(rows) == {
+    "Ginger τ=8 K=1 − Adam",
+    "Ginger τ=8 K=4 − Adam",
+    "Ginger τ=8 K=4 − K=1",
+    "Ginger τ=8 K=8 − Adam",
+    "Ginger τ=8 K=8 − K=1",
+  }
+  expected = tables.stats.welch([88.0, 89.0], [86.0, 87.0])
+  assert rows["Ginger τ=8 K=1 − Adam"][:5] == [
+    "88.50 ± 0.71 (n=2)",
+    "86.50 ± 0.71 (n=2)",
+    expected.text(),
+    expected.verdict,
+    "curvature every K (3)",
+  ]
+  assert rows["Ginger τ=8 K=8 − K=1"][3] == "n < 2"
