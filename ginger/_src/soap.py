@@ -23,9 +23,12 @@ full eigendecomposition ``eigh(F_i)``) and returns a zero update, so that no ste
 gradient with a basis computed from that same gradient.
 
 This follows the authors' PyTorch implementation (github.com/nikhilvyas/SOAP, ``soap.py``),
-which ``tests/reference/soap_torch.py`` vendors and ``tests/test_soap.py`` runs beside this one.
+which ``tests/vendored/soap_torch.py`` vendors and ``tests/test_soap.py`` runs beside this one.
 The update is invariant to the signs of the eigenvectors (a column of ``Q_i`` and the matching
-slice of ``m`` flip together; ``v`` holds squares).
+slice of ``m`` flip together; ``v`` holds squares). One difference in the order of operations:
+the reference rotates ``m`` back to the parameters' coordinates and into the eigenbasis again
+after every step (the same basis but on refreshes: the identity, to rounding); here ``m`` stays
+in the eigenbasis and is rotated only when the basis changes, ``Q_new^T Q_old m``.
 
 Memory: ``m`` and ``v`` (two floats per parameter) plus, per factor of size ``d``, ``F_i`` and
 ``Q_i`` (``2 d^2`` floats).
@@ -257,7 +260,8 @@ def scale_by_soap(
   ``(576, 128)``). Float32 state and float32 products (``Precision.HIGHEST``, as PyTorch's
   default, which does not use TF32) whatever the params' dtype. A leaf without entries has no
   factors. Under ``jax.jit`` the step's basis work (set-up, keep or refresh) is one
-  ``lax.switch`` on the count. ``max_precond_dim`` fixes the state's shapes: under
+  ``lax.switch`` on the count (on a GPU, XLA reads its index on the host, so the host waits for
+  the device once a step). ``max_precond_dim`` fixes the state's shapes: under
   ``optax.inject_hyperparams`` pass a value of it in ``static_args``.
 
   Args:
