@@ -13,8 +13,9 @@ tx = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(learning_rate
 # A NaN or Inf gradient would enter U and sigma for good (as any optax state): skip such steps.
 tx = optax.apply_if_finite(ginger.ginger(1e-3, tau=8), max_consecutive_errors=5)
 
-The API is what ``__all__`` names: the optimizers (:func:`ginger`, :func:`qng`) and their
-preconditioners alone (:func:`scale_by_ginger`, :func:`scale_by_qng`), their states, the
+The API is what ``__all__`` names: the optimizers (:func:`ginger`, :func:`qng`, and SOAP,
+:func:`soap`, a Kronecker-factored baseline) and their preconditioners alone
+(:func:`scale_by_ginger`, :func:`scale_by_qng`, :func:`scale_by_soap`), their states, the
 helpers that read or rewrite a state holding Ginger's (:func:`curvature_spectrum`,
 :func:`reorthonormalise`, :func:`checkpoint_state`, :func:`restore_checkpoint_state`) and
 the types of its bucket-stacked arrays, and two submodules: :mod:`ginger.fisher` (the
@@ -36,11 +37,13 @@ from ginger._src.ginger_transform import (
   scale_by_ginger,
 )
 from ginger._src.qng_transform import ScaleByQNGState, qng, scale_by_qng
+from ginger._src.soap import ScaleBySoapState, scale_by_soap, soap
 from ginger._src.stacked import StackedBasis, StackedRows, StackedSigma
 
 __all__ = [
   "ScaleByGingerState",
   "ScaleByQNGState",
+  "ScaleBySoapState",
   "StackedBasis",
   "StackedRows",
   "StackedSigma",
@@ -54,6 +57,8 @@ __all__ = [
   "restore_checkpoint_state",
   "scale_by_ginger",
   "scale_by_qng",
+  "scale_by_soap",
   "sharding",
+  "soap",
 ]
 __version__ = "0.1.0"

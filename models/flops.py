@@ -4,8 +4,8 @@ XLA's ``cost_analysis`` is unreliable for convolutions on GPU, so the training l
 FLOPs from these counts instead: the model's forward pass per example (ResNets traced from the
 real module, T5 from its shapes), how many forward-pass equivalents a training step costs
 (:func:`train_step_flops`) and the parts of an optimizer's own update (element-wise work,
-:func:`ginger_update_flops`, :func:`qng_update_flops`), which each optimizer's entry in
-training/registry.py adds up.
+:func:`ginger_update_flops`, :func:`qng_update_flops`, :func:`soap_update_flops`), which each
+optimizer's entry in training/registry.py adds up.
 
 Conventions (the usual ones in papers that quote "GFLOPs" for ResNets):
   * Only convolutions (``k*k*cin/groups*cout*Hout*Wout`` MACs) and dense layers / matmuls
@@ -179,6 +179,44 @@ def ginger_precondition_flops(sizes: list[int], tau: int, block: str) -> float:
 def qng_update_flops(sizes: list[int], tau: int) -> float:
   """QNG's curvature work per update: 3 tau sequential rank-one applications of 2 n each."""
   return 3 * tau * 2.0 * FLOPS_PER_MAC * sum(sizes)
+
+
+def soap_update_flops(
+  shapes: list[tuple[int, ...]],
+  *,
+  precondition_frequency: int,
+  max_precond_dim: int,
+  merge_dims: bool,
+  precondition_1d: bool,
+) -> float:
+  """SOAP's work per update beyond Adam's element-wise part (``ginger.scale_by_soap``),
+  amortised over ``precondition_frequency`` steps, for leaves of ``shapes``.
+
+  A leaf of n entries whose factors have sizes d_i (the axes of at most ``max_precond_dim``;
+  read from the state ``ginger.scale_by_soap(...).init`` makes, traced with ``jax.eval_shape``)
+  costs every step n d_i multiply-adds per factor three times: the gradient rotated into the
+  eigenbasis, the update rotated back, and ``G_(i) G_(i)^T`` for the factor's moving average
+  (3 d_i^2 FLOPs). Every ``precondition_frequency`` steps each basis is refreshed: ``F Q``
+  (d^3 multiply-adds), a Householder QR with ``Q`` formed (8/3 d^3 FLOPs: 4/3 d^3 each),
+  ``Q_old^T Q_new`` (d^3) and the first moment rotated into the new basis (n d). The first
+  update's ``eigh`` of each factor runs once per run and is not counted.
+  """
+  import ginger  # the library's own layout of the factors (merge_dims, 1-D leaves)
+
+  tx = ginger.scale_by_soap(
+    max_precond_dim=int(max_precond_dim),
+    merge_dims=bool(merge_dims),
+    precondition_1d=bool(precondition_1d),
+  )
+  state = jax.eval_shape(tx.init, [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+  total = 0.0
+  for shape, factors in zip(shapes, state.factors, strict=True):
+    n = math.prod(shape)
+    for d in (f.shape[0] for f in factors if f is not None):
+      every_step = FLOPS_PER_MAC * 3 * n * d + 3 * d * d
+      refresh = FLOPS_PER_MAC * (2 * d**3 + n * d) + 8 / 3 * d**3
+      total += every_step + refresh / precondition_frequency
+  return total
 
 
 def t5_forward_flops(config: Any, batch: int, src_len: int, tgt_len: int) -> int:

@@ -196,6 +196,7 @@ def _random_state(setup, seed: int):
     ["optimizer=qng"],
     ["optimizer=ginger", "block=per_tensor"],
     ["optimizer=ginger", "block=global"],
+    ["optimizer=soap"],  # per-leaf tuples of factors, None for an axis without one
   ],
 )
 def test_every_optimizer_state_round_trips_bit_for_bit(tmp_path, overrides):

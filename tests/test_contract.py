@@ -37,10 +37,25 @@ OPTIMIZERS = {
   ),
   "qng": (ginger.qng, {"learning_rate": 0.1, "tau": 2, "rho": 1.0}, "ScaleByQNGState"),
   "scale_by_qng": (ginger.scale_by_qng, {"tau": 2, "block": "per_tensor"}, "ScaleByQNGState"),
+  # SOAP: a refresh of the eigenbases at the second step (the first sets them up). With
+  # max_precond_dim=3 the (4, 3) matrix has only its 3 x 3 factor, of full rank from the first
+  # gradient (its 4 x 4 one would have rank 3: an eigenbasis of the null space that rounding
+  # picks, so that hyperparameters in float32 arrays would change the update).
+  "soap": (
+    ginger.soap,
+    {"learning_rate": 0.1, "precondition_frequency": 1, "max_precond_dim": 3},
+    "ScaleBySoapState",
+  ),
+  "scale_by_soap": (
+    ginger.scale_by_soap,
+    {"b1": 0.9, "max_precond_dim": 3, "merge_dims": True},
+    "ScaleBySoapState",
+  ),
 }
-# tau fixes the state's array shapes and curvature_every the program, so both are static under
-# inject_hyperparams (as are the string and None arguments, which it leaves alone).
-STATIC = ("tau", "curvature_every")
+# tau and max_precond_dim fix the state's array shapes and curvature_every the program, so they
+# are static under inject_hyperparams (as are the string, bool and None arguments, which it
+# leaves alone).
+STATIC = ("tau", "curvature_every", "max_precond_dim")
 
 parametrize = pytest.mark.parametrize("name", list(OPTIMIZERS))
 

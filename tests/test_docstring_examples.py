@@ -18,6 +18,8 @@ WITH_EXAMPLES = [
   ginger.ginger,
   ginger.scale_by_qng,
   ginger.qng,
+  ginger.scale_by_soap,
+  ginger.soap,
   ginger.fisher.value_grad_and_fisher,
 ]
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS

@@ -57,8 +57,10 @@ Check = Callable[[Any, str, "Optimizer"], Any]
 # :class:`OptimizerConfig`, ``schedule`` the learning rate, ``sharding`` where the state's big
 # arrays are split (``ginger.sharding.StateSharding``) or None.
 Build = Callable[[Any, Any, Any], Any]
-# ``update_flops(sizes, *, tau, block, curvature_update)``: FLOPs of one update over parameter
-# leaves of ``sizes`` (``curvature_update=False``: a step that only preconditions).
+# ``update_flops(sizes, *, tau, block, curvature_update, shapes, opt)``: FLOPs of one update
+# over parameter leaves of ``sizes`` (``curvature_update=False``: a step that only
+# preconditions); ``shapes``, the leaves' shapes, and ``opt``, the run's
+# :class:`OptimizerConfig`, for a count that depends on them (None where the caller has none).
 UpdateFlops = Callable[..., float]
 # ``reorthonormalise_every(opt)``: curvature updates between the loop's re-orthonormalisations
 # of the state's bases (a program of their own), from the run's :class:`OptimizerConfig`.
@@ -346,11 +348,20 @@ def update_flops(
   tau: int | None = None,
   block: str | None = None,
   curvature_update: bool = True,
+  shapes: Sequence[tuple[int, ...]] | None = None,
+  opt: OptimizerConfig | None = None,
 ) -> float:
   """FLOPs of one update of optimizer ``name`` over parameter leaves of ``sizes``
-  (``curvature_update=False``: a step that only preconditions, see ``curvature_every``)."""
+  (``curvature_update=False``: a step that only preconditions, see ``curvature_every``);
+  ``shapes`` (the leaves' shapes) and ``opt`` (the run's :class:`OptimizerConfig`) for an
+  optimizer whose count depends on them."""
   return get(name).update_flops(
-    list(sizes), tau=tau, block=block, curvature_update=curvature_update
+    list(sizes),
+    tau=tau,
+    block=block,
+    curvature_update=curvature_update,
+    shapes=None if shapes is None else [tuple(s) for s in shapes],
+    opt=opt,
   )
 
 
@@ -584,5 +595,76 @@ register(
     },
     build=_build_schedule_free_adamw,
     eval_params=_schedule_free_eval_params,
+  )
+)
+
+
+# ----------------------------------------------------------------------------- SOAP
+
+
+def _build_soap(opt: OptimizerConfig, schedule, sharding):
+  import ginger
+
+  own = opt.extra
+  # weight_decay=0: the config's weight_decay is chained before every optimizer.
+  return ginger.soap(
+    schedule,
+    b1=opt.b1,
+    b2=opt.b2,
+    shampoo_beta=own["optimizer.shampoo_beta"],
+    eps=opt.eps,
+    weight_decay=0.0,
+    precondition_frequency=own["optimizer.precondition_frequency"],
+    max_precond_dim=own["optimizer.max_precond_dim"],
+    merge_dims=own["optimizer.merge_dims"],
+    precondition_1d=own["optimizer.precondition_1d"],
+    normalize_grads=own["optimizer.normalize_grads"],
+    correct_bias=own["optimizer.correct_bias"],
+  )
+
+
+def _soap_flops(sizes, *, shapes=None, opt=None, **_) -> float:
+  """Adam's element-wise work plus, per leaf of n entries with factors of sizes d_i, the three
+  n sum(d_i) multiply-adds of every step (the gradient into the eigenbasis, the update back,
+  the factors' G_(i) G_(i)^T) and the refresh of the bases every precondition_frequency steps,
+  amortised (``models.flops.soap_update_flops``). Needs the leaves' shapes and the run's
+  config: a SOAP update's cost is not a function of the sizes alone."""
+  from models import flops
+
+  if shapes is None or opt is None:
+    raise ValueError(
+      "SOAP's update FLOPs depend on the leaves' shapes and on its config: pass shapes= and "
+      "opt= (the run's OptimizerConfig) to registry.update_flops."
+    )
+  own = opt.extra
+  return elementwise_flops(sizes) + flops.soap_update_flops(
+    shapes,
+    precondition_frequency=own["optimizer.precondition_frequency"],
+    max_precond_dim=own["optimizer.max_precond_dim"],
+    merge_dims=own["optimizer.merge_dims"],
+    precondition_1d=own["optimizer.precondition_1d"],
+  )
+
+
+FLAG = choice((False, True))
+
+register(
+  Optimizer(
+    name="soap",
+    display="SOAP",
+    keys={
+      "optimizer.b1": DECAY,
+      "optimizer.b2": DECAY,
+      "optimizer.shampoo_beta": number(0, 1, closed=(True, False), optional=True),
+      "optimizer.eps": number(0),
+      "optimizer.precondition_frequency": integer(1),
+      "optimizer.max_precond_dim": integer(1),
+      "optimizer.merge_dims": FLAG,
+      "optimizer.precondition_1d": FLAG,
+      "optimizer.normalize_grads": FLAG,
+      "optimizer.correct_bias": FLAG,
+    },
+    build=_build_soap,
+    update_flops=_soap_flops,
   )
 )
