@@ -53,6 +53,25 @@ SUITES = {
         "fisher_forward=shared",
         "fisher_backward=local",
       ],
+      # The cheaper d-passes: on a quarter of the batch, or on every fourth step only.
+      "ginger tau=8 (d-pass: eval forward, first 32 examples)": [
+        "optimizer=ginger",
+        "tau=8",
+        "fisher_forward=eval",
+        "fisher_batch=32",
+      ],
+      "ginger tau=8 (d-pass: training-mode forward, first 32 examples)": [
+        "optimizer=ginger",
+        "tau=8",
+        "fisher_forward=shared",
+        "fisher_batch=32",
+      ],
+      "ginger tau=8 (d-pass: eval forward, every 4th step)": [
+        "optimizer=ginger",
+        "tau=8",
+        "fisher_forward=eval",
+        "curvature_every=4",
+      ],
     },
   },
   # Every arm of Table 1's ResNet-18 half as the campaign runs it (eval d-pass, per-tensor
@@ -81,10 +100,21 @@ SUITES = {
       "full ginger tau=1": ["optimizer=ginger", "tau=1"],
       "full ginger tau=8": ["optimizer=ginger", "tau=8"],
       "full ginger tau=32": ["optimizer=ginger", "tau=32"],
+      "full ginger tau=8 (d-pass: first example)": ["optimizer=ginger", "tau=8", "fisher_batch=1"],
+      "full ginger tau=8 (d-pass: every 4th step)": [
+        "optimizer=ginger",
+        "tau=8",
+        "curvature_every=4",
+      ],
       "lora adam": ["optimizer=adam"],
       "lora ginger tau=1": ["optimizer=ginger", "tau=1"],
       "lora ginger tau=8": ["optimizer=ginger", "tau=8"],
       "lora ginger tau=32": ["optimizer=ginger", "tau=32"],
+      "lora ginger tau=32 (d-pass: first example)": [
+        "optimizer=ginger",
+        "tau=32",
+        "fisher_batch=1",
+      ],
     },
   },
 }

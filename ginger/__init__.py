@@ -17,7 +17,8 @@ The API is what ``__all__`` names: the optimizers (:func:`ginger`, :func:`qng`, 
 :func:`soap`, a Kronecker-factored baseline) and their preconditioners alone
 (:func:`scale_by_ginger`, :func:`scale_by_qng`, :func:`scale_by_soap`), their states, the
 helpers that read or rewrite a state holding Ginger's (:func:`curvature_spectrum`,
-:func:`reorthonormalise`, :func:`checkpoint_state`, :func:`restore_checkpoint_state`) and
+:func:`kappa_eps`, :func:`reorthonormalise`, :func:`checkpoint_state`,
+:func:`restore_checkpoint_state`) and
 the types of its bucket-stacked arrays, and two submodules: :mod:`ginger.fisher` (the
 sampled-Fisher vector ``d_t``) and :mod:`ginger.sharding` (where a state's arrays live on a
 device mesh). ``ginger._src`` holds the implementation (the passes over ``U`` and their Pallas
@@ -32,6 +33,7 @@ from ginger._src.ginger_transform import (
   curvature_spectrum,
   default_reorthonormalise_every,
   ginger,
+  kappa_eps,
   reorthonormalise,
   restore_checkpoint_state,
   scale_by_ginger,
@@ -52,6 +54,7 @@ __all__ = [
   "default_reorthonormalise_every",
   "fisher",
   "ginger",
+  "kappa_eps",
   "qng",
   "reorthonormalise",
   "restore_checkpoint_state",

@@ -137,14 +137,20 @@ def forward_macs(model: nnx.Module, image_shape: tuple[int, ...]) -> int:
   return count_macs(forward, state, jax.ShapeDtypeStruct((1, *image_shape), jnp.float32))
 
 
-def train_step_flops(forward_flops: float, *, fisher_forward: str | None) -> float:
+def train_step_flops(
+  forward_flops: float, *, fisher_forward: str | None, fisher_fraction: float = 1.0
+) -> float:
   """FLOPs of one training step's passes, from one forward pass over the batch.
 
   Forward x3 for the loss gradient; a sampled-Fisher d-pass (``fisher_forward`` of the
   curvature optimizers; None for the others) adds one backward (2x) when it shares the
   training forward ("shared"), or its own forward and backward (3x) in inference mode ("eval").
+  ``fisher_fraction`` < 1: the d-pass runs on that fraction of the batch (``fisher_batch``),
+  with a forward and a backward of its own in either mode (3x the fraction).
   """
   d_pass = {None: 0, "shared": 2, "eval": 3}[fisher_forward]
+  if fisher_forward is not None and fisher_fraction < 1:
+    d_pass = 3 * fisher_fraction
   return (TRAIN_FORWARD_MULTIPLIER + d_pass) * forward_flops
 
 

@@ -273,11 +273,41 @@ def _check_run(c: _Checker) -> None:
   c.choice("fisher_forward", FISHER_FORWARDS)
   if c.get("fisher_backward") not in (_MISSING, None):
     c.choice("fisher_backward", FISHER_BACKWARDS)
+  _check_fisher_batch(c)
   c.integer("spectrum_every", 0, optional=True)
   c.integer("profile_steps", 0, optional=True)
   c.integer("profile_start", 0, optional=True)
   c.text("sweep", optional=True)
   c.number("lr", 0, closed=(False, True))
+
+
+def _check_fisher_batch(c: _Checker) -> None:
+  """``fisher_batch``: null, or the d-pass's examples, at most the batch, for an optimizer with a
+  d-pass (an error, not a warning, for the others: the value asks for a cheaper d-pass that a run
+  without one would silently not have)."""
+  value = c.check(
+    "fisher_batch", lambda v: _is_int(v) and v >= 1, "an integer in [1, batch_size]", optional=True
+  )
+  if value is None:
+    return
+  batch = c.get("batch_size")
+  if _is_int(batch) and value > batch:
+    c.bad(
+      "fisher_batch",
+      value,
+      f"at most batch_size={batch} (the d-pass runs on the batch's first fisher_batch examples) "
+      "or null",
+    )
+  name = c.get("optimizer.name")
+  if (
+    isinstance(name, str) and registry.find(name) is not None and not registry.keeps_curvature(name)
+  ):
+    curvature = [n for n in registry.names() if registry.keeps_curvature(n)]
+    c.bad(
+      "fisher_batch",
+      value,
+      f"null for optimizer={name}, which has no d-pass (only {', '.join(curvature)} have one)",
+    )
 
 
 def _check_optimizer(c: _Checker) -> str | None:
@@ -396,6 +426,19 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
       f"fisher_backward={_show(OmegaConf.select(cfg, 'fisher_backward'))} is ignored: with "
       "fisher_forward=eval the d-pass has a forward and a backward of its own (only "
       "fisher_forward=shared pulls both cotangents back through one forward)."
+    )
+  sub_batch = OmegaConf.select(cfg, "fisher_batch", default=None)
+  if (
+    curvature
+    and "fisher_backward" in given
+    and OmegaConf.select(cfg, "fisher_forward", default=None) == "shared"
+    and sub_batch is not None
+    and sub_batch < OmegaConf.select(cfg, "batch_size", default=0)
+  ):
+    out.append(
+      f"fisher_backward={_show(OmegaConf.select(cfg, 'fisher_backward'))} is ignored: with "
+      f"fisher_batch={sub_batch} the d-pass has a forward and a backward of its own on the "
+      "batch's first fisher_batch examples."
     )
   schedule = OmegaConf.select(cfg, "schedule", default=None)
   if "warmup_epochs" in given and schedule != "warmup_constant":

@@ -100,6 +100,7 @@ SECTIONS = (
       "fisher",
       "fisher_forward",
       "fisher_backward",
+      "fisher_batch",
     ),
   ),
   ("Data", "The dataset (`data=...`).", ("data.",)),

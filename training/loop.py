@@ -44,7 +44,7 @@ from training.errors import DiskFullError, Interrupted, NonFiniteLossError, disk
 from training.optimizers import divergence_advice
 from training.run_config import RunConfig
 from training.run_setup import Setup, build, check
-from training.steps import TrainState
+from training.steps import TrainState, fisher_sub_batch
 from training.stopping import StopRequest, agreed, preempted, stop_on_signals
 
 log = logging.getLogger("train")
@@ -127,6 +127,13 @@ def _train(rc: RunConfig, resolved: dict, run_dir: Path, plan, stop: StopRequest
   )
   if setup.fisher_backward is not None:
     log.info("d-pass: shared forward, %s backward", setup.fisher_backward)
+  if fisher_sub_batch(rc) is not None:
+    log.info(
+      "d-pass: the batch's first %d of %d examples, %s-mode forward and backward of its own",
+      fisher_sub_batch(rc),
+      rc.batch_size,
+      "inference" if rc.fisher_forward == "eval" else "training",
+    )
   checkpointer = Checkpointer(run_dir)
   resume_from = checkpointer.latest_step()
   if resume_from is not None and rc.resume:
@@ -190,6 +197,7 @@ class _Position:
   done: int  # steps done
   last_good: int | None  # the step of the last checkpoint; None: no checkpoint yet
   stopped_by: int | None = None  # the signal that asked the run to stop
+  kappa_eps_warned: bool = False  # whether the log said that sigma_max * eps / gamma passed 1
   step_times: list[float] = dataclasses.field(default_factory=list)  # per log interval
 
 
@@ -361,7 +369,10 @@ def _train_steps(loop: _Loop, at: _Position) -> None:
         if stats["nonfinite"]:
           raise NonFiniteLossError(_nonfinite_message(rc, done, stats, at.last_good, checkpointer))
       if at_log:
-        _log_train(loop, at.state, stats, done, intervals.lap(done), intervals.steps, progress)
+        ratios = _log_train(
+          loop, at.state, stats, done, intervals.lap(done), intervals.steps, progress
+        )
+        at.kappa_eps_warned = at.kappa_eps_warned or _warn_kappa_eps(loop.rc, ratios, done)
       elif progress.due():  # no terminal, log steps far apart: a line with rate and ETA
         progress.update(done, loss=float(jax.device_get(at.state.stats["last_loss"])))
       if at_eval:
@@ -405,10 +416,15 @@ def _stop_request(stop: StopRequest, done: int, total: int, single: bool, at_log
   return None
 
 
-def _log_train(loop: _Loop, state, stats, done: int, elapsed: float, steps: int, progress):
+def _log_train(
+  loop: _Loop, state, stats, done: int, elapsed: float, steps: int, progress
+) -> dict[str, float]:
   """A log step's train record (``steps`` steps in ``elapsed`` seconds since the last one), the
-  progress line, and every ``spectrum_every`` steps the curvature's spectrum."""
+  progress line, and every ``spectrum_every`` steps the curvature's spectrum. Returns Ginger's
+  ``sigma_max * eps / gamma`` per block (:func:`_kappa_eps`; {} for the other optimizers),
+  whose largest the train record holds as ``kappa_eps``."""
   rc = loop.rc
+  ratios = _kappa_eps(rc, state)
   loop.metrics.write(
     "train",
     done,
@@ -420,12 +436,68 @@ def _log_train(loop: _Loop, state, stats, done: int, elapsed: float, steps: int,
     epoch=done / loop.setup.steps_per_epoch,
     step_time_s=elapsed / max(steps, 1),
     examples_per_s=rc.batch_size * steps / max(elapsed, 1e-9),
+    **({"kappa_eps": max(ratios.values())} if ratios else {}),
   )
   progress.update(done, loss=float(stats["last_loss"]))
   if rc.spectrum_every and done % rc.spectrum_every == 0:
     spectrum = jax.device_get(ginger.curvature_spectrum(state.opt_state))
     if spectrum:
-      loop.metrics.write("spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()})
+      kappa = {"kappa_eps": ratios} if ratios else {}
+      loop.metrics.write(
+        "spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()}, **kappa
+      )
+  return ratios
+
+
+def _kappa_eps(rc: RunConfig, state: TrainState) -> dict[str, float]:
+  """``ginger.kappa_eps`` of a Ginger run's blocks (``sigma_max * eps / gamma``), from their
+  ``sigma`` alone fetched to the host (``U`` and the momentum stay on the devices); {} for the
+  other optimizers."""
+  if rc.optimizer.name != "ginger":
+    return {}
+  is_ginger = lambda x: isinstance(x, ginger.ScaleByGingerState)  # noqa: E731
+  small = jax.tree.map(
+    lambda s: s._replace(u=None, mu=None) if is_ginger(s) else s,
+    state.opt_state,
+    is_leaf=is_ginger,
+  )
+  ratios = ginger.kappa_eps(jax.device_get(small), rc.optimizer.gamma)
+  return {k: float(v) for k, v in ratios.items()}
+
+
+def _warn_kappa_eps(rc: RunConfig, ratios: dict[str, float], done: int) -> bool:
+  """Warns where a block's ``sigma_max * eps / gamma`` is above 1: there the direction of a
+  state of ``state_dtype`` is outside its error bound for gradients far from ``span U``
+  (docs/ginger-math.md, section 6). Returns whether it warned."""
+  if not ratios or max(ratios.values()) <= 1:
+    return False
+  block = max(ratios, key=ratios.get)
+  dtype, gamma = rc.optimizer.state_dtype or "float32", rc.optimizer.gamma
+  eps = float(jax.numpy.finfo(jax.numpy.dtype(dtype)).eps)
+  wider = (
+    "state_dtype=float32"
+    if dtype != "float32"
+    else "a float64 state (the library's state_dtype='float64' under jax_enable_x64)"
+  )
+  log.warning(
+    "step %d: Ginger's sigma_max * eps / gamma is %.3g in %s (sigma_max %.3g, gamma %g, "
+    "state_dtype %s; %d of %d blocks above 1): above 1 the %s direction loses its error bound "
+    "for gradients far from span U (docs/ginger-math.md, section 6). The fixes: raise gamma to "
+    "at least %.2g, or store the state wider (%s). Logged once; the train records' kappa_eps "
+    "holds the largest block's value at every log step.",
+    done,
+    ratios[block],
+    block,
+    ratios[block] * gamma / eps,
+    gamma,
+    dtype,
+    sum(v > 1 for v in ratios.values()),
+    len(ratios),
+    dtype,
+    ratios[block] * gamma,
+    wider,
+  )
+  return True
 
 
 def _evaluate_and_log(loop: _Loop, state, stats, done: int, progress) -> None:

@@ -43,7 +43,7 @@ PASSES = ("jnp", "pallas", "auto")  # Ginger's passes over U (ginger.scale_by_gi
 # sets those it does not read to null, so a value there was asked for, and is warned about.
 PAPER_KEYS = ("tau", "alpha", "gamma", "rho", "block")
 # Keys with config defaults that only the curvature optimizers read (the d-pass's).
-FISHER_KEYS = ("fisher", "fisher_forward", "fisher_backward")
+FISHER_KEYS = ("fisher", "fisher_forward", "fisher_backward", "fisher_batch")
 # The paper's optimizers in the row order of its Table 1: the tables list them first, then every
 # other optimizer in the order it was registered.
 PAPER_ORDER = ("momentum", "adam", "qng", "ginger")
@@ -155,8 +155,8 @@ class Optimizer:
       list are the ones its YAML sets to null.
     build: the optax transformation from the config (:data:`Build`); imports JAX when called.
     curvature: whether it keeps a curvature estimate: its step takes the sampled-Fisher vector
-      of a d-pass (``fisher``, ``fisher_forward``, ``fisher_backward`` apply) and its state has
-      an ``optimizer.state_dtype``.
+      of a d-pass (``fisher``, ``fisher_forward``, ``fisher_backward``, ``fisher_batch`` apply)
+      and its state has an ``optimizer.state_dtype``.
     curvature_every: whether its curvature may be updated every K-th step only
       (``curvature_every`` = K > 1; the other steps precondition with the curvature they have).
     update_flops: FLOPs of one update (:data:`UpdateFlops`): by default the element-wise work.

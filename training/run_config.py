@@ -148,6 +148,7 @@ class RunConfig:
   fisher: str  # the d-pass's labels: sampled | empirical
   fisher_forward: str  # eval | shared
   fisher_backward: str  # auto | batched | sequential | local (with fisher_forward=shared)
+  fisher_batch: int | None  # the d-pass's examples, the batch's first; None: the whole batch
   spectrum_every: int  # steps between logged spectra; 0: never
   profile_steps: int  # steps traced by jax.profiler; 0: none
   profile_start: int
@@ -186,6 +187,7 @@ class RunConfig:
       fisher=c["fisher"],
       fisher_forward=c["fisher_forward"],
       fisher_backward=c.get("fisher_backward") or "auto",
+      fisher_batch=c.get("fisher_batch"),
       spectrum_every=int(c.get("spectrum_every") or 0),
       profile_steps=int(c.get("profile_steps") or 0),
       profile_start=int(c.get("profile_start") or 0),

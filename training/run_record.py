@@ -174,9 +174,19 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
     "sweep": c.get("sweep"),
     **{k: c.get(k) if k in used else None for k in IDENTITY_HYPERPARAMETERS[5:]},
     "curvature_every": curvature_every(c),
+    **fisher_batch(c, used),
     **batchnorm(c),
     **numerics(c, name),
   }
+
+
+def fisher_batch(config: Mapping, used: tuple[str, ...]) -> dict[str, Any]:
+  """``{"fisher_batch": m}`` for a run whose optimizer's d-pass ran on the batch's first ``m``
+  examples, {} where it ran on the whole batch (``fisher_batch`` null), as every record
+  without the key did: left out, so that such records keep their identity (and fingerprint:
+  :func:`fingerprinted`)."""
+  value = config.get("fisher_batch") if "fisher_batch" in used else None
+  return {} if value is None else {"fisher_batch": value}
 
 
 def numerics(config: Mapping, optimizer: str | None) -> dict[str, Any]:
@@ -220,9 +230,12 @@ def curvature_every(config: Mapping) -> int | None:
 
 def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
   """The part of the resolved config that determines the run's result. ``mesh`` is not part
-  of it, except the data axis's size under ``batchnorm=per_device`` (the statistics groups)."""
+  of it, except the data axis's size under ``batchnorm=per_device`` (the statistics groups);
+  ``fisher_batch`` only where set (null, the whole batch, is what configs without it ran)."""
   c = plain(config)
   out = {k: v for k, v in c.items() if k not in NOT_FINGERPRINTED}
+  if out.get("fisher_batch", 0) is None:  # the whole batch: as configs without the key
+    del out["fisher_batch"]
   if c.get("batchnorm") == "per_device":
     out["batchnorm_groups"] = (c.get("mesh") or {}).get("data")
   return out

@@ -4,10 +4,12 @@ curvature update), the evaluation step and Ginger's re-orthonormalisation.
 :func:`make_steps` builds them for any task of models/tasks.py and any optimizer of
 training/optimizers.py, written once for any number of devices: the batch indices are split
 along the mesh's ``data`` axis and XLA (GSPMD) adds the collectives. The d-pass (the
-sampled-Fisher vector ``d_t`` the curvature optimizers take beside the gradient) has three
+sampled-Fisher vector ``d_t`` the curvature optimizers take beside the gradient) has four
 forms, each a function of its own: :func:`d_pass_shared` (one forward, two cotangents),
-:func:`d_pass_per_device` (the same inside ``jax.shard_map``, each device on its shard) and
-:func:`d_pass_separate` (the authors' own forward in inference mode).
+:func:`d_pass_per_device` (the same inside ``jax.shard_map``, each device on its shard),
+:func:`d_pass_separate` (the authors' own forward in inference mode) and
+:func:`d_pass_sub_batch` (a forward and a backward of its own on the batch's first
+``fisher_batch`` examples).
 """
 
 from __future__ import annotations
@@ -99,9 +101,24 @@ def clip_fraction(updates, lr: jax.Array, rho: float) -> jax.Array:
 
 def shared_d_pass(rc) -> bool:
   """Whether the training step's d-pass reuses its forward (a curvature optimizer with
-  ``fisher_forward=shared``), the only case ``fisher_backward`` applies to. ``rc``: the run's
-  ``training.run_config.RunConfig``, as everywhere here."""
-  return keeps_curvature(rc.optimizer.name) and rc.fisher_forward != "eval"
+  ``fisher_forward=shared`` and the d-pass on the whole batch), the only case
+  ``fisher_backward`` applies to. ``rc``: the run's ``training.run_config.RunConfig``, as
+  everywhere here."""
+  return (
+    keeps_curvature(rc.optimizer.name)
+    and rc.fisher_forward != "eval"
+    and fisher_sub_batch(rc) is None
+  )
+
+
+def fisher_sub_batch(rc) -> int | None:
+  """``m``, where the d-pass runs on the batch's first ``m`` examples only (a curvature
+  optimizer with ``fisher_batch`` = m < ``batch_size``: :func:`d_pass_sub_batch`); None where
+  it runs on the whole batch (``fisher_batch`` null, or the batch size: the same step)."""
+  m = rc.fisher_batch
+  if not keeps_curvature(rc.optimizer.name) or m is None or m >= rc.batch_size:
+    return None
+  return m
 
 
 def fisher_backward(rc, plan: sharding.Plan, model: nnx.Module | None = None) -> str:
@@ -212,6 +229,29 @@ def d_pass_separate(forward, eval_forward, trainable, labels, key, mask, *, fish
   return (loss, rest), grads, d
 
 
+def d_pass_sub_batch(d_forward, trainable, inputs, labels, key, mask, m: int, *, fisher: str):
+  """``d_t`` from the batch's first ``m`` examples (``fisher_batch``): a forward of their own
+  (``d_forward(trainable, inputs) -> logits``, in the mode ``fisher_forward`` names) and one
+  backward, both on ``m`` examples instead of the batch's ``B``; the loss gradient is computed
+  as without a d-pass.
+
+  :func:`ginger.fisher.fisher_vector` divides ``d = sum_i grad log p(y_hat_i | x_i) / sqrt(N)``
+  by the root of the sub-batch's own count ``N`` of predictions, so that ``E[d d^T]`` is the same
+  per-prediction Fisher as from the whole batch (each sampled label's gradient has mean zero, so
+  the cross terms vanish), with the noise of ``m`` examples. The empirical Fisher (true labels)
+  has cross terms: its ``d d^T`` holds ``N`` times the outer product of the mean gradient, which
+  the sub-batch weighs ``m / B`` as much."""
+  sub = jax.tree.map(lambda x: x[:m], inputs)
+  return ginger.fisher.fisher_vector(
+    lambda p: d_forward(p, sub),
+    trainable,
+    labels[:m],
+    key,
+    mask=None if mask is None else mask[:m],
+    fisher=fisher,
+  )
+
+
 # ----------------------------------------------------------------------------- the steps
 
 
@@ -291,7 +331,8 @@ def _train_step_fn(
 ):
   """The training step as a Python function ``step(state, frozen, arrays, idx, *,
   needs_fisher)``: the batch, the loss gradient (with ``needs_fisher`` and the d-pass: one of
-  :func:`d_pass_per_device`, :func:`d_pass_shared`, :func:`d_pass_separate`), the optimizer's
+  :func:`d_pass_sub_batch`, :func:`d_pass_per_device`, :func:`d_pass_shared`,
+  :func:`d_pass_separate`), the optimizer's
   update, the running statistics. ``apply``: the jitted model, ``apply(graphdef, trainable,
   frozen, rest, inputs) -> (logits, rest)``; ``graphdefs``: the training, evaluation and
   per-shard graphs (:func:`make_steps`)."""
@@ -299,6 +340,7 @@ def _train_step_fn(
   clip = optax.clip_by_global_norm(rc.grad_clip) if rc.grad_clip else None
   rho = clip_bound(rc)
   separate = rc.fisher_forward == "eval"
+  sub_batch = fisher_sub_batch(rc)
 
   def step(state: TrainState, frozen, arrays, idx, *, needs_fisher: bool):
     # Split as on every step, also where fisher_key goes unused: the batch's randomness and
@@ -307,7 +349,20 @@ def _train_step_fn(
     inputs, labels, mask = task.train_batch(arrays, idx, batch_key)
     forward = lambda p: apply(graphdef_train, p, frozen, state.rest, inputs)
     extra = {}
-    if needs_fisher and backward == "local":
+    if needs_fisher and sub_batch is not None:
+      (loss, rest), grads = loss_and_grads(forward, state.trainable, labels, mask)
+      graphdef_d = graphdef_eval if separate else graphdef_train  # its new statistics dropped
+      extra["fisher_grads"] = d_pass_sub_batch(
+        lambda p, x: apply(graphdef_d, p, frozen, state.rest, x)[0],
+        state.trainable,
+        inputs,
+        labels,
+        fisher_key,
+        mask,
+        sub_batch,
+        fisher=rc.fisher,
+      )
+    elif needs_fisher and backward == "local":
       (loss, rest), grads, extra["fisher_grads"] = d_pass_per_device(
         lambda p, x, fr, r: apply(graphdef_per_shard, p, fr, r, x),
         state.trainable,

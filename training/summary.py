@@ -22,6 +22,7 @@ from training import logs, run_record, sharding
 from training.compilation import CompiledRun
 from training.registry import keeps_curvature, update_flops
 from training.run_config import RunConfig
+from training.steps import fisher_sub_batch
 
 FLOPS_METHOD = {
   "analytic": "conv/dense (or transformer matmul) count: 3x forward "
@@ -158,10 +159,13 @@ def analytic_flops(task: Task, rc: RunConfig, sizes: list[int], shapes=None) -> 
   opt = rc.optimizer
   curvature = keeps_curvature(opt.name)
   forward = task.forward_flops_per_example() * rc.batch_size
+  fraction = (fisher_sub_batch(rc) or rc.batch_size) / rc.batch_size
 
   def step(update: bool) -> float:
     pass_flops = flops.train_step_flops(
-      forward, fisher_forward=rc.fisher_forward if curvature and update else None
+      forward,
+      fisher_forward=rc.fisher_forward if curvature and update else None,
+      fisher_fraction=fraction,
     )
     return pass_flops + update_flops(
       opt.name,

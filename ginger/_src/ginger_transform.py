@@ -710,6 +710,28 @@ def curvature_spectrum(opt_state) -> dict[str, jax.Array]:
   return out
 
 
+def kappa_eps(opt_state, gamma: float) -> dict[str, Any]:
+  """``kappa eps = sigma_max * eps / gamma`` of every Ginger block in ``opt_state``: its
+  curvature-to-damping ratio ``kappa`` times the machine epsilon ``eps`` of the state's dtype.
+
+  Below 1, the direction computed from a state of that dtype is within its error bound
+  (docs/ginger-math.md, section 6); above 1 the bound's term ``eps theta kappa`` (``theta``: the
+  part of the gradient outside ``span U`` when the step starts) exceeds 1, and a gradient far
+  from ``span U`` can get a direction of no accuracy. The remedies: a larger ``gamma`` (at least
+  ``sigma_max * eps``) or a wider ``state_dtype``. Keys as :func:`curvature_spectrum`'s; a block
+  with no curvature yet (``sigma = 0``) gives 0. ``gamma`` is the one the state was updated with
+  (the state does not keep it). Pure: usable under ``jax.jit``, and on a state fetched to the
+  host (numpy in, numpy out).
+  """
+  out = {}
+  for key, sigma in curvature_spectrum(opt_state).items():
+    if not np.size(sigma):
+      continue
+    eps = float(jnp.finfo(sigma.dtype).eps)
+    out[key] = sigma.max() * (eps / gamma)
+  return out
+
+
 def _is_stacked(x) -> bool:
   return isinstance(x, StackedBasis | StackedSigma)
 
