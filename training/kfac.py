@@ -7,13 +7,15 @@ patches) and output cotangents ``g = d log p(y_hat | x) / d s`` of its pre-activ
 Fisher)::
 
     F_l ~ A_l (x) G_l,   A_l = E[a a^T],   G_l = E[g g^T]   (moving averages, decay curvature_ema)
-    update_l = (G_l + pi_l sqrt(lambda) I)^{-1} grad_l (A_l + sqrt(lambda) / pi_l I)^{-1}
+    update_l = (A_l + pi_l sqrt(lambda) I)^{-1} grad_l (G_l + sqrt(lambda) / pi_l I)^{-1}
 
-with ``lambda`` the damping and ``pi_l`` kfac-jax's factored-damping split (the Tikhonov damping
-``F_l + lambda I`` approximated per factor). BatchNorm's scale and shift get a diagonal block.
-The inverses are recomputed every ``inverse_update_period`` steps (the first on step 0) and
-reused in between; the factors are updated every step. The preconditioned gradient ``p_t`` is
-then applied with heavy-ball momentum as kfac-jax's own optimizer does it::
+for the layer's kernel gradient ``grad_l`` as an (inputs, outputs) matrix, with ``lambda`` the
+damping and ``pi_l = sqrt((tr A_l / dim A_l) / (tr G_l / dim G_l))`` (kfac-jax's pi-adjusted
+factored damping: the Tikhonov damping ``F_l + lambda I`` approximated per factor).
+BatchNorm's scale and shift get a diagonal block. The inverses are recomputed every
+``inverse_update_period`` steps (the first on step 0) and reused in between; the factors are
+updated every step. The preconditioned gradient ``p_t`` is then applied with heavy-ball
+momentum as kfac-jax's own optimizer does it::
 
     delta_t = b1 delta_{t-1} - lr_t p_t,    theta_{t+1} = theta_t + delta_t
 
