@@ -317,6 +317,8 @@ def _check_optimizer(c: _Checker) -> str | None:
   optimizer = registry.get(name)
   for key, check in optimizer.keys.items():
     check(c, key, optimizer)
+  if optimizer.refuses is not None:
+    optimizer.refuses(c, optimizer)
   return name
 
 
@@ -449,6 +451,18 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
   return out
 
 
+def refused_settings(cfg: DictConfig, optimizer: str) -> list[str]:
+  """The lines :func:`check_config` refuses ``cfg`` with because ``optimizer`` cannot run
+  its settings (its registry entry's ``refuses``: ``optimizer=kfac`` with a T5 model); []
+  where it can."""
+  refuses = registry.get(optimizer).refuses
+  if refuses is None:
+    return []
+  c = _Checker(cfg)
+  refuses(c, registry.get(optimizer))
+  return c.problems
+
+
 def _names(has: Callable[[registry.Optimizer], bool]) -> list[str]:
   """The registered optimizers for which ``has`` is true."""
   return [n for n in registry.names() if has(registry.get(n))]
@@ -460,4 +474,5 @@ __all__ = [
   "check_config",
   "ignored_settings",
   "override_keys",
+  "refused_settings",
 ]

@@ -103,6 +103,16 @@ SECTIONS = (
       "fisher_batch",
     ),
   ),
+  (
+    "K-FAC",
+    "K-FAC's own curvature model (`optimizer=kfac`, kfac-jax's preconditioner; docs/training.md).",
+    (
+      "optimizer.damping",
+      "optimizer.inverse_update_period",
+      "optimizer.curvature_ema",
+      "optimizer.norm_constraint",
+    ),
+  ),
   ("Data", "The dataset (`data=...`).", ("data.",)),
   ("Model", "The network (`model=...`).", ("model.",)),
   (

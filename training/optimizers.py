@@ -54,13 +54,22 @@ def learning_rate(rc: RunConfig, steps_per_epoch: int, total_steps: int) -> opta
 
 
 def build_optimizer(
-  rc: RunConfig, schedule: optax.Schedule, sharding: ginger.sharding.StateSharding | None = None
+  rc: RunConfig,
+  schedule: optax.Schedule,
+  sharding: ginger.sharding.StateSharding | None = None,
+  loss=None,
 ) -> optax.GradientTransformationExtraArgs:
   """The optimizer named by ``rc.optimizer.name`` (its registry entry's ``build``), chained
   after the decoupled decay of ``weight_decay`` where that is set. ``sharding``: where the
   optimizer state's big arrays are split (``Plan.optimizer_sharding``), for Ginger to pin its
-  step's stacked vectors to the same rows; None when not split."""
-  tx = registry.get(rc.optimizer.name).build(rc.optimizer, schedule, sharding)
+  step's stacked vectors to the same rows; None when not split. ``loss``: the run's
+  ``training.steps.TrainingLoss``, which an optimizer that traces the loss (registry
+  ``Optimizer.traces_loss``: K-FAC) is built with; None builds it for its checks only."""
+  entry = registry.get(rc.optimizer.name)
+  if entry.traces_loss:
+    tx = entry.build(rc.optimizer, schedule, sharding, loss)
+  else:
+    tx = entry.build(rc.optimizer, schedule, sharding)
   if rc.weight_decay:
     tx = optax.chain(optax.add_decayed_weights(rc.weight_decay), tx)
   return optax.with_extra_args_support(tx)

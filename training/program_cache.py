@@ -14,7 +14,7 @@ constants computed from it, such as the images' mean and std, are part of the pr
 run's resolved config
 without the keys that only change the arguments' values or the loop around the steps
 (:data:`NEUTRAL_KEYS`: the seed, logging, checkpointing), the source files of the packages
-the steps are built from, the versions of Python, jax, jaxlib, flax and optax, JAX's own
+the steps are built from, the versions of Python, jax, jaxlib, flax, optax and kfac-jax, JAX's own
 settings, and the devices (kind, count, processes). A program read back is the module the
 first run lowered (both runs compile a call of it, so they run the same executable); a key
 that changes, a file that cannot be read, or a program that cannot be exported are traced as
@@ -97,7 +97,8 @@ def source_digest(repo: Path = REPO) -> str:
 
 def _versions() -> dict[str, str]:
   out = {"python": sys.version}
-  for dist in ("jax", "jaxlib", "flax", "optax"):
+  # kfac-jax: optimizer=kfac's update is its code (the others import none of it).
+  for dist in ("jax", "jaxlib", "flax", "optax", "kfac-jax"):
     try:
       out[dist] = metadata.version(dist)
     except metadata.PackageNotFoundError:  # a jaxlib built from source, say

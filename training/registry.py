@@ -7,12 +7,14 @@ a curvature estimate (takes the sampled-Fisher vector of the d-pass and stores i
 (``curvature_every``), the function that builds its optax transformation and the FLOPs of one
 of its updates. Everything else reads the entries:
 
-* ``training/config_check.py``: the allowed ``optimizer.name`` values, each key's check, and
-  the warnings for a key the chosen optimizer ignores;
+* ``training/config_check.py``: the allowed ``optimizer.name`` values, each key's check, the
+  other settings it refuses (:attr:`Optimizer.refuses`), and the warnings for a key the chosen
+  optimizer ignores;
 * ``training/run_config.py``: the typed optimizer part of a checked config
   (:class:`OptimizerConfig`, from :func:`optimizer_config`: the values of the keys it reads);
 * ``training/optimizers.py``: the transformation (:attr:`Optimizer.build`);
-* ``training/steps.py``: whether a step has a d-pass (:func:`keeps_curvature`);
+* ``training/steps.py``: whether a step has a d-pass (:func:`keeps_curvature`) and whether
+  its update takes the batch (:func:`traces_loss`);
   ``training/summary.py``: the analytic FLOPs (:func:`update_flops`);
 * ``training/run_record.py``: which hyperparameters are part of a run's identity;
 * ``training/config_doc.py``, ``results/tables.py``, ``results/plots.py``: names and order.
@@ -71,6 +73,10 @@ Advice = Callable[[Any], str]
 # ``eval_params(opt_state, trainable)``: the weights an evaluation scores where they are not the
 # trained ones (schedule-free AdamW's x sequence: ``optax.contrib.schedule_free_eval_params``).
 EvalParams = Callable[[Any, Any], Any]
+# ``refuse(checker, optimizer)``: records, with the checker's ``bad``, each setting outside the
+# optimizer's own keys that it cannot run with (K-FAC: a T5 model, bfloat16), so that the config
+# check refuses it before anything loads or compiles.
+Refuse = Callable[[Any, "Optimizer"], None]
 
 
 def number(low: float, high: float | None = None, *, closed=(True, True), optional=False) -> Check:
@@ -167,6 +173,13 @@ class Optimizer:
     eval_params: the weights evaluations score (:data:`EvalParams`); None: the trained ones.
       With it, a model with BatchNorm has its running statistics recomputed at those weights
       before each evaluation (``training.steps.make_eval_weights``).
+    traces_loss: whether its transformation reads the training loss itself (K-FAC: it finds
+      the model's layers in the loss's trace and draws its own Fisher labels). Its ``build``
+      then takes a fourth argument, the run's ``training.steps.TrainingLoss`` (None where
+      ``training.run_setup.prepare`` builds it only to check its arguments), and the training
+      step passes its update ``batch=`` (the step's ``training.steps.LossBatch``) and ``key=``
+      (the key a d-pass would draw its labels with).
+    refuses: the settings beyond its own keys it cannot run with (:data:`Refuse`); None: any.
   """
 
   name: str
@@ -179,6 +192,8 @@ class Optimizer:
   reorthonormalise_every: ReorthonormaliseEvery | None = None
   advice: Advice | None = None
   eval_params: EvalParams | None = None
+  traces_loss: bool = False
+  refuses: Refuse | None = None
 
   @property
   def hyperparameters(self) -> tuple[str, ...]:
@@ -319,6 +334,12 @@ def keeps_curvature(name: str | None) -> bool:
   """Whether ``name`` keeps a curvature estimate (:attr:`Optimizer.curvature`)."""
   optimizer = find(name)
   return optimizer is not None and optimizer.curvature
+
+
+def traces_loss(name: str | None) -> bool:
+  """Whether ``name``'s transformation takes the training loss (:attr:`Optimizer.traces_loss`)."""
+  optimizer = find(name)
+  return optimizer is not None and optimizer.traces_loss
 
 
 def reads(name: str | None, key: str) -> bool:
@@ -566,6 +587,49 @@ def _schedule_free_eval_params(opt_state, trainable):
   return optax.contrib.schedule_free_eval_params(found[0], trainable)
 
 
+# ----------------------------------------------------------------------------- K-FAC
+
+
+def _build_kfac(opt: OptimizerConfig, schedule, sharding, loss):
+  from training.kfac import kfac  # imports kfac-jax (and its distrax) when built only
+
+  del sharding  # its factors are small: replicated, as the mesh's plan keeps small arrays
+  return kfac(
+    schedule,
+    loss,
+    b1=opt.b1,
+    damping=opt.extra["optimizer.damping"],
+    inverse_update_period=opt.extra["optimizer.inverse_update_period"],
+    curvature_ema=opt.extra["optimizer.curvature_ema"],
+    norm_constraint=opt.extra["optimizer.norm_constraint"],
+  )
+
+
+def _kfac_refuses(c, optimizer: Optimizer) -> None:
+  # kfac-jax gives each parameter one layer of the loss's trace, matched by its patterns.
+  if c.get("model.family") == "t5":
+    c.bad(
+      "model.family",
+      "t5",
+      f"'resnet' for optimizer={optimizer.name} (kfac-jax does not support weight sharing: T5 "
+      "uses its token embedding for the encoder's and decoder's inputs and the tied LM head, "
+      "and each stack's relative-position table in every layer)",
+    )
+  if c.get("precision") == "bfloat16":
+    c.bad(
+      "precision",
+      "bfloat16",
+      f"'float32' for optimizer={optimizer.name} (kfac-jax's graph matcher finds no dense or "
+      "conv layer behind bfloat16's casts: no Kronecker factors)",
+    )
+
+
+def _kfac_advice(opt: OptimizerConfig) -> str:
+  norm = opt.extra["optimizer.norm_constraint"]
+  bound = " or bound the update (optimizer.norm_constraint=0.01)" if norm is None else ""
+  return f"raise optimizer.damping (now {opt.extra['optimizer.damping']}){bound}"
+
+
 register(
   Optimizer(
     name="muon",
@@ -666,5 +730,22 @@ register(
     },
     build=_build_soap,
     update_flops=_soap_flops,
+  )
+)
+register(
+  Optimizer(
+    name="kfac",
+    display="K-FAC",
+    keys={
+      "optimizer.b1": DECAY,
+      "optimizer.damping": number(0, closed=(False, True)),
+      "optimizer.inverse_update_period": integer(1),
+      "optimizer.curvature_ema": DECAY,
+      "optimizer.norm_constraint": number(0, closed=(False, True), optional=True),
+    },
+    build=_build_kfac,
+    advice=_kfac_advice,
+    traces_loss=True,
+    refuses=_kfac_refuses,
   )
 )

@@ -26,6 +26,7 @@ from training.optimizers import (
   learning_rate,
   reorthonormalise_every,
 )
+from training.registry import traces_loss
 from training.run_config import RunConfig, parse
 from training.steps import (
   TrainState,
@@ -34,6 +35,7 @@ from training.steps import (
   make_steps,
   per_shard_graphdef,
   shared_d_pass,
+  training_loss,
 )
 
 log = logging.getLogger("train")
@@ -230,7 +232,11 @@ def build(
   n_model = int(sum(np.prod(x.shape) for x in jax.tree.leaves(graphs.params)))
   steps_per_epoch, total_steps = schedule_length(task, rc)
   schedule = learning_rate(rc, steps_per_epoch, total_steps)
-  tx = build_optimizer(rc, schedule, plan.optimizer_sharding)
+  loss = None
+  if traces_loss(rc.optimizer.name):
+    frozen_params = task.frozen_params(graphs.params)
+    loss = training_loss(task, graphs.train, frozen_params, graphs.rest, rc.batch_size)
+  tx = build_optimizer(rc, schedule, plan.optimizer_sharding, loss)
   state, init_state, state_shardings = initial_state(
     tx, trainable, graphs.rest, rc, plan, materialize
   )

@@ -29,7 +29,7 @@ from training import registry, sharding
 from training.config_check import ConfigError
 from training.optimizers import clip_bound
 from training.optimizers import reorthonormalise_every as reorthonormalise_every_of
-from training.registry import keeps_curvature
+from training.registry import keeps_curvature, traces_loss
 
 
 class TrainState(NamedTuple):
@@ -49,6 +49,61 @@ class Steps(NamedTuple):
   precondition_step: Any
   reorthonormalise_step: Any
   eval_weights: Any = None
+
+
+class LossBatch(NamedTuple):
+  """One training batch as an optimizer that traces the loss takes it (:class:`TrainingLoss`):
+  the model's inputs, the labels and their mask (None: every prediction counts), and what the
+  model needs beside its trainable parameters, the frozen ones (LoRA's base model, else None)
+  and its other state (BatchNorm statistics)."""
+
+  inputs: Any
+  labels: Any
+  mask: Any
+  frozen: Any
+  rest: Any
+
+
+class TrainingLoss(NamedTuple):
+  """The training loss as a function of the trainable parameters and a batch, for an optimizer
+  that traces the model itself (registry ``Optimizer.traces_loss``: K-FAC finds the model's
+  layers in the trace and draws its own Fisher labels).
+
+  Attributes:
+    logits: ``logits(trainable, batch) -> (logits, labels, mask)``: the model in training mode
+      on ``batch`` (a :class:`LossBatch`), the forward of the training step but not wrapped in
+      a jit of its own, so that a tracer sees the model's operations; the loss of those
+      logits is ``ginger.fisher.cross_entropy(logits, labels, mask)``.
+    batch: a :class:`LossBatch` of ``jax.ShapeDtypeStruct`` s, a training batch's shapes (what
+      the optimizer's ``init`` traces the model with).
+  """
+
+  logits: Any
+  batch: LossBatch
+
+
+def model_logits(task, graphdef_train):
+  """The training forward as a function of the trainable parameters and a :class:`LossBatch`:
+  :attr:`TrainingLoss.logits`, the model's new non-parameter state dropped."""
+
+  def logits(trainable, batch: LossBatch):
+    params = task.full_params(trainable, batch.frozen)
+    model = nnx.merge(graphdef_train, params, batch.rest, copy=True)
+    return task.forward(model, batch.inputs), batch.labels, batch.mask
+
+  return logits
+
+
+def training_loss(task, graphdef_train, frozen, rest, batch_size: int) -> TrainingLoss:
+  """The :class:`TrainingLoss` of ``task``'s model (``graphdef_train``, the graph in training
+  mode) on batches of ``batch_size`` examples; ``frozen``, ``rest``: the arrays (or shapes)
+  of its frozen parameters and its other state."""
+  idx = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+  key = jax.eval_shape(jax.random.key, 0)
+  inputs, labels, mask = jax.eval_shape(task.train_batch, task.train_arrays, idx, key)
+  shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  batch = LossBatch(inputs, labels, mask, shapes(frozen), shapes(rest))
+  return TrainingLoss(model_logits(task, graphdef_train), batch)
 
 
 def initial_stats(bound: float | None = None):
@@ -332,8 +387,10 @@ def _train_step_fn(
   """The training step as a Python function ``step(state, frozen, arrays, idx, *,
   needs_fisher)``: the batch, the loss gradient (with ``needs_fisher`` and the d-pass: one of
   :func:`d_pass_sub_batch`, :func:`d_pass_per_device`, :func:`d_pass_shared`,
-  :func:`d_pass_separate`), the optimizer's
-  update, the running statistics. ``apply``: the jitted model, ``apply(graphdef, trainable,
+  :func:`d_pass_separate`), the optimizer's update (for an optimizer that traces the loss,
+  registry ``Optimizer.traces_loss``, with the step's :class:`LossBatch` as ``batch`` and its
+  ``fisher_key`` as ``key``), the running statistics. ``apply``: the jitted model,
+  ``apply(graphdef, trainable,
   frozen, rest, inputs) -> (logits, rest)``; ``graphdefs``: the training, evaluation and
   per-shard graphs (:func:`make_steps`)."""
   graphdef_train, graphdef_eval, graphdef_per_shard = graphdefs
@@ -341,6 +398,7 @@ def _train_step_fn(
   rho = clip_bound(rc)
   separate = rc.fisher_forward == "eval"
   sub_batch = fisher_sub_batch(rc)
+  loss_traced = traces_loss(rc.optimizer.name)
 
   def step(state: TrainState, frozen, arrays, idx, *, needs_fisher: bool):
     # Split as on every step, also where fisher_key goes unused: the batch's randomness and
@@ -388,6 +446,9 @@ def _train_step_fn(
     # Pin gradients (and d_t) replicated: otherwise GSPMD propagates the sharded optimizer
     # state's layout back into the model's backward pass (hundreds of small all-gathers).
     grads, extra = jax.lax.with_sharding_constraint((grads, extra), plan.replicated)
+    if loss_traced:  # the batch keeps its split over the mesh's data axis
+      extra["batch"] = LossBatch(inputs, labels, mask, frozen, state.rest)
+      extra["key"] = fisher_key
     grad_norm = optax.global_norm(grads)
     if clip is not None:
       grads, _ = clip.update(grads, clip.init(grads))
