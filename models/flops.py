@@ -4,9 +4,9 @@ XLA's ``cost_analysis`` is unreliable for convolutions on GPU, so the training l
 FLOPs from these counts instead: the model's forward pass per example (ResNets traced from the
 real module, T5 from its shapes), how many forward-pass equivalents a training step costs
 (:func:`train_step_flops`) and the parts of an optimizer's own update (element-wise work,
-:func:`ginger_update_flops`, :func:`qng_update_flops`, :func:`soap_update_flops`), which each
-optimizer's entry in training/registry.py adds up.
-
+:func:`ginger_update_flops`, :func:`qng_update_flops`, :func:`soap_update_flops`,
+:func:`newton_schulz_flops`), which each optimizer's entry in training/registry.py adds up from
+the trained parameters' shapes.
 Conventions (the usual ones in papers that quote "GFLOPs" for ResNets):
   * Only convolutions (``k*k*cin/groups*cout*Hout*Wout`` MACs) and dense layers / matmuls
     (``in*out`` MACs per example) are counted. BatchNorm, ReLU, pooling, residual adds and the
@@ -223,6 +223,15 @@ def soap_update_flops(
       refresh = FLOPS_PER_MAC * (2 * d**3 + n * d) + 8 / 3 * d**3
       total += every_step + refresh / precondition_frequency
   return total
+
+
+def newton_schulz_flops(rows: int, columns: int) -> float:
+  """One Newton-Schulz iteration of Muon on a ``rows x columns`` matrix X, done on the side
+  with m = min(rows, columns) <= n = max(...): ``A = X X^T`` (m^2 n multiply-adds),
+  ``B = b A + c A A`` (m^3) and ``a X + B X`` (m^2 n): 4 m^2 n + 2 m^3 FLOPs; the
+  element-wise terms are left to the element-wise count."""
+  m, n = sorted((rows, columns))
+  return FLOPS_PER_MAC * (2 * m * m * n + m**3)
 
 
 def t5_forward_flops(config: Any, batch: int, src_len: int, tgt_len: int) -> int:

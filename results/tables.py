@@ -100,6 +100,7 @@ CONFIG_KEYS = (
   "precision",
   "state_dtype",
   "settings",
+  "optimizer_options",  # an optimizer's own keys set away from its YAML (run_record.OPTIONS)
 )
 # The paper's protocols: only runs matching one fill the paper's tables.
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
@@ -138,8 +139,13 @@ def sort_key(value: Any) -> tuple[int, Any]:
 
 
 def config_key(run: Run) -> tuple:
-  """The run's hyperparameters (everything but the seed)."""
-  return tuple(rfield(run, k) for k in CONFIG_KEYS)
+  """The run's hyperparameters (everything but the seed), hashable (a mapping as its sorted
+  items)."""
+  return tuple(_hashable(rfield(run, k)) for k in CONFIG_KEYS)
+
+
+def _hashable(value: Any) -> Any:
+  return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
 
 def dedupe_seeds(runs: Iterable[Run]) -> list[Run]:
@@ -1177,6 +1183,29 @@ def _comparison_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[Com
       b = select_runs(runs, {**base, "alpha": PAPER_ALPHA}, sensitivity)
       family = f"α − {PAPER_ALPHA} over α and τ"
       pairs.append((family, f"Ginger α={alpha} − α={PAPER_ALPHA}, τ={tau}", a, b))
+  return pairs + newcomer_pairs(cell, found)
+
+
+def newcomer_family(arm: tuple[str, Any]) -> str:
+  """ "newcomers − Adam": the family of every optimizer compared with ``arm``."""
+  return f"newcomers − {optimizer_label(*arm)}"
+
+
+def newcomer_pairs(
+  cell: Callable[..., Selection], found: set[tuple[str, Any]]
+) -> list[ComparisonPair]:
+  """The comparisons the registry asks for (``registry.Optimizer.compared_with``: Adam and
+  Ginger τ=8 for every optimizer beyond the paper's): for each arm, every optimizer compared
+  with it that has runs, one Holm family per arm (:func:`newcomer_family`)."""
+  arms = dict.fromkeys(arm for n in registry.table_order() for arm in registry.get(n).arms)
+  have = {o for o, _tau in found}
+  pairs = []
+  for arm in arms:
+    reference = cell(*arm)
+    for name in registry.compared(arm):
+      if name in have:
+        label = f"{registry.display_name(name)} − {optimizer_label(*arm)}"
+        pairs.append((newcomer_family(arm), label, cell(name), reference))
   return pairs
 
 

@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
@@ -195,19 +196,19 @@ def test_summary_flops_are_the_mean_over_k_steps(runs, runs_setup):
   """flops_per_iter: one step with the d-pass and curvature update, K-1 without, averaged."""
   cfg, summary, setup = runs["cfg"], runs["summary"], runs_setup
   forward = setup.task.forward_flops_per_example() * int(cfg.batch_size)
-  sizes, tau, block = setup.sizes, int(cfg.tau), cfg.block
+  params, opt = setup.state.trainable, setup.rc.optimizer
   full = flops.train_step_flops(forward, fisher_forward=cfg.fisher_forward) + registry.update_flops(
-    "ginger", sizes, tau=tau, block=block
+    opt, params
   )
   light = flops.train_step_flops(forward, fisher_forward=None) + registry.update_flops(
-    "ginger", sizes, tau=tau, block=block, curvature_update=False
+    opt, params, curvature_update=False
   )
   assert light < full
   analytic = summary["flops_per_iter"]["analytic"]
   assert analytic == pytest.approx((full + 2 * light) / 3, rel=1e-12)
-  assert analytic == pytest.approx(analytic_flops(setup.task, setup.rc, sizes), rel=1e-12)
+  assert analytic == pytest.approx(analytic_flops(setup.task, setup.rc, params), rel=1e-12)
   k1 = parse(config(*BASE, "curvature_every=1"))
-  assert analytic_flops(setup.task, k1, sizes) == pytest.approx(full, rel=1e-12)
+  assert analytic_flops(setup.task, k1, params) == pytest.approx(full, rel=1e-12)
 
   arrays = setup.task.train_arrays
   idx = setup.plan.indices(np.arange(int(cfg.batch_size)))
@@ -282,12 +283,13 @@ def test_fingerprint_tells_k_apart(tmp_path):
 
 def test_precondition_only_update_flops():
   """A Ginger step without a curvature update: U^T g and U z, 2 n k multiply-adds a block."""
-  sizes = [1000, 10]
+  params = [jax.ShapeDtypeStruct((100, 10), jnp.float32), jax.ShapeDtypeStruct((10,), jnp.float32)]
   elementwise = 10 * 1010
+  per_tensor = registry.OptimizerConfig("ginger", tau=4, block="per_tensor")
   assert registry.update_flops(
-    "ginger", sizes, tau=4, block="per_tensor", curvature_update=False
+    per_tensor, params, curvature_update=False
   ) == elementwise + 2 * 2 * (1000 * 4 + 10 * 4)
+  whole = registry.OptimizerConfig("ginger", tau=4, block="global")
   assert (
-    registry.update_flops("ginger", sizes, tau=4, block="global", curvature_update=False)
-    == elementwise + 2 * 2 * 1010 * 4
+    registry.update_flops(whole, params, curvature_update=False) == elementwise + 2 * 2 * 1010 * 4
   )

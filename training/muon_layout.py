@@ -18,6 +18,7 @@ factors are hidden matrices and get Muon.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -49,6 +50,18 @@ def leaf_dimension_numbers(names: list[str], ndim: int) -> MuonDimensionNumbers 
   if ndim == 4:
     return CONV
   return None  # biases, norm scales
+
+
+def matrix_shape(shape: tuple[int, ...], dims: MuonDimensionNumbers) -> tuple[int, int]:
+  """The ``(rows, columns)`` of the matrix Muon orthogonalises for a leaf of ``shape``: the
+  product of its reduction axes by the product of its output axes (a ``(3, 3, 64, 128)``
+  filter: ``(576, 128)``)."""
+
+  def axes(a) -> tuple[int, ...]:
+    return (a,) if isinstance(a, int) else tuple(a)
+
+  rows = math.prod(shape[i] for i in axes(dims.reduction_axis))
+  return rows, math.prod(shape[i] for i in axes(dims.output_axis))
 
 
 def dimension_numbers(params: Any) -> Any:

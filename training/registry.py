@@ -4,8 +4,9 @@ An :class:`Optimizer` entry holds an optimizer's name (``optimizer.name`` in the
 name tables print, the config keys it reads with the check each value must pass, whether it keeps
 a curvature estimate (takes the sampled-Fisher vector of the d-pass and stores its state in
 ``optimizer.state_dtype``) and whether that curvature may be updated every K-th step only
-(``curvature_every``), the function that builds its optax transformation and the FLOPs of one
-of its updates. Everything else reads the entries:
+(``curvature_every``), the function that builds its optax transformation, the FLOPs of one of
+its updates and the bytes of its state for a parameter layout (both required), its entry in
+configs/best_lr/ and the arms its results are compared with. Everything else reads the entries:
 
 * ``training/config_check.py``: the allowed ``optimizer.name`` values, each key's check, the
   other settings it refuses (:attr:`Optimizer.refuses`), and the warnings for a key the chosen
@@ -16,8 +17,13 @@ of its updates. Everything else reads the entries:
 * ``training/steps.py``: whether a step has a d-pass (:func:`keeps_curvature`) and whether
   its update takes the batch (:func:`traces_loss`);
   ``training/summary.py``: the analytic FLOPs (:func:`update_flops`);
-* ``training/run_record.py``: which hyperparameters are part of a run's identity;
-* ``training/config_doc.py``, ``results/tables.py``, ``results/plots.py``: names and order.
+* ``training/run_record.py``: which hyperparameters are part of a run's identity (the
+  paper-notation keys it reads, and its own keys where a run sets them away from its YAML) and
+  its lr key (:func:`lr_key`);
+* ``training/config_doc.py``, ``results/tables.py``, ``results/plots.py``: names and order;
+  ``results/tables.py``'s comparisons and ``results/newcomers.py``: the arms each optimizer
+  beyond the paper's is compared with (:attr:`Optimizer.compared_with`), its state bytes
+  (:func:`state_bytes`) and update FLOPs.
 
 A new optimizer is one entry (:func:`register`) and one ``configs/optimizer/<name>.yaml``
 (docs/adding-an-optimizer.md). This module imports no JAX: the builders and FLOP counts import
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,6 +56,9 @@ FISHER_KEYS = ("fisher", "fisher_forward", "fisher_backward", "fisher_batch")
 # The paper's optimizers in the row order of its Table 1: the tables list them first, then every
 # other optimizer in the order it was registered.
 PAPER_ORDER = ("momentum", "adam", "qng", "ginger")
+# The arms every other optimizer is compared with, unless its entry names its own: Adam, the
+# paper's baseline, and Ginger at the paper's default rank.
+REFERENCE_ARMS = (("adam", None), ("ginger", 8))
 
 # A check of one config key: ``check(checker, key, optimizer)`` reads ``key`` through the
 # checker of training/config_check.py (its ``number``, ``integer``, ``choice``, ``check`` and
@@ -59,11 +69,17 @@ Check = Callable[[Any, str, "Optimizer"], Any]
 # :class:`OptimizerConfig`, ``schedule`` the learning rate, ``sharding`` where the state's big
 # arrays are split (``ginger.sharding.StateSharding``) or None.
 Build = Callable[[Any, Any, Any], Any]
-# ``update_flops(sizes, *, tau, block, curvature_update, shapes, opt)``: FLOPs of one update
-# over parameter leaves of ``sizes`` (``curvature_update=False``: a step that only
-# preconditions); ``shapes``, the leaves' shapes, and ``opt``, the run's
-# :class:`OptimizerConfig`, for a count that depends on them (None where the caller has none).
+# ``update_flops(params, opt, *, curvature_update)``: FLOPs of one update of the trained
+# parameters ``params`` (a pytree of arrays or ``jax.ShapeDtypeStruct`` s: their paths, shapes
+# and dtypes, the layout) with the run's :class:`OptimizerConfig` ``opt``
+# (``curvature_update=False``: a step that only preconditions, see ``curvature_every``).
 UpdateFlops = Callable[..., float]
+# ``state_bytes(params, opt)``: bytes of the optimizer state for the layout ``params``, whole
+# (not split over devices), from the shapes alone.
+StateBytes = Callable[[Any, Any], int]
+# ``lr_key(values)``: the optimizer's entry in configs/best_lr/ from the run's values of the
+# paper-notation keys (``values["rho"]``; a value the caller does not have is None).
+LrKey = Callable[[Mapping[str, Any]], str]
 # ``reorthonormalise_every(opt)``: curvature updates between the loop's re-orthonormalisations
 # of the state's bases (a program of their own), from the run's :class:`OptimizerConfig`.
 ReorthonormaliseEvery = Callable[[Any], int]
@@ -141,12 +157,53 @@ def steps_between_curvature_updates(c, key: str, optimizer: Optimizer) -> Any:
   return value
 
 
-def elementwise_flops(sizes: Sequence[int], **_: Any) -> float:
+def leaf_sizes(params: Any) -> list[int]:
+  """The number of entries of each leaf of ``params`` (arrays or shapes), in tree order."""
+  import jax
+
+  return [math.prod(leaf.shape) for leaf in jax.tree.leaves(params)]
+
+
+def elementwise_flops(params: Any, opt: Any = None, **_: Any) -> float:
   """An element-wise update's FLOPs (momentum, Adam's moments, weight decay, the update):
   ``models.flops.ELEMENTWISE_FLOPS_PER_PARAM`` per parameter."""
   from models import flops
 
-  return flops.ELEMENTWISE_FLOPS_PER_PARAM * sum(sizes)
+  return flops.ELEMENTWISE_FLOPS_PER_PARAM * sum(leaf_sizes(params))
+
+
+def traced_state_bytes(params: Any, opt: Any) -> int:
+  """The bytes of the state the entry's own transformation allocates for ``params``: its
+  ``init`` traced with ``jax.eval_shape`` (shapes only, nothing allocated), as the library
+  lays the state out (Ginger's buckets of equal-rank blocks, Muon's two branches)."""
+  import jax
+  import numpy as np
+
+  tx = get(opt.name).build(opt, _constant_schedule, None)  # a schedule, as runs have: its count
+  state = jax.eval_shape(tx.init, params)
+  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+
+
+def _constant_schedule(step: Any) -> float:
+  """A learning-rate schedule (a run's always is one: optax keeps its step count)."""
+  del step
+  return 1e-3
+
+
+def moments_state_bytes(copies: int, counts: int = 0) -> StateBytes:
+  """The state of an element-wise method: ``copies`` arrays like the parameters (momentum: 1,
+  Adam: 2, mu and nu) and ``counts`` int32 step counters (the learning-rate schedule's, which
+  every run has, and Adam's for its bias correction: 2)."""
+
+  def state_bytes(params: Any, opt: Any = None) -> int:
+    import jax
+    import numpy as np
+
+    leaves = jax.tree.leaves(params)
+    per_copy = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves)
+    return copies * per_copy + 4 * counts
+
+  return state_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +222,13 @@ class Optimizer:
       and its state has an ``optimizer.state_dtype``.
     curvature_every: whether its curvature may be updated every K-th step only
       (``curvature_every`` = K > 1; the other steps precondition with the curvature they have).
-    update_flops: FLOPs of one update (:data:`UpdateFlops`): by default the element-wise work.
+    update_flops: FLOPs of one update of a parameter layout (:data:`UpdateFlops`;
+      :func:`elementwise_flops` for an element-wise method). Required: :func:`register`
+      refuses an entry without it.
+    state_bytes: bytes of its state in a run (with a learning-rate schedule) for a parameter
+      layout (:data:`StateBytes`;
+      :func:`moments_state_bytes`, or :func:`traced_state_bytes` for the library's own
+      layout). Required like ``update_flops``.
     reorthonormalise_every: the period of the loop's re-orthonormalisation of its state
       (:data:`ReorthonormaliseEvery`); None: it has none.
     advice: its own knobs against a diverging loss (:data:`Advice`); None: the learning rate
@@ -180,6 +243,11 @@ class Optimizer:
       step passes its update ``batch=`` (the step's ``training.steps.LossBatch``) and ``key=``
       (the key a d-pass would draw its labels with).
     refuses: the settings beyond its own keys it cannot run with (:data:`Refuse`); None: any.
+    lr_key: its entry in configs/best_lr/ (:data:`LrKey`); None: its name.
+    compared_with: the arms ``(optimizer, tau)`` its results are compared with, each as one
+      Holm family of its own over every optimizer compared with that arm (results/tables.py's
+      comparisons, results/newcomers.py); the paper's four optimizers have the paper's own
+      comparisons, every other one by default :data:`REFERENCE_ARMS`.
   """
 
   name: str
@@ -188,12 +256,22 @@ class Optimizer:
   build: Build
   curvature: bool = False
   curvature_every: bool = False
-  update_flops: UpdateFlops = elementwise_flops
+  update_flops: UpdateFlops | None = None
+  state_bytes: StateBytes | None = None
   reorthonormalise_every: ReorthonormaliseEvery | None = None
   advice: Advice | None = None
   eval_params: EvalParams | None = None
   traces_loss: bool = False
   refuses: Refuse | None = None
+  lr_key: LrKey | None = None
+  compared_with: tuple[tuple[str, Any], ...] | None = None
+
+  @property
+  def arms(self) -> tuple[tuple[str, Any], ...]:
+    """The ``(optimizer, tau)`` arms it is compared with (:attr:`compared_with`)."""
+    if self.compared_with is not None:
+      return self.compared_with
+    return () if self.name in PAPER_ORDER else REFERENCE_ARMS
 
   @property
   def hyperparameters(self) -> tuple[str, ...]:
@@ -290,9 +368,19 @@ _REGISTRY: dict[str, Optimizer] = {}
 
 
 def register(optimizer: Optimizer) -> Optimizer:
-  """Adds ``optimizer``; an optimizer of the same name must be unregistered first."""
+  """Adds ``optimizer``; an optimizer of the same name must be unregistered first. An entry
+  without its update FLOPs or its state bytes is refused: every table of cost reads them."""
   if optimizer.name in _REGISTRY:
     raise ValueError(f"an optimizer named {optimizer.name!r} is already registered.")
+  missing = [f for f in ("update_flops", "state_bytes") if getattr(optimizer, f) is None]
+  if missing:
+    raise ValueError(
+      f"optimizer {optimizer.name!r} has no {' and no '.join(missing)}: every entry says what "
+      "one update costs (update_flops(params, opt, *, curvature_update); elementwise_flops "
+      "for an element-wise method) and what its state holds (state_bytes(params, opt); "
+      "moments_state_bytes(k) for k arrays like the parameters, traced_state_bytes for the "
+      "library's own layout). docs/adding-an-optimizer.md says how."
+    )
   _REGISTRY[optimizer.name] = optimizer
   return optimizer
 
@@ -362,28 +450,32 @@ def table_order(first: Sequence[str] = ()) -> tuple[str, ...]:
   return (*head, *(n for n in names() if n not in head))
 
 
-def update_flops(
-  name: str,
-  sizes: Sequence[int],
-  *,
-  tau: int | None = None,
-  block: str | None = None,
-  curvature_update: bool = True,
-  shapes: Sequence[tuple[int, ...]] | None = None,
-  opt: OptimizerConfig | None = None,
-) -> float:
-  """FLOPs of one update of optimizer ``name`` over parameter leaves of ``sizes``
-  (``curvature_update=False``: a step that only preconditions, see ``curvature_every``);
-  ``shapes`` (the leaves' shapes) and ``opt`` (the run's :class:`OptimizerConfig`) for an
-  optimizer whose count depends on them."""
-  return get(name).update_flops(
-    list(sizes),
-    tau=tau,
-    block=block,
-    curvature_update=curvature_update,
-    shapes=None if shapes is None else [tuple(s) for s in shapes],
-    opt=opt,
-  )
+def update_flops(opt: OptimizerConfig, params: Any, *, curvature_update: bool = True) -> float:
+  """FLOPs of one update of ``opt.name`` with the run's :class:`OptimizerConfig` ``opt`` for
+  the trained parameters ``params`` (arrays or ``jax.ShapeDtypeStruct`` s: only their paths,
+  shapes and dtypes are read); ``curvature_update=False``: a step that only preconditions,
+  see ``curvature_every``."""
+  return float(get(opt.name).update_flops(params, opt, curvature_update=curvature_update))
+
+
+def state_bytes(opt: OptimizerConfig, params: Any) -> int:
+  """Bytes of the optimizer state of ``opt`` for the trained parameters ``params`` (whole,
+  not split over devices; from the shapes alone)."""
+  return int(get(opt.name).state_bytes(params, opt))
+
+
+def lr_key(name: str, values: Mapping[str, Any]) -> str:
+  """Optimizer ``name``'s entry in configs/best_lr/ for the run's paper-notation ``values``
+  (:attr:`Optimizer.lr_key`); its name where its entry has none or it is not registered."""
+  optimizer = find(name)
+  if optimizer is None or optimizer.lr_key is None:
+    return str(name)
+  return optimizer.lr_key(values)
+
+
+def compared(arm: tuple[str, Any]) -> tuple[str, ...]:
+  """The registered optimizers compared with ``arm`` (``(optimizer, tau)``), in table order."""
+  return tuple(n for n in table_order() if arm in get(n).arms)
 
 
 # ----------------------------------------------------------------------------- the optimizers
@@ -422,12 +514,24 @@ def _ginger_advice(opt: OptimizerConfig) -> str:
   return f"raise gamma (now {opt.gamma}){rho}"
 
 
-def _ginger_flops(sizes, *, tau, block, curvature_update=True, **_) -> float:
+def _ginger_flops(params, opt: OptimizerConfig, *, curvature_update=True, **_) -> float:
   from models import flops
 
+  sizes, tau = leaf_sizes(params), int(opt.tau)
   if not curvature_update:
-    return elementwise_flops(sizes) + flops.ginger_precondition_flops(sizes, int(tau), block)
-  return elementwise_flops(sizes) + flops.ginger_update_flops(sizes, int(tau), block)
+    return elementwise_flops(params) + flops.ginger_precondition_flops(sizes, tau, opt.block)
+  return elementwise_flops(params) + flops.ginger_update_flops(sizes, tau, opt.block)
+
+
+def _ginger_lr_key(values: Mapping[str, Any]) -> str:
+  # Unclipped, Ginger moves each direction outside span U by lr / gamma times the momentum:
+  # its good lrs lie orders of magnitude below the clipped variant's, tuned separately.
+  return "ginger_unclipped" if values.get("rho") is None else "ginger"
+
+
+def _qng_lr_key(values: Mapping[str, Any]) -> str:
+  # QNG's clip (Ginger's, as a control) bounds each entry by lr * rho: tuned separately.
+  return "qng" if values.get("rho") is None else "qng_clipped"
 
 
 def _build_qng(opt: OptimizerConfig, schedule, sharding):
@@ -444,10 +548,10 @@ def _build_qng(opt: OptimizerConfig, schedule, sharding):
   )
 
 
-def _qng_flops(sizes, *, tau, **_) -> float:
+def _qng_flops(params, opt: OptimizerConfig, **_) -> float:
   from models import flops
 
-  return elementwise_flops(sizes) + flops.qng_update_flops(sizes, int(tau))
+  return elementwise_flops(params) + flops.qng_update_flops(leaf_sizes(params), int(opt.tau))
 
 
 def _build_adam(opt: OptimizerConfig, schedule, sharding):
@@ -485,8 +589,10 @@ register(
     curvature=True,
     curvature_every=True,
     update_flops=_ginger_flops,
+    state_bytes=traced_state_bytes,
     reorthonormalise_every=_ginger_reorthonormalise_every,
     advice=_ginger_advice,
+    lr_key=_ginger_lr_key,
   )
 )
 register(
@@ -505,6 +611,8 @@ register(
     build=_build_qng,
     curvature=True,
     update_flops=_qng_flops,
+    state_bytes=traced_state_bytes,
+    lr_key=_qng_lr_key,
   )
 )
 register(
@@ -517,6 +625,8 @@ register(
       "optimizer.eps": number(0, closed=(False, True)),
     },
     build=_build_adam,
+    update_flops=elementwise_flops,
+    state_bytes=moments_state_bytes(2, counts=2),  # mu, nu; its and the schedule's counts
   )
 )
 register(
@@ -525,6 +635,8 @@ register(
     display="Momentum",
     keys={"optimizer.b1": DECAY},
     build=_build_momentum,
+    update_flops=elementwise_flops,
+    state_bytes=moments_state_bytes(1, counts=1),  # the momentum; the schedule's count
   )
 )
 
@@ -550,10 +662,24 @@ def _build_muon(opt: OptimizerConfig, schedule, sharding):
   )
 
 
-def _muon_flops(sizes, **_) -> float:
-  # The Newton-Schulz iterations depend on the matrices' shapes, which the sizes alone do not
-  # give: summary.json's measured FLOPs (XLA's count of the compiled step) hold them.
-  return elementwise_flops(sizes)
+def _muon_flops(params, opt: OptimizerConfig, **_) -> float:
+  """The element-wise work of both branches plus ``ns_steps`` Newton-Schulz iterations on each
+  matrix Muon orthogonalises (training/muon_layout.py: a convolution filter as its
+  ``(kh * kw * in, out)`` matrix), ``models.flops.newton_schulz_flops``."""
+  import jax
+
+  from models import flops
+  from training import muon_layout
+
+  layout = muon_layout.dimension_numbers(params)
+  leaves = jax.tree.leaves(params)
+  numbers = jax.tree.leaves(layout, is_leaf=lambda x: x is None or hasattr(x, "output_axis"))
+  steps = int(opt.extra["optimizer.ns_steps"])
+  total = elementwise_flops(params)
+  for leaf, dims in zip(leaves, numbers, strict=True):
+    if dims is not None:
+      total += steps * flops.newton_schulz_flops(*muon_layout.matrix_shape(leaf.shape, dims))
+  return total
 
 
 def _build_schedule_free_adamw(opt: OptimizerConfig, schedule, sharding):
@@ -624,6 +750,59 @@ def _kfac_refuses(c, optimizer: Optimizer) -> None:
     )
 
 
+def _kfac_layers(params) -> list[tuple[int, int]]:
+  """K-FAC's Kronecker factors per layer, ``(a, g)``: a dense kernel ``(in, out)`` or a
+  convolution filter ``(kh, kw, in, out)`` has an input factor of side ``a = kh * kw * in``
+  (+ 1 with a bias beside it) and an output factor of side ``g = out``; BatchNorm's scale and
+  shift pairs are kfac-jax's diagonal scale-and-shift blocks, ``(features, 0)``."""
+  import math
+
+  import jax
+
+  from training import muon_layout
+
+  layers, leaves = [], {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names = muon_layout._names(path)
+    leaves["/".join(names)] = leaf.shape
+  for name, shape in leaves.items():
+    module, _, leaf = name.rpartition("/")
+    bias = f"{module}/bias" in leaves
+    if leaf == "kernel" and len(shape) in (2, 4):
+      layers.append((math.prod(shape[:-1]) + int(bias), shape[-1]))
+    elif leaf == "scale":
+      layers.append((shape[-1], 0))
+  return layers
+
+
+def _kfac_state_bytes(params, opt: OptimizerConfig) -> int:
+  """float32: the momentum (one copy of the parameters), and per dense or convolution layer
+  both factors' moving averages and their damped inverses, ``2 (a^2 + g^2)``; per
+  scale-and-shift block its diagonal factor and inverse for scale and shift, ``4 features``."""
+  import math
+
+  import jax
+
+  floats = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+  for a, g in _kfac_layers(params):
+    floats += 2 * (a * a + g * g) if g else 4 * a
+  return 4 * floats
+
+
+def _kfac_flops(params, opt: OptimizerConfig, **_) -> float:
+  """The update's own work: element-wise (momentum, the update), each layer's gradient
+  preconditioned on both sides, ``A^-1 grad G^-1`` (2 (a^2 g + a g^2) FLOPs), and the damped
+  inverses of both factors every ``inverse_update_period`` steps (about ``a^3 + g^3`` each,
+  amortised). Not counted: the factors' statistics, gathered in kfac-jax's own forward and
+  backward pass over the batch (XLA's count of the compiled step has them)."""
+  period = int(opt.extra["optimizer.inverse_update_period"])
+  total = elementwise_flops(params)
+  for a, g in _kfac_layers(params):
+    if g:
+      total += 2 * (a * a * g + a * g * g) + (a**3 + g**3) / period
+  return total
+
+
 def _kfac_advice(opt: OptimizerConfig) -> str:
   norm = opt.extra["optimizer.norm_constraint"]
   bound = " or bound the update (optimizer.norm_constraint=0.01)" if norm is None else ""
@@ -645,6 +824,7 @@ register(
     },
     build=_build_muon,
     update_flops=_muon_flops,
+    state_bytes=traced_state_bytes,  # momentum for every leaf, AdamW's nu for its branch
   )
 )
 register(
@@ -658,6 +838,8 @@ register(
       "optimizer.weight_lr_power": number(0),
     },
     build=_build_schedule_free_adamw,
+    update_flops=elementwise_flops,
+    state_bytes=traced_state_bytes,  # z, the second moment and the averaging's scalars
     eval_params=_schedule_free_eval_params,
   )
 )
@@ -687,22 +869,19 @@ def _build_soap(opt: OptimizerConfig, schedule, sharding):
   )
 
 
-def _soap_flops(sizes, *, shapes=None, opt=None, **_) -> float:
+def _soap_flops(params, opt: OptimizerConfig, **_) -> float:
   """Adam's element-wise work plus, per leaf of n entries with factors of sizes d_i, the three
   n sum(d_i) multiply-adds of every step (the gradient into the eigenbasis, the update back,
   the factors' G_(i) G_(i)^T) and the refresh of the bases every precondition_frequency steps,
   amortised (``models.flops.soap_update_flops``). Needs the leaves' shapes and the run's
   config: a SOAP update's cost is not a function of the sizes alone."""
+  import jax
+
   from models import flops
 
-  if shapes is None or opt is None:
-    raise ValueError(
-      "SOAP's update FLOPs depend on the leaves' shapes and on its config: pass shapes= and "
-      "opt= (the run's OptimizerConfig) to registry.update_flops."
-    )
   own = opt.extra
-  return elementwise_flops(sizes) + flops.soap_update_flops(
-    shapes,
+  return elementwise_flops(params) + flops.soap_update_flops(
+    [tuple(leaf.shape) for leaf in jax.tree.leaves(params)],
     precondition_frequency=own["optimizer.precondition_frequency"],
     max_precond_dim=own["optimizer.max_precond_dim"],
     merge_dims=own["optimizer.merge_dims"],
@@ -730,6 +909,7 @@ register(
     },
     build=_build_soap,
     update_flops=_soap_flops,
+    state_bytes=traced_state_bytes,  # its moments, factors and eigenbases, as the library lays them
   )
 )
 register(
@@ -744,6 +924,8 @@ register(
       "optimizer.norm_constraint": number(0, closed=(False, True), optional=True),
     },
     build=_build_kfac,
+    update_flops=_kfac_flops,
+    state_bytes=_kfac_state_bytes,
     advice=_kfac_advice,
     traces_loss=True,
     refuses=_kfac_refuses,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import gzip
 import hashlib
 import json
@@ -80,6 +81,10 @@ NOT_FINGERPRINTED = frozenset(
 IDENTITY_HYPERPARAMETERS = ("tau", "alpha", "gamma", "rho", "block", "fisher", "fisher_forward")
 # The identity's numerics fields: the compute dtype and the curvature state's dtype.
 NUMERICS = ("precision", "state_dtype")
+# The identity's field for the optimizer's own keys (registry.Optimizer.keys) that no other
+# field holds, where a run sets them away from its configs/optimizer/<name>.yaml.
+OPTIONS = "optimizer_options"
+OPTIMIZER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "optimizer"
 
 
 class RunDirError(TrainingError):
@@ -91,19 +96,16 @@ def _run_name(overrides: str) -> str:
 
 
 def lr_key(optimizer: str, rho: float | None) -> str:
-  """The optimizer's entry in configs/best_lr/: "ginger_unclipped" for Ginger without the
-  element-wise clip (rho=null), "qng_clipped" for QNG with it, else the optimizer's name.
+  """The optimizer's entry in configs/best_lr/, as its registry entry names it
+  (``registry.Optimizer.lr_key``): "ginger_unclipped" for Ginger without the element-wise clip
+  (rho=null), "qng_clipped" for QNG with it, else the optimizer's name.
 
   Unclipped, Ginger's update moves each direction outside span U by lr/gamma times the momentum
   (gamma = 1e-5 by default); clipped, no entry moves by more than lr * rho. A clipped and an
   unclipped variant's good lrs are therefore orders of magnitude apart and are tuned, and looked
   up, separately.
   """
-  if optimizer == "ginger" and rho is None:
-    return "ginger_unclipped"
-  if optimizer == "qng" and rho is not None:
-    return "qng_clipped"
-  return str(optimizer)
+  return registry.lr_key(optimizer, {"rho": rho})
 
 
 COMPILATION_CACHE_ENV = "GINGER_COMPILATION_CACHE_DIR"
@@ -177,6 +179,7 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
     **fisher_batch(c, used),
     **batchnorm(c),
     **numerics(c, name),
+    **({OPTIONS: own} if (own := options(c, optimizer)) else {}),
   }
 
 
@@ -187,6 +190,53 @@ def fisher_batch(config: Mapping, used: tuple[str, ...]) -> dict[str, Any]:
   :func:`fingerprinted`)."""
   value = config.get("fisher_batch") if "fisher_batch" in used else None
   return {} if value is None else {"fisher_batch": value}
+
+
+def own_keys(optimizer: registry.Optimizer) -> tuple[str, ...]:
+  """The keys of ``optimizer`` (:attr:`registry.Optimizer.keys`) that the identity holds in
+  :data:`OPTIONS`: those no other identity field holds (``optimizer.b1``, Muon's
+  ``optimizer.ns_steps``) and that change what a run computes (not ``passes``)."""
+  named = {*IDENTITY_HYPERPARAMETERS, "curvature_every", "optimizer.state_dtype"}
+  return tuple(k for k in optimizer.keys if k not in named and k not in NOT_FINGERPRINTED)
+
+
+_ABSENT = object()
+
+
+def _at(config: Mapping, key: str) -> Any:
+  """The value at dotted ``key`` of ``config``; :data:`_ABSENT` where there is none."""
+  for part in key.split("."):
+    if not isinstance(config, Mapping) or part not in config:
+      return _ABSENT
+    config = config[part]
+  return config
+
+
+@functools.cache
+def _defaults(name: str) -> dict[str, Any] | None:
+  """The values configs/optimizer/<name>.yaml sets (None: no such file, an optimizer whose
+  YAML lives elsewhere on Hydra's search path)."""
+  path = OPTIMIZER_CONFIGS / f"{name}.yaml"
+  return OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else None
+
+
+def options(config: Mapping, optimizer: registry.Optimizer | None) -> dict[str, Any]:
+  """The :data:`OPTIONS` of a run of ``optimizer`` with this (plain) config: each of its
+  :func:`own_keys` whose value differs from its YAML's (every one where the repository ships
+  no YAML for it), by its dotted key. Runs at the YAML's values have none, so two runs that
+  differ only in such a key never share an identity, and the identities of runs at the
+  defaults stay as they were before an optimizer gained a key."""
+  if optimizer is None:
+    return {}
+  defaults = _defaults(optimizer.name)
+  out = {}
+  for key in own_keys(optimizer):
+    value = _at(config, key)
+    value = None if value is _ABSENT else value
+    default = _ABSENT if defaults is None else _at(defaults, key)
+    if default is _ABSENT or canonical(value) != canonical(default):
+      out[key] = value
+  return out
 
 
 def numerics(config: Mapping, optimizer: str | None) -> dict[str, Any]:

@@ -45,16 +45,13 @@ def device_shared() -> bool:
   return os.environ.get("GINGER_DEVICE_SHARED", "") not in ("", "0")
 
 
-def flops_per_iter(
-  task: Task, rc: RunConfig, sizes: list[int], steps: dict, every: int, shapes=None
-) -> dict:
-  """One training step's FLOPs, counted (:func:`analytic_flops`) and as XLA reports them for
-  the compiled ``steps`` (``CompiledRun.steps``; None where it does not); with
-  ``curvature_every`` K = ``every`` > 1 both the mean over K steps. ``shapes``: the trained
-  leaves' shapes (an optimizer whose update FLOPs depend on them reads them)."""
+def flops_per_iter(task: Task, rc: RunConfig, params, steps: dict, every: int) -> dict:
+  """One training step's FLOPs, counted (:func:`analytic_flops`, for the trained parameters
+  ``params``) and as XLA reports them for the compiled ``steps`` (``CompiledRun.steps``; None
+  where it does not); with ``curvature_every`` K = ``every`` > 1 both the mean over K steps."""
   xla = {update: xla_flops(c) for update, c in steps.items()}  # with the update, without
   return {
-    "analytic": analytic_flops(task, rc, sizes, shapes),
+    "analytic": analytic_flops(task, rc, params),
     # The mean over K steps, as the analytic count (K = 1: the one step's count).
     "xla": None
     if None in xla.values()
@@ -84,12 +81,7 @@ def startup_record(
     "optimizer_state_bytes_per_device": sharding.bytes_per_device(state.opt_state),
     "steps_per_epoch": setup.steps_per_epoch,
     "flops_per_iter": flops_per_iter(
-      setup.task,
-      rc,
-      setup.sizes,
-      compiled.steps,
-      setup.curvature_every,
-      [tuple(x.shape) for x in jax.tree.leaves(state.trainable)],
+      setup.task, rc, state.trainable, compiled.steps, setup.curvature_every
     ),
     "flops_method": FLOPS_METHOD,
     "xla_memory_analysis": memory[True],  # the step with the curvature update
@@ -149,9 +141,9 @@ def end_record(
   )
 
 
-def analytic_flops(task: Task, rc: RunConfig, sizes: list[int], shapes=None) -> float:
-  """One training step: the task's forward FLOPs times the step's passes, plus the update
-  (over trained leaves of ``sizes``, and of ``shapes`` for an optimizer that reads them).
+def analytic_flops(task: Task, rc: RunConfig, params) -> float:
+  """One training step: the task's forward FLOPs times the step's passes, plus the update of
+  the trained parameters ``params`` (arrays or shapes: the registry's count reads their shapes).
 
   With ``curvature_every`` K > 1 the mean over K steps: one with the d-pass and the curvature
   update, K - 1 with neither (they only precondition).
@@ -167,15 +159,7 @@ def analytic_flops(task: Task, rc: RunConfig, sizes: list[int], shapes=None) -> 
       fisher_forward=rc.fisher_forward if curvature and update else None,
       fisher_fraction=fraction,
     )
-    return pass_flops + update_flops(
-      opt.name,
-      sizes,
-      tau=opt.tau,
-      block=opt.block,
-      curvature_update=update,
-      shapes=shapes,
-      opt=opt,
-    )
+    return pass_flops + update_flops(opt, params, curvature_update=update)
 
   every = opt.curvature_every
   return step(True) if every == 1 else (step(True) + (every - 1) * step(False)) / every

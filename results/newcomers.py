@@ -1,0 +1,250 @@
+"""Ginger beside today's optimizers: one table per stand-in model, not the paper's.
+
+Every registered optimizer beyond the paper's four (Muon, schedule-free AdamW, ... : the entries
+of training/registry.py whose ``compared_with`` names arms) gets a row once it has completed
+runs of the set: its best validation accuracy over seeds, its difference from each arm it is
+compared with (Adam and Ginger τ=8 by default) with Welch's 95 % interval and the reading after
+Holm's correction over the family of every optimizer compared with that arm (the families of
+the comparisons file, ``results/tables.py``'s :func:`~results.tables.newcomer_pairs`), its step
+time and memory (from runs alone on their device), its optimizer state and its FLOPs per step
+counted from the model's parameter shapes (``registry.update_flops``). The arms have rows of
+their own above. ``make tables`` writes ``newcomers_<dataset>_<length>.md`` and ``.tex``::
+
+    python -m results.newcomers results/cifar10/runs --out results/cifar10
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from results import stats, tables
+from results.runs import Run, collect_runs, is_number, missing_roots, rfield
+from results.tables import Column, Row, Selection, Table
+from training import registry
+
+# The image shapes of the stand-in datasets whose FLOPs are counted (the ResNets' forward pass
+# is traced at this input size).
+IMAGE_SHAPES = {"cifar10": (32, 32, 3), "cifar100": (32, 32, 3)}
+
+
+@functools.cache
+def _resnet_layout(model: str, dataset: str) -> tuple[Any, float] | None:
+  """The trained parameters' shapes of ``model`` on ``dataset`` and its forward FLOPs per
+  example (both from the abstract model: nothing is allocated); None for another dataset."""
+  if dataset not in IMAGE_SHAPES:
+    return None
+  from flax import nnx
+
+  from data.images import NUM_CLASSES
+  from models import flops
+  from models.resnet import build_resnet
+
+  shape = IMAGE_SHAPES[dataset]
+  classes = NUM_CLASSES[dataset]
+  abstract = nnx.eval_shape(
+    lambda: build_resnet(model, classes, in_channels=shape[-1], rngs=nnx.Rngs(0))
+  )
+  forward = flops.FLOPS_PER_MAC * flops.resnet_forward_macs(model, classes, shape)
+  return nnx.state(abstract, nnx.Param), float(forward)
+
+
+def step_flops(run: Run) -> float | None:
+  """One training step's FLOPs for ``run``'s config, counted now: the passes
+  (``models.flops.train_step_flops``) and the registry's update count from the ResNet's
+  parameter shapes, the mean over ``curvature_every`` steps as train.py counts it; None for a
+  model or dataset this module does not count (T5, a toy dataset)."""
+  config = run.get("config") or {}
+  model, data = config.get("model") or {}, config.get("data") or {}
+  found = model.get("family") == "resnet" and _resnet_layout(model.get("name"), data.get("name"))
+  if not found or registry.find(rfield(run, "optimizer")) is None:
+    return None
+  from models import flops
+
+  params, forward = found
+  opt = registry.optimizer_config(_completed(config, registry.get(rfield(run, "optimizer"))))
+  curvature = registry.keeps_curvature(opt.name)
+  batch = forward * int(config["batch_size"])
+
+  def step(update: bool) -> float:
+    d_pass = config.get("fisher_forward") if curvature and update else None
+    passes = flops.train_step_flops(batch, fisher_forward=d_pass)
+    return passes + registry.update_flops(opt, params, curvature_update=update)
+
+  every = opt.curvature_every
+  return step(True) if every == 1 else (step(True) + (every - 1) * step(False)) / every
+
+
+def _completed(config: dict[str, Any], optimizer: registry.Optimizer) -> dict[str, Any]:
+  """``config`` with each key ``optimizer`` reads that a run recorded before the key existed
+  (``passes``) as null, the value that keeps what such a run computed."""
+  config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+  for key in optimizer.keys:
+    *parents, last = key.split(".")
+    node = config
+    for part in parents:
+      node = node.setdefault(part, {})
+    node.setdefault(last, None)
+  return config
+
+
+def _stat(runs: Sequence[Run], value, style: str) -> str:
+  values = [v for v in (value(r) for r in runs) if v is not None]
+  return tables.fmt_stat(tables.aggregate(values), style) if values else ""
+
+
+def _differences(
+  pairs: Sequence[tables.ComparisonPair],
+) -> dict[tuple[str, str], tuple[str, str]]:
+  """(optimizer label, family) -> (Welch interval text, Holm reading) for the newcomers'
+  comparisons with runs on both sides, Holm's correction run over each family."""
+  tested = collections.defaultdict(list)
+  for family, label, a, b in pairs:
+    va, vb = tables._accuracies(a), tables._accuracies(b)
+    if va and vb:
+      tested[family].append((label, stats.welch(va, vb)))
+  out = {}
+  for family, rows in tested.items():
+    readings = stats.holm_verdicts([d for _, d in rows])
+    for (label, diff), reading in zip(rows, readings, strict=True):
+      out[(label, family)] = (diff.text(), reading)
+  return out
+
+
+def build_newcomers(
+  runs: Sequence[Run], dataset: str, model: str, length: str | None = None
+) -> Table:
+  """The table of today's optimizers on ``model`` for one set of runs (see the module)."""
+  protocol = {**tables.image_protocol(dataset, length), "model": model}
+
+  def cell(optimizer: str, tau: Any = None) -> Selection:
+    criteria = tables.cell_criteria(optimizer, tau, **protocol)
+    return tables.select_runs(runs, criteria, tables.TABLE_SWEEPS["table1"])
+
+  found = tables._found(runs, **protocol)
+  pairs = tables.newcomer_pairs(cell, found)
+  arms = list(dict.fromkeys(arm for n in registry.table_order() for arm in registry.get(n).arms))
+  newcomers = [n for n in registry.table_order() if registry.get(n).arms]
+  have = {o for o, _tau in found}
+  diffs = _differences(pairs)
+  arm_labels = [tables.optimizer_label(*arm) for arm in arms]
+  columns = [Column("", "n"), Column("", "Acc")]
+  for label in arm_labels:
+    columns += [Column(f"− {label}", "[95 % CI]"), Column(f"− {label}", "Holm")]
+  columns += [
+    Column("", "Step ms"),
+    Column("", "Step GB"),
+    Column("", "State MB"),
+    Column("", "GFLOPs/step"),
+  ]
+  set_text = tables._set_text(dataset, length)
+  name = tables.MODEL_NAMES.get(model, model)
+  table = Table(
+    tables._set_name("newcomers", dataset, length) + ("" if model == "resnet18" else f"_{model}"),
+    f"{name} stand-in: today's optimizers ({set_text})",
+    _caption(arm_labels),
+    "Optimizer",
+    columns,
+  )
+  rows = [(tables.optimizer_label(*arm), cell(*arm)) for arm in arms]
+  rows += [(registry.display_name(n), cell(n)) for n in newcomers if n in have]
+  used = []
+  for k, (label, sel) in enumerate(rows):
+    cells = _row_cells(label, sel, arms, diffs)
+    table.rows.append(Row(label, cells, rule_before=k == len(arms)))
+    used += [r for r in sel.runs if r not in used]
+  missing = [registry.display_name(n) for n in newcomers if n not in have]
+  notes = []
+  if missing:
+    notes.append(f"Registered, no completed runs of this set yet: {', '.join(missing)}.")
+  return tables._finish(table, used, notes)
+
+
+def _row_cells(
+  label: str, sel: Selection, arms: Sequence[tuple[str, Any]], diffs: dict[tuple[str, str], Any]
+) -> list[str]:
+  """One row's cells: seeds, accuracy, the difference and Holm reading against each arm
+  (blank for an arm itself, or without runs), then the costs."""
+  runs = sel.runs
+  cells = [str(len(runs)), _stat(runs, tables._get("best_val_accuracy"), "f2")]
+  for arm in arms:
+    reference = tables.optimizer_label(*arm)
+    key = (f"{label} − {reference}", tables.newcomer_family(arm))
+    cells += list(diffs.get(key, ("", "")))
+  return cells + [
+    _stat(runs, tables._alone("step_time_s", 1e3), "f1"),
+    _stat(runs, tables._alone("step_memory_bytes", 1e-9), "f2"),
+    _median(runs, tables._get("optimizer_state_bytes_per_device", 1e-6), "f1"),
+    _median(runs, lambda r: _scaled(step_flops(r), 1e-9), "f1"),
+  ]
+
+
+def _median(runs: Sequence[Run], value, style: str) -> str:
+  """The median of a figure that does not vary from seed to seed (a state's size, a count)."""
+  values = [v for v in (value(r) for r in runs) if v is not None]
+  return tables.fmt_num(statistics.median(values), style) if values else ""
+
+
+def _scaled(value: float | None, scale: float) -> float | None:
+  return value * scale if is_number(value) else None
+
+
+def _caption(arm_labels: Sequence[str]) -> str:
+  arms = " and ".join(arm_labels)
+  return (
+    "Best validation accuracy (%), mean ± sample std over seeds (n). − arm: the difference of "
+    f"means from {arms} [Welch 95 % interval, uncorrected]; Holm: its reading after Holm's "
+    "correction over the family of every optimizer compared with that arm (above / below where "
+    "the adjusted p is below 0.05, tie otherwise; n < 2 where a side has one run). Step ms and "
+    "Step GB: median step time and the step's own memory (XLA's memory analysis), from runs "
+    "alone on their device (blank where every run shared one). State MB: the optimizer state's "
+    "bytes per device as the runs recorded them (their median). GFLOPs/step: one training step "
+    "(3x the forward pass, the d-pass where the optimizer has one, and the optimizer's update "
+    "counted from the model's parameter shapes by its registry entry; for Muon, Newton-Schulz "
+    "on each matrix)."
+  )
+
+
+def newcomer_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
+  """(file name, table): one per (dataset, length, model) of image runs where an optimizer
+  beyond the paper's has completed runs."""
+  newcomers = {n for n in registry.names() if registry.get(n).arms}
+  done = [r for r in tables.tabulated(runs) if rfield(r, "setting") is None]
+  sets = {
+    (rfield(r, "dataset"), rfield(r, "length"), rfield(r, "model"))
+    for r in done
+    if rfield(r, "optimizer") in newcomers
+  }
+  out = []
+  for dataset, length, model in sorted(sets, key=tables.tuple_key):
+    table = build_newcomers(runs, dataset, model, length)
+    out.append((table.name, table))
+  return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Scan the roots and write <out>/newcomers_<set>.md and .tex."""
+  parser = argparse.ArgumentParser(prog="python -m results.newcomers", description=__doc__)
+  parser.add_argument("roots", nargs="+", help="dirs (or run archives) to scan")
+  parser.add_argument("--out", default=tables.DEFAULT_OUT, help="where to write the tables")
+  args = parser.parse_args(argv)
+  if error := missing_roots(args.roots):
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  for name, table in newcomer_tables(collect_runs(args.roots)):
+    (out / f"{name}.md").write_text(tables.to_markdown(table))
+    (out / f"{name}.tex").write_text(tables.to_latex(table))
+    print(f"wrote {out / name}.md and .tex", file=sys.stderr)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

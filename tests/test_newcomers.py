@@ -1,0 +1,72 @@
+"""results.newcomers: the table of today's optimizers, from the committed records."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from results import newcomers
+from results.runs import collect_runs, rfield
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "results" / "cifar10" / "runs"
+
+
+def newton_schulz(m: int, n: int) -> int:
+  """One iteration on an m x n matrix, m <= n: 4 m^2 n + 2 m^3 FLOPs."""
+  m, n = sorted((m, n))
+  return 4 * m * m * n + 2 * m**3
+
+
+# ResNet-18's hidden matrices as Muon sees them (kh kw in, out): each stage's 3x3 filters and
+# the 1x1 shortcut of stages 2-4; the first convolution and the head are AdamW's.
+RESNET18_MATRICES = (
+  [(576, 64)] * 4
+  + [(576, 128), (64, 128)]
+  + [(1152, 128)] * 3
+  + [(1152, 256), (128, 256)]
+  + [(2304, 256)] * 3
+  + [(2304, 512), (256, 512)]
+  + [(4608, 512)] * 3
+)
+
+
+@pytest.fixture(scope="module")
+def runs():
+  return collect_runs([COMMITTED])
+
+
+def test_step_flops_are_the_records_own_and_muons_newton_schulz(runs):
+  """Counted again from each record's config, a step's FLOPs are what the run recorded for
+  every optimizer whose update count is unchanged (Adam, Momentum, QNG, Ginger); Muon's add
+  ns_steps Newton-Schulz iterations on each of ResNet-18's hidden matrices to the element-wise
+  count its records hold."""
+  seen = set()
+  for run in runs:
+    if rfield(run, "model") != "resnet18" or rfield(run, "sweep") != "table1":
+      continue
+    recorded, counted = run["flops_per_iter"]["analytic"], newcomers.step_flops(run)
+    optimizer = rfield(run, "optimizer")
+    seen.add(optimizer)
+    if optimizer == "muon":
+      steps = run["config"]["optimizer"]["ns_steps"]
+      extra = steps * sum(newton_schulz(m, n) for m, n in RESNET18_MATRICES)
+      assert counted - recorded == pytest.approx(extra, rel=1e-12)
+    else:
+      assert math.isclose(counted, recorded, rel_tol=1e-12), run["path"]
+  assert {"adam", "momentum", "qng", "ginger", "muon"} <= seen
+
+
+def test_the_table_of_todays_optimizers(runs):
+  [(name, table)] = newcomers.newcomer_tables(runs)
+  assert name == "newcomers_cifar10_30ep"
+  rows = {r.label: r.cells for r in table.rows}
+  assert list(rows)[:2] == ["Adam", "Ginger (τ=8)"] and "Muon" in rows
+  n, acc, adam, adam_holm, ginger, ginger_holm = rows["Muon"][:6]
+  assert n == "3" and acc.startswith("88.97")
+  assert adam.startswith("+1.00 [") and ginger.startswith("+0.85 [")
+  assert adam_holm in ("above", "tie", "below") and ginger_holm in ("above", "tie", "below")
+  assert rows["Adam"][2:6] == ["", "", "", ""]  # an arm is not compared with itself
+  assert any("SF-AdamW" in note for note in table.notes)  # registered, no runs yet
