@@ -57,9 +57,9 @@ def small_problem(dtype=jnp.float32):
   return graphdef, params, batches
 
 
-def framework_kfac(graphdef, params, batches, keys):
-  """The registry's K-FAC from configs/optimizer/kfac.yaml's keys, stepped as training/steps.py
-  steps it: the loss gradient of the step's forward, then ``update(..., batch=, key=)``."""
+def framework_tx(graphdef, batches):
+  """The registry's K-FAC from configs/optimizer/kfac.yaml's keys and the test's settings,
+  built as a run builds it: ``(loss, opt, tx)``."""
   task = types.SimpleNamespace(full_params=lambda t, f: t, forward=lambda m, x: m(x))
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batches[0])
   loss = TrainingLoss(model_logits(task, graphdef), shapes)
@@ -68,7 +68,21 @@ def framework_kfac(graphdef, params, batches, keys):
   cfg = config("optimizer=kfac", *overrides)
   check_config(cfg, overrides=overrides)
   opt = registry.optimizer_config(cfg)
-  tx = registry.get("kfac").build(opt, optax.constant_schedule(LR), None, loss)
+  return loss, opt, registry.get("kfac").build(opt, optax.constant_schedule(LR), None, loss)
+
+
+def test_state_bytes_are_what_kfac_allocates():
+  graphdef, params, batches = small_problem()
+  _, opt, tx = framework_tx(graphdef, batches)
+  state = tx.init(params)
+  allocated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  assert registry.state_bytes(opt, params) == allocated
+
+
+def framework_kfac(graphdef, params, batches, keys):
+  """The registry's K-FAC (:func:`framework_tx`), stepped as training/steps.py steps it: the
+  loss gradient of the step's forward, then ``update(..., batch=, key=)``."""
+  loss, _, tx = framework_tx(graphdef, batches)
 
   @jax.jit
   def step(params, opt_state, batch, key):

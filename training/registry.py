@@ -776,17 +776,19 @@ def _kfac_layers(params) -> list[tuple[int, int]]:
 
 
 def _kfac_state_bytes(params, opt: OptimizerConfig) -> int:
-  """float32: the momentum (one copy of the parameters), and per dense or convolution layer
-  both factors' moving averages and their damped inverses, ``2 (a^2 + g^2)``; per
-  scale-and-shift block its diagonal factor and inverse for scale and shift, ``4 features``."""
+  """kfac-jax's state: the momentum (float32, one copy of the parameters); per dense or
+  convolution layer each factor's moving average and its damped inverse, ``2 (a^2 + g^2)``
+  floats, and a float32 weight per factor; per scale-and-shift block a diagonal moving average
+  for the scale and one for the shift (``2 features``) with their weights; and the counters:
+  two int32 steps and a bool (tests/test_kfac.py checks it against the allocated state)."""
   import math
 
   import jax
 
   floats = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
   for a, g in _kfac_layers(params):
-    floats += 2 * (a * a + g * g) if g else 4 * a
-  return 4 * floats
+    floats += (2 * (a * a + g * g) if g else 2 * a) + 2
+  return 4 * floats + 2 * 4 + 1
 
 
 def _kfac_flops(params, opt: OptimizerConfig, **_) -> float:
