@@ -162,6 +162,8 @@ def test_a_key_of_an_optimizer_of_its_own_is_kept_in_extra():
     display="Own",
     keys={"optimizer.b1": registry.DECAY, "optimizer.beta": registry.number(0)},
     build=lambda opt, schedule, sharding: None,
+    update_flops=registry.elementwise_flops,
+    state_bytes=registry.moments_state_bytes(1),
   )
   with registry.registered(entry):
     opt = registry.optimizer_config({"optimizer": {"name": "own", "b1": 0.5, "beta": 3}})
