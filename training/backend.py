@@ -56,7 +56,7 @@ def cpu_fallback_warning(backend: str, gpus: Sequence[str], platforms: str | Non
     return None
   return (
     f"nvidia-smi lists {len(gpus)} GPU(s) ({gpus[0]}) but JAX {jax.__version__} runs on the "
-    f"CPU: its CUDA plugin is missing or failed to start (JAX's own warning above says which). "
+    f"CPU: its CUDA plugin is missing or failed to start (JAX logs why, if it tried). "
     f"Install it: {GPU_INSTALL.format(version=jax.__version__)}."
   )
 
