@@ -59,9 +59,7 @@ def test_torch_is_only_in_its_own_set():
 
 
 def _make(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run(
-    ["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-  )
+  return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def test_make_venv_gpu_installs_the_cuda_set_and_refuses_others():
