@@ -49,3 +49,18 @@ def test_bf16_verdicts_fail_a_wrong_update_or_inputs_in_span():
   assert not any(ok for *_, ok in gpu_check.bf16_verdicts(off, exact, [0.5] * 3, 0.25)[1])
   in_span = gpu_check.bf16_verdicts(exact, exact, [0.5, 0.2, 0.5], 0.25)[1]  # 0.2 < 32 eps
   assert [ok for *_, ok in in_span] == [True, False, True]
+
+
+def test_train_step_makes_synthetic_data_of_the_suites_shapes(monkeypatch, capsys):
+  """``bench.train_step --data synthetic`` (gpu-check's step times, the deterministic cost):
+  a CIFAR-10 pickle folder for the ResNet suites, an XSUM-layout jsonl for T5, handed to every
+  run."""
+  from bench import train_step
+
+  paths = []
+  monkeypatch.setattr(train_step, "run", lambda suite, name, data, *a: paths.append(data) or {})
+  train_step.main(["--suite", "resnet18", "--data", "synthetic", "--only", "adam"])
+  train_step.main(["--suite", "t5", "--data", "synthetic", "--only", "full adam"])
+  cifar, xsum = map(Path, paths)
+  assert (cifar / "data_batch_5").is_file() and (cifar / "test_batch").is_file()
+  assert len(xsum.read_text().splitlines()) == 400
