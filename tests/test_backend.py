@@ -64,9 +64,9 @@ def test_report_says_the_backend_and_warns_with_a_faked_probe(caplog):
 
 def test_with_flags_replaces_the_same_flag_and_keeps_others():
   got = backend.with_flags(
-    "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=4", backend.DETERMINISTIC_XLA_FLAGS
+    "--xla_dump_to=/tmp/x --xla_gpu_deterministic_ops=false", backend.DETERMINISTIC_XLA_FLAGS
   )
-  assert got.split() == ["--xla_dump_to=/tmp/x", *backend.DETERMINISTIC_XLA_FLAGS]
+  assert got.split() == ["--xla_dump_to=/tmp/x", "--xla_gpu_deterministic_ops=true"]
   assert backend.with_flags("", ["--a=1"]) == "--a=1"
 
 
