@@ -76,8 +76,8 @@ def report(probe: Callable[[], list[str]] = nvidia_gpus, platforms: str | None =
     len(devices),
     ", ".join(kinds),
   )
-  if jax.default_backend() == "cpu":
-    asked = jax.config.jax_platforms if platforms is None else platforms
+  asked = jax.config.jax_platforms if platforms is None else platforms
+  if jax.default_backend() == "cpu" and (asked or "").strip() != "cpu":  # else: no probe needed
     warning = cpu_fallback_warning("cpu", probe(), asked)
     if warning:
       log.warning("%s", warning)
