@@ -37,7 +37,8 @@ def test_bf16_state_out_of_span_compiled():
 def _demo_run(run_dir: Path) -> list[dict]:
   """train.py's demo with Ginger, deterministic=true, no compilation cache: its logged events."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), GINGER_COMPILATION_CACHE_DIR="none")
-  env.pop("XLA_FLAGS", None)
+  for key in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):  # each run compiles (and tunes) anew
+    env.pop(key, None)
   cmd = [
     sys.executable,
     "train.py",
