@@ -1,29 +1,59 @@
 # Two commands do everything on a fresh machine: `make train` and `make test`.
 # Each bootstraps .venv from the pinned requirements.txt once (a stamp file makes reruns instant).
-PYTHON ?= python3
+# A Python >= 3.12 (jax 0.11's wheels need it): PYTHON=/path/to/python, else the first of
+# python3.13, python3.12, python3 that is one, else one that pyenv installed.
+PYTHON ?= $(firstword $(foreach p,python3.13 python3.12 python3 \
+  $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3),$(shell $(p) -c \
+  'import sys; print(sys.version_info >= (3, 12))' 2>/dev/null | grep -qx True && echo $(p))))
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# GPU=1 (or cuda13): the venv gets JAX's CUDA 13 build too (requirements-cuda13.txt, NVIDIA
+# driver >= 580); GPU=cuda12 the CUDA 12 one (older drivers). Same jax version as the CPU
+# install; its own stamp, so `make venv GPU=1` on a CPU venv adds the plugin. Every target that
+# bootstraps takes it: `make train GPU=1`, `make gpu-check GPU=1`.
+GPU ?=
+CUDA := $(if $(filter 1 cuda13,$(GPU)),cuda13,$(if $(filter cuda12,$(GPU)),cuda12,))
+ifneq ($(GPU),)
+ifeq ($(CUDA),)
+$(error GPU=$(GPU): allowed are 1 (the same as cuda13), cuda13, cuda12)
+endif
+endif
+STAMP := $(VENV)/.installed$(if $(CUDA),-$(CUDA))
+REQUIREMENTS := -r requirements.txt $(if $(CUDA),-r requirements-$(CUDA).txt)
+# torch (requirements-torch.txt, 4.7 GB): the tests comparing T5 with Hugging Face's torch model
+# need it, so `make test` and `make test-all` install it; TORCH=1 adds it to any target's venv
+# (`make venv TORCH=1`: to read a T5 checkpoint saved as pytorch_model.bin).
+TORCH ?=
+TORCH_STAMP := $(VENV)/.installed-torch
 export WANDB_MODE ?= offline
 # `make train` and `make test` are the offline defaults: no hub access, CPU for the tests.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: venv train test test-all bench lint docs table1 table2 table3 table4 tables clean
+.PHONY: venv train test test-all bench gpu-check lint docs table1 table2 table3 table4 tables clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(if $(TORCH),$(TORCH_STAMP))
 
-$(STAMP): requirements.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt > $(VENV)/pip.log 2>&1 \
+# A venv of an older Python (jax 0.11 has no wheels for it) is made anew.
+$(STAMP): requirements.txt pyproject.toml $(if $(CUDA),requirements-$(CUDA).txt)
+	@test -n "$(PYTHON)" || { echo "make: no Python >= 3.12 found (jax 0.11 needs one):" \
+	  "install one, or name it: make PYTHON=/path/to/python3.12 ..."; exit 1; }
+	$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null \
+	  || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -q --disable-pip-version-check $(REQUIREMENTS) > $(VENV)/pip.log 2>&1 \
 	  || { grep -v "is ignored: it is neither" $(VENV)/pip.log; exit 1; }
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . \
 	  >> $(VENV)/pip.log 2>&1 || { grep -v "is ignored: it is neither" $(VENV)/pip.log; exit 1; }
 	$(PY) -c "import jax, flax, optax, hydra, ginger"
 	touch $(STAMP)
 
+$(TORCH_STAMP): $(STAMP) requirements-torch.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-torch.txt \
+	  >> $(VENV)/pip.log 2>&1 || { grep -v "is ignored: it is neither" $(VENV)/pip.log; exit 1; }
+	touch $(TORCH_STAMP)
+
 # The main job on its embedded offline default: Ginger vs Adam on scikit-learn's digits,
 # one run dir each under multirun/demo/, then both results side by side.
-train: $(STAMP)
+train: $(STAMP) $(if $(TORCH),$(TORCH_STAMP))
 	$(OFFLINE) $(PY) train.py -m experiment=demo optimizer=adam,ginger
 	$(PY) -m results.compare multirun/demo
 
@@ -35,21 +65,30 @@ TEST_TIMEOUT ?= 900
 TEST_WORKERS ?= -n 2 --dist loadfile
 
 # XLA:CPU compiles the suite's programs with LLVM's optimisations off and with its classic
-# elemental emitters instead of the MLIR fusion emitters (`make test` only): the suite is
-# compile-bound (2 cores: 13.8 -> 9.3 minutes for the first, 9.2 -> 6.5 for the second; the
-# demo's Ginger step compiles in ~2.5 s instead of ~3.8), while the programs it runs are small.
-# Values are those of the defaults to float rounding, which every test's tolerance must allow
-# anyway (another CPU's vector width changes it too); `make test-all` keeps the defaults.
-TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
+# elemental emitters instead of the MLIR fusion emitters (`make test` only; jax 0.11 takes the
+# second as a backend option): the suite is compile-bound, while the programs it runs are small.
+# The demo's two programs (jax 0.11.2, a busy 2-core machine, no compilation cache): 38-40 s
+# with XLA's defaults, 10-24 s with the first flag, 6-10 s with both. Values are those of the
+# defaults to float rounding, which every test's tolerance must allow anyway (another CPU's
+# vector width changes it too); `make test-all` keeps the defaults.
+TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 \
+  --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters=true
 
-test: $(STAMP)
+test: $(TORCH_STAMP)
 	$(OFFLINE) JAX_PLATFORMS=cpu XLA_FLAGS="$(TEST_XLA_FLAGS) $$XLA_FLAGS" $(PY) -m pytest -q -m "not slow" --timeout=$(TEST_TIMEOUT) $(TEST_WORKERS) tests
 
-test-all: $(STAMP)
+test-all: $(TORCH_STAMP)
 	$(OFFLINE) JAX_PLATFORMS=cpu $(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(TEST_WORKERS) tests
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step
+
+# On an NVIDIA GPU (with GPU=1 for JAX's CUDA build): the compiled Pallas kernels against the jnp
+# passes and float64, the whole update, a bfloat16 state taking directions partly outside
+# span(U), and Adam's and Ginger's ResNet-18 step times on synthetic images (bench/gpu_check.py).
+# Exit 1 when a check fails, 2 without a GPU.
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check
 
 lint: $(STAMP)
 	$(PY) -m ruff format --check .

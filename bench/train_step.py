@@ -4,6 +4,10 @@
     python -m bench.train_step --suite t5 --data .data/xsum-1000.jsonl
     python -m bench.train_step --suite resnet18 --data ... --extra mesh.data=2 batch_size=256
     python -m bench.train_step --suite table1 --data ... --extra checkpoint_every=30
+    python -m bench.train_step --suite resnet18 --data synthetic --extra deterministic=true
+
+``--data synthetic`` makes the suite's data here (random CIFAR-10 images, or short XSUM-layout
+documents padded to the same 512 tokens): the same shapes, so the same step times.
 
 Each configuration runs ``train.py`` for ``--steps`` steps in its own process (so that the
 device's peak-memory high-water mark belongs to that run alone) and the table is built from
@@ -23,6 +27,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -138,6 +143,17 @@ def run_dir_name(name: str) -> str:
   return re.sub(r"[^A-Za-z0-9._-]", "", name.replace(" ", "_"))
 
 
+def synthetic_data(suite: str) -> str:
+  """A path to data of the suite's shapes made in a temporary folder (``--data synthetic``)."""
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+  from fakes import cifar_pickle_folder, xsum_jsonl
+
+  root = Path(tempfile.mkdtemp(prefix="ginger-bench-"))
+  if suite == "t5":
+    return str(xsum_jsonl(root / "xsum.jsonl", 400))
+  return str(cifar_pickle_folder(root, "cifar10", 2560, 500))
+
+
 def run(
   suite: str, name: str, data: str, steps: int, out: Path, timeout: float, extra: list[str]
 ) -> dict:
@@ -202,7 +218,7 @@ def memory_cells(summary: dict) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--suite", choices=list(SUITES), required=True)
-  parser.add_argument("--data", required=True, help="local data path for the suite")
+  parser.add_argument("--data", required=True, help="local data path for the suite, or 'synthetic'")
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--only", nargs="*", help="run names to keep (default: all)")
   parser.add_argument("--out", type=Path, default=Path("outputs/bench"))
@@ -215,6 +231,8 @@ def main(argv=None) -> None:
   )
   args = parser.parse_args(argv)
   names = [n for n in SUITES[args.suite]["runs"] if not args.only or n in args.only]
+  if args.data == "synthetic":
+    args.data = synthetic_data(args.suite)
   print(f"# {datetime.date.today()} suite={args.suite} steps={args.steps} extra={args.extra}")
   print(TABLE_HEADER)
   print("|---" * (TABLE_HEADER.count("|") - 1) + "|", flush=True)

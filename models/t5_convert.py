@@ -257,7 +257,14 @@ def read_state_dict(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
   elif (d / "model.safetensors").exists():
     files = ["model.safetensors"]
   elif (d / "pytorch_model.bin").exists():
-    import torch
+    try:
+      import torch
+    except ImportError as e:
+      raise ModelUnavailableError(
+        f"{d / 'pytorch_model.bin'}: reading a torch checkpoint needs torch, which the "
+        "framework's install leaves out: `make venv TORCH=1` (or pip install -r "
+        "requirements-torch.txt), or save the model as model.safetensors."
+      ) from e
 
     sd = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
     return {k: v.float().numpy() for k, v in sd.items()}
@@ -274,10 +281,10 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return {k: v.astype(np.float32) for k, v in load_file(file).items()}
-  except (TypeError, ValueError):  # bfloat16 has no numpy dtype: go through torch
-    from safetensors.torch import load_file as load_torch
+  except (TypeError, ValueError):  # bfloat16 has no numpy dtype here: read it as JAX arrays
+    from safetensors.flax import load_file as load_jax
 
-    return {k: v.float().numpy() for k, v in load_torch(file).items()}
+    return {k: np.asarray(v, np.float32) for k, v in load_jax(file).items()}
 
 
 def load_t5(

@@ -109,3 +109,11 @@ def pytest_collection_modifyitems(config, items):
   # A stable sort: each file's tests stay together and in their order.
   items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -tests[item.path.name]))
   config.stash[SELECTED_ITEMS] = items
+  gpu = [item for item in items if item.get_closest_marker("gpu")]
+  if gpu and jax.default_backend() != "gpu":  # asks JAX only when a gpu test was selected
+    skip = pytest.mark.skip(
+      reason=f"needs a GPU: JAX runs on {jax.default_backend()} (JAX_PLATFORMS=cuda, and JAX's "
+      "CUDA build: make venv GPU=1)"
+    )
+    for item in gpu:
+      item.add_marker(skip)

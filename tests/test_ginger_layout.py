@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend import core as jex_core
 from reference import ginger_direction, ginger_step
 
 import ginger
@@ -190,7 +191,7 @@ def test_no_reduced_precision_product_of_u():
       for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
           yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jex_core.jaxprs_in_params(eqn.params):
           yield from dots(sub)
 
     found = list(dots(jaxpr.jaxpr))

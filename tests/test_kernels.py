@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from abstract_gpu import abstract_h200
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -408,8 +409,9 @@ def _triton_lowering():
 )
 def test_lowers_to_triton(monkeypatch, m, n, k, dtype, lanes):
   """Each pass lowers for CUDA to one verified Triton module (no GPU needed: Pallas builds the
-  Triton IR in Python; only its compilation to PTX needs the card), and the rotation's kernel
-  aliases ``U'`` to ``U``; also with ranks padded to 8 lanes (no dot in the rotation)."""
+  Triton IR in Python for the GPU an abstract device names, an H200; only its compilation to PTX
+  needs the card), and the rotation's kernel aliases ``U'`` to ``U``; also with ranks padded to
+  8 lanes (no dot in the rotation)."""
   lowering, verified = _triton_lowering()
   monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
   monkeypatch.setattr(kernels, "MIN_PADDED_RANK", lanes)
@@ -418,7 +420,8 @@ def test_lowers_to_triton(monkeypatch, m, n, k, dtype, lanes):
   )
   for name in PASSES:
     fn = jax.jit(functools.partial(call, name, impl="pallas", interpret=False))
-    text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    with abstract_h200():
+      text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     calls = text.count("__gpu$xla.gpu.triton")
     assert calls == (3 if name == "precondition" else 1), (name, calls)
     if name.startswith("rotate"):

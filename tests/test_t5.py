@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -286,3 +287,28 @@ def test_offline_hub_name_fails_fast(monkeypatch, tmp_path, no_waiting):
     load_t5("t5-small", cache_dir=str(tmp_path))
   with pytest.raises(ModelUnavailableError):
     load_t5(str(tmp_path / "nope"))
+
+
+def test_bfloat16_safetensors_read_without_torch(tmp_path, monkeypatch):
+  """A checkpoint saved in bfloat16 (no numpy dtype: safetensors.numpy refuses it) reads as
+  float32 through JAX, with torch not importable: the training install has no torch."""
+  from safetensors.flax import save_file
+
+  from models.t5_convert import read_state_dict
+
+  monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+  w = np.array([[1.5, -2.0, 3.140625], [0.0, 1e-3, -65280.0]], np.float32)
+  save_file({"shared.weight": jnp.asarray(w, jnp.bfloat16)}, str(tmp_path / "model.safetensors"))
+  got = read_state_dict(tmp_path)
+  assert got["shared.weight"].dtype == np.float32
+  want = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32)  # w rounded to bfloat16
+  np.testing.assert_array_equal(got["shared.weight"], want)
+
+
+def test_pytorch_bin_without_torch_says_how_to_get_it(tmp_path, monkeypatch):
+  from models.t5_convert import read_state_dict
+
+  monkeypatch.setitem(sys.modules, "torch", None)
+  (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+  with pytest.raises(ModelUnavailableError, match="needs torch.*make venv TORCH=1"):
+    read_state_dict(tmp_path)

@@ -386,6 +386,8 @@ def _check_devices_and_logger(c: _Checker) -> None:
   if c.get("distributed") is not _MISSING:
     c.choice("distributed", DISTRIBUTED)
   c.text("compilation_cache_dir", optional=True)
+  if c.get("deterministic") is not _MISSING:
+    c.boolean("deterministic")
   logger = c.choice("logger.name", LOGGERS)
   if logger == "wandb":
     c.choice("logger.mode", WANDB_MODES)

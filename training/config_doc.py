@@ -131,7 +131,7 @@ SECTIONS = (
     "Hardware",
     "Devices, precision and compilation; none of these changes results beyond float rounding "
     "(except `batchnorm=per_device`).",
-    ("precision", "mesh.", "batchnorm", "distributed", "compilation_cache_dir"),
+    ("precision", "mesh.", "batchnorm", "distributed", "compilation_cache_dir", "deterministic"),
   ),
 )
 

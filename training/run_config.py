@@ -155,6 +155,7 @@ class RunConfig:
   batchnorm: str  # sync | per_device
   distributed: str | bool  # auto | true | false
   compilation_cache_dir: str | None
+  deterministic: bool  # XLA's run-to-run reproducible GPU mode (training/backend.py)
   mesh: MeshConfig
   logger: LoggerConfig
   optimizer: OptimizerConfig
@@ -194,6 +195,7 @@ class RunConfig:
       batchnorm=c.get("batchnorm") or "sync",
       distributed=c.get("distributed", "auto"),
       compilation_cache_dir=c.get("compilation_cache_dir"),
+      deterministic=bool(c.get("deterministic", False)),
       mesh=MeshConfig(**_fields(MeshConfig, c.get("mesh"))),
       logger=LoggerConfig(**_fields(LoggerConfig, c["logger"])),
       optimizer=optimizer_config(c),

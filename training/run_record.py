@@ -70,6 +70,7 @@ NOT_FINGERPRINTED = frozenset(
     "fisher_backward",  # one batched backward, two, or one per device: the same values
     "distributed",
     "compilation_cache_dir",  # where compiled programs are cached: start-up time only
+    "deterministic",  # XLA's deterministic GPU kernels: the same values to float rounding
     "eval_batch_size",  # the same sums in other batches
     "lr_from",  # provenance of the lr (the lr itself is fingerprinted)
     "best_lr",  # the tuned-lr table a sweep reads (only this run's lr matters)

@@ -17,7 +17,7 @@ from flax import nnx
 from omegaconf import DictConfig
 
 from models.tasks import Task, build_task, host_cpu
-from training import sharding
+from training import backend, sharding
 from training.compilation import use_compilation_cache
 from training.config_check import ConfigError
 from training.optimizers import (
@@ -111,9 +111,12 @@ def check(cfg: DictConfig) -> tuple[RunConfig, sharding.Plan]:
 
 
 def prepare(rc: RunConfig) -> sharding.Plan:
-  """The process's JAX set-up for a checked config (multi-host start-up, the compilation
-  cache), the library's own checks of the optimizer's arguments, and the mesh."""
+  """The process's JAX set-up for a checked config (XLA's deterministic flags, multi-host
+  start-up, the backend said, the compilation cache), the library's own checks of the
+  optimizer's arguments, and the mesh."""
+  backend.use_deterministic(rc.deterministic)  # XLA reads its flags when the backend starts
   sharding.initialize_distributed(rc.distributed)  # before any JAX work
+  backend.report()  # starts the backend: the platform, devices and a CPU fallback, said
   use_compilation_cache(rc.compilation_cache_dir)  # before the first compilation
   build_optimizer(rc, learning_rate(rc, 1, 1))  # the library's own checks of its arguments
   if rc.optimizer.passes == "pallas" and jax.default_backend() != "gpu":

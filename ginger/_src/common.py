@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -119,6 +120,16 @@ def check_dtype(name) -> jnp.dtype:
       "'float32'."
     )
   return dtype
+
+
+@functools.cache
+def params_placeholder_type() -> type:
+  """The type of what ``optax.tree.map_params`` initialises a transformation with to find the
+  params-shaped trees of its state, asked of optax through its public API (optax keeps the
+  class itself private): the argument ``map_params`` passes an ``init`` it is given."""
+  seen = []
+  optax.tree.map_params(lambda placeholder: seen.append(type(placeholder)) or {}, lambda x: x, {})
+  return seen[0]
 
 
 def check_float_params(params) -> None:

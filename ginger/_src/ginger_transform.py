@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
-from optax.tree_utils import _state_utils
 
 from ginger._src import common, kernels, lowrank
 from ginger._src import sharding as gsharding
@@ -166,7 +165,7 @@ def scale_by_ginger(
   in_update = every is None or every > 0
 
   def init_fn(params):
-    if isinstance(params, _state_utils._ParamsPlaceholder):  # noqa: SLF001
+    if isinstance(params, common.params_placeholder_type()):
       # optax.tree.map_params looks for params-shaped trees by initialising with a placeholder
       # (as optax.masked, Ginger detects it): the stacked U, sigma and momentum are no such
       # tree, so each is one leaf here and map_params leaves them to transform_non_params.
