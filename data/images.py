@@ -44,6 +44,7 @@ from data import cache, hub
 DATASETS: tuple[str, ...] = ("cifar100", "cifar10", "digits")
 SOURCES: tuple[str, ...] = ("hf", "tfds", "local")
 NUM_CLASSES: dict[str, int] = {"cifar100": 100, "cifar10": 10, "digits": 10}
+IMAGE_CHANNELS: dict[str, int] = {"cifar100": 3, "cifar10": 3, "digits": 1}
 
 OFFICIAL_URLS: dict[str, str] = {
   "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
