@@ -43,6 +43,8 @@ class ScaleByGingerState(NamedTuple):
       leaf's ``(k,)``), for ``"global"`` a single ``(k,)`` array.
     mu: with ``b1``, the momentum (EMA of the updates) as a :class:`StackedRows`; else None.
     mu_count: with ``b1``, the number of updates averaged into ``mu`` (int32); else None.
+    skipped: curvature updates skipped because ``d_t`` had a NaN or Inf entry (int32): such a
+      step keeps ``count``, ``u`` and ``sigma`` as they were.
   """
 
   count: chex.Array
@@ -50,6 +52,7 @@ class ScaleByGingerState(NamedTuple):
   sigma: Any
   mu: Any = None
   mu_count: Any = None
+  skipped: Any = None
 
 
 # Curvature updates between re-orthonormalisations of U (scale_by_ginger's default): for a 32-
@@ -178,6 +181,7 @@ def scale_by_ginger(
         sigma=leaf,
         mu=None if b1 is None else leaf,
         mu_count=None if b1 is None else counter,
+        skipped=counter,
       )
     common.check_float_params(params)
     vectors, treedef = common.flat_vectors(params, state_dtype)
@@ -198,7 +202,12 @@ def scale_by_ginger(
       )
       mu_count = jnp.zeros([], jnp.int32)
     return ScaleByGingerState(
-      count=jnp.zeros([], jnp.int32), u=u, sigma=sigma, mu=mu, mu_count=mu_count
+      count=jnp.zeros([], jnp.int32),
+      u=u,
+      sigma=sigma,
+      mu=mu,
+      mu_count=mu_count,
+      skipped=jnp.zeros([], jnp.int32),
     )
 
   def average(gs, state):
@@ -279,6 +288,10 @@ def scale_by_ginger(
       outs = debias(whole(outs))
       return common.unflatten_like(common.scatter(layout, outs), updates), new_state
     vs = rows(common.gather(layout, common.fisher_vectors(updates, fisher_grads, state_dtype)), us)
+    # A NaN or Inf in d_t alone (optax.apply_if_finite checks only g) would enter U and sigma
+    # for good: such a d_t enters as zero and the curvature below is kept as it was.
+    finite = common.all_finite(vs)
+    vs = common.zero_unless(finite, vs)
     sigmas = _sigma_stacks(layout, state.sigma, block)
     count = optax.safe_increment(state.count)
     if in_update:
@@ -304,9 +317,11 @@ def scale_by_ginger(
       sigma = StackedSigma(new_sigmas, layout)
     else:
       sigma = new_sigmas[0][0] if new_sigmas else state.sigma
-    new_state = ScaleByGingerState(
-      count=count, u=StackedBasis(new_us, layout), sigma=sigma, mu=mu, mu_count=mu_count
+    curvature = common.keep_unless(
+      finite, (count, StackedBasis(new_us, layout), sigma), (state.count, state.u, state.sigma)
     )
+    skipped = state.skipped + (~finite).astype(jnp.int32)
+    new_state = ScaleByGingerState(*curvature, mu=mu, mu_count=mu_count, skipped=skipped)
     return common.unflatten_like(common.scatter(layout, outs), updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
