@@ -61,7 +61,11 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
   checkpointer = Checkpointer(run_dir)
   step = checkpointer.check_step(step)  # before any data is loaded or compiled
   setup = run_setup.build(cfg, materialize=False)  # no fresh optimizer state beside the saved one
-  state = checkpointer.restore(setup.init_state, step)
+  state = checkpointer.restore(
+    setup.init_state,
+    step,
+    fix=lambda s: f"evaluate it with: evaluate.py run_dir={run_dir} step={s}",
+  )
   metrics = loop.evaluate(
     setup.task,
     setup.eval_step,
