@@ -543,9 +543,7 @@ def test_a_resume_from_a_damaged_checkpoint_says_how_to_resume_from_the_intact_o
   message = str(info.value)
   assert "\n" not in message, message
   assert f"checkpoint 4 in {folder} cannot be read" in message
-  assert (
-    f"checkpoint 2 is intact, to resume from it move the later ones aside (mv {folder / '4'} {folder / '4'}.damaged)"
-    in message
-  )
+  move = f"mv {folder / '4'} {folder / '4'}.damaged"
+  assert f"checkpoint 2 is intact, to resume from it move the later ones aside ({move})" in message
   (folder / "4").rename(folder / "4.damaged")  # the fix, as printed
   assert train.train(config(*overrides), run_dir, stop=lambda step: None)["steps"] == 4
