@@ -293,6 +293,8 @@ def _check_run(c: _Checker) -> None:
     "'epoch' or an integer >= 1 (steps)",
   )
   c.integer("eval_batch_size", 1)
+  if c.get("eval_examples") is not _MISSING:  # absent from the configs of older runs: null
+    c.integer("eval_examples", 1, optional=True)
   c.integer("log_every", 1)
   c.integer("checkpoint_every", 1)
   c.boolean("resume")

@@ -36,6 +36,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 import ginger
+from data.progress import Ticker
 from models.tasks import Task
 from training import compilation, logs, profiling, run_record, sharding, summary
 from training.checkpoints import Checkpointer, CheckpointError, last_good_in
@@ -52,14 +53,19 @@ log = logging.getLogger("train")
 
 def evaluate(task: Task, eval_step, state: TrainState, frozen, arrays, rc: RunConfig) -> dict:
   """The task's metrics of ``state`` on its evaluation split (``arrays``, placed on the
-  devices), in batches of ``rc.eval_batch_size``; generation-based metrics included."""
+  devices; its first ``rc.eval_examples`` examples where that is set), in batches of
+  ``rc.eval_batch_size``, with a progress line every 10 s; generation-based metrics
+  included."""
   batch_size = rc.eval_batch_size
+  total = task.num_val if rc.eval_examples is None else min(task.num_val, rc.eval_examples)
   sums: dict[str, float] = {}
-  for start in range(0, task.num_val, batch_size):
-    idx = np.arange(start, min(start + batch_size, task.num_val))
+  ticker = Ticker(log, f"evaluating on {task.eval_split}", total, "examples")
+  for start in range(0, total, batch_size):
+    idx = np.arange(start, min(start + batch_size, total))
     batch = jax.device_get(eval_step(state.trainable, frozen, state.rest, arrays, idx))
     for k, v in batch.items():
       sums[k] = sums.get(k, 0.0) + float(v)
+    ticker.tick(int(idx[-1]) + 1)
   metrics = {k: float(v) for k, v in task.eval_metrics(sums).items()}
   model = functools.partial(task.model_with, state.trainable, frozen, state.rest)
   return metrics | task.generation_metrics(model)

@@ -218,11 +218,19 @@ def curvature_every(config: Mapping) -> int | None:
 # ----------------------------------------------------------------------------- fingerprint
 
 
+# Keys whose null is what runs recorded before the key existed did: left out of the fingerprint
+# while null, so that those runs resume.
+ABSENT_WHEN_NULL = ("eval_examples",)
+
+
 def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
   """The part of the resolved config that determines the run's result. ``mesh`` is not part
   of it, except the data axis's size under ``batchnorm=per_device`` (the statistics groups)."""
   c = plain(config)
   out = {k: v for k, v in c.items() if k not in NOT_FINGERPRINTED}
+  for key in ABSENT_WHEN_NULL:
+    if out.get(key) is None:
+      out.pop(key, None)
   if c.get("batchnorm") == "per_device":
     out["batchnorm_groups"] = (c.get("mesh") or {}).get("data")
   return out
