@@ -17,7 +17,6 @@ from results.runs import DEFAULT_ROOTS
 from training import run_record
 
 COLUMNS = [
-  ("status", "status"),
   ("optimizer", "optimizer"),
   ("tau", "tau"),
   ("alpha", "alpha"),
@@ -30,6 +29,7 @@ COLUMNS = [
   ("min_train_loss", "min train loss"),
   ("steps", "steps"),
   ("step_time_s", "s/step"),
+  ("status", "status"),
 ]
 
 

@@ -62,10 +62,10 @@ def test_without_a_root_every_run_is_listed_with_status_and_dir(
   (tmp_path / "multirun" / "live" / "metrics.jsonl").write_text('{"event": "train"}\n')
   compare.main([])
   lines = capsys.readouterr().out.splitlines()
-  assert lines[0] == "| status | optimizer | lr | steps | run dir |"
+  assert lines[0] == "| optimizer | lr | steps | status | run dir |"
   assert lines[2:] == [
-    "| running or stopped |  |  |  | multirun/live |",
-    "| completed | adam | 0.001 | 88 | outputs/adam |",
+    "|  |  |  | running or stopped | multirun/live |",
+    "| adam | 0.001 | 88 | completed | outputs/adam |",
   ]
 
 

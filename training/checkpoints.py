@@ -493,6 +493,15 @@ class Checkpointer:
       "it is damaged or from a different configuration"
     )
 
+  def resume_advice(self, intact: int) -> str:
+    """How a rerun resumes from checkpoint ``intact`` where a later one cannot be read: a rerun
+    resumes from the newest checkpoint in the folder, so the later ones are moved aside."""
+    later = [s for s in self.steps() if s > intact]
+    moves = "; ".join(
+      f"mv {self.directory / str(s)} {self.directory / str(s)}.damaged" for s in later
+    )
+    return f"to resume from it move the later ones aside ({moves}) and rerun the same command"
+
   def _with_intact(self, step: int, abstract, e: CheckpointError, fix) -> CheckpointError:
     """``e`` (checkpoint ``step`` cannot be read) with the newest earlier checkpoint that
     reads and how to use it, or saying that none does."""

@@ -140,14 +140,7 @@ def _train(rc: RunConfig, resolved: dict, run_dir: Path, plan, stop: StopRequest
     if resume_from is None:
       return setup.init_state()
     # Given the builder, restore drops the fresh U before it reads the saved one.
-    folder = checkpointer.directory
-
-    def fix(intact: int) -> str:  # a rerun resumes from the newest checkpoint there
-      later = [s for s in checkpointer.steps() if s > intact]
-      moves = "; ".join(f"mv {folder / str(s)} {folder / str(s)}.damaged" for s in later)
-      return f"to resume from it move the later ones aside ({moves}) and rerun the same command"
-
-    state = checkpointer.restore(setup.init_state, resume_from, fix=fix)
+    state = checkpointer.restore(setup.init_state, resume_from, fix=checkpointer.resume_advice)
     if int(state.step) != resume_from:
       raise CheckpointError(
         f"checkpoint {resume_from} in {checkpointer.directory} holds step {int(state.step)}"
