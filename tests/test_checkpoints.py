@@ -547,3 +547,21 @@ def test_a_resume_from_a_damaged_checkpoint_says_how_to_resume_from_the_intact_o
   assert f"checkpoint 2 is intact, to resume from it move the later ones aside ({move})" in message
   (folder / "4").rename(folder / "4.damaged")  # the fix, as printed
   assert train.train(config(*overrides), run_dir, stop=lambda step: None)["steps"] == 4
+
+
+@pytest.mark.parametrize("make", [ginger.ginger, ginger.qng])
+def test_a_checkpoint_without_the_skipped_counter_restores_from_zero(tmp_path, make):
+  """Version 0.1.0's Ginger and QNG states had no ``skipped`` counter: their checkpoints
+  restore, the counter at 0 and everything else as saved."""
+  params = {k: jnp.ones(s) for k, s in SMALL.items()}
+  tx = make(0.1, tau=2)
+  state = tx.update(params, tx.init(params), params)[1]
+  is_state = lambda x: isinstance(x, (ginger.ScaleByGingerState, ginger.ScaleByQNGState))  # noqa: E731
+  old = jax.tree.map(
+    lambda s: s._replace(skipped=None) if is_state(s) else s, state, is_leaf=is_state
+  )
+  writer = Checkpointer(tmp_path)
+  writer.save(3, old)
+  writer.wait()
+  restored = Checkpointer(tmp_path).restore(tx.init(params), 3)
+  jax.tree.map(np.testing.assert_array_equal, restored, state)

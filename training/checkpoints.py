@@ -39,9 +39,29 @@ import ginger
 from training import sharding
 from training.errors import TrainingError, disk_full, no_space
 
+log = logging.getLogger("train")
+
 
 class CheckpointError(TrainingError):
   """A checkpoint that is missing or cannot be read."""
+
+
+def _has_skipped(x) -> bool:
+  """Whether ``x`` is a Ginger or QNG state, whose ``skipped`` counter 0.1.0 did not save."""
+  return isinstance(x, (ginger.ScaleByGingerState, ginger.ScaleByQNGState))
+
+
+def _skipped_from_zero(saved, abstract, step: int):
+  """``saved`` with the ``skipped`` counter of its Ginger and QNG states at 0 where the
+  checkpoint has none (version 0.1.0 wrote none; orbax reads the missing entry as None)."""
+
+  def fill(like, x):
+    if not _has_skipped(like) or like.skipped is None or x.skipped is not None:
+      return x
+    log.warning("checkpoint %d predates the skipped-update counter: counting from 0", step)
+    return x._replace(skipped=np.zeros(like.skipped.shape, like.skipped.dtype))
+
+  return jax.tree.map(fill, abstract, saved, is_leaf=_has_skipped)
 
 
 def _to_saveable(tree):
@@ -472,7 +492,7 @@ class Checkpointer:
     per_leaf = _abstract(_per_leaf_view(like))
     like = _bases_abstract(like)  # a template built here loses its U now
     try:
-      saved = self._read(step, per_leaf)
+      saved = _skipped_from_zero(self._read(step, per_leaf), per_leaf, step)
     except CheckpointError as e:
       raise self._with_intact(step, per_leaf, e, fix or (lambda s: f"use it with step={s}")) from e
     restacked = ginger.restore_checkpoint_state(saved, like)
