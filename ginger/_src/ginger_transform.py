@@ -289,7 +289,8 @@ def scale_by_ginger(
       return common.unflatten_like(common.scatter(layout, outs), updates), new_state
     vs = rows(common.gather(layout, common.fisher_vectors(updates, fisher_grads, state_dtype)), us)
     # A NaN or Inf in d_t alone (optax.apply_if_finite checks only g) would enter U and sigma
-    # for good: such a d_t enters as zero and the curvature below is kept as it was.
+    # for good: such a d_t enters as zero and the curvature is kept as it was (U by brand_step,
+    # in place: a select over U would hold a second U in the step).
     finite = common.all_finite(vs)
     vs = common.zero_unless(finite, vs)
     sigmas = _sigma_stacks(layout, state.sigma, block)
@@ -310,18 +311,19 @@ def scale_by_ginger(
       ]
     new_us, outs, new_sigmas = brand_step(
       us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1],
-      sharding=sharding,
+      sharding=sharding, keep=~finite,
     )  # fmt: skip
     new_us, outs = rows(new_us, us), debias(whole(outs))
     if block == "per_tensor":
       sigma = StackedSigma(new_sigmas, layout)
     else:
       sigma = new_sigmas[0][0] if new_sigmas else state.sigma
-    curvature = common.keep_unless(
-      finite, (count, StackedBasis(new_us, layout), sigma), (state.count, state.u, state.sigma)
-    )
+    # U' is U where d_t was skipped (brand_step's keep); the small parts are selected here.
+    count, sigma = common.keep_unless(finite, (count, sigma), (state.count, state.sigma))
     skipped = state.skipped + (~finite).astype(jnp.int32)
-    new_state = ScaleByGingerState(*curvature, mu=mu, mu_count=mu_count, skipped=skipped)
+    new_state = ScaleByGingerState(
+      count, StackedBasis(new_us, layout), sigma, mu=mu, mu_count=mu_count, skipped=skipped
+    )
     return common.unflatten_like(common.scatter(layout, outs), updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -339,6 +341,7 @@ def brand_step(
   impl="jnp",
   interpret=False,
   sharding: gsharding.StateSharding | None = None,
+  keep: jax.Array | None = None,
 ):
   """One curvature update and preconditioning for every bucket.
 
@@ -361,6 +364,9 @@ def brand_step(
   included) runs in the compute dtype (:func:`ginger._src.kernels.compute_dtype`: float32 for a
   bf16 or float16 state, whose eigenproblems neither LAPACK nor the secular solver's bit
   arithmetic take), and pass 3's operands and the new sigma are rounded back to ``U``'s dtype.
+  ``keep`` (a traced bool, or None: never): where true, pass 3 writes ``U`` back unchanged
+  (its rotation set to the identity and the new direction's weights to 0, so that ``U'`` is
+  still written in place, with no select over it); the caller keeps the old ``sigma``.
   Returns ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
   """
   kw = dict(impl=impl, interpret=interpret)
@@ -416,6 +422,10 @@ def brand_step(
     joined["q"] = None if qs[members[0]] is None else jnp.concatenate([qs[b] for b in members])
     co = _after_residual(joined, alpha, gamma, eigensolver, jnp.finfo(state_dtype).eps, **kw)
     co = {key: x.astype(state_dtype) for key, x in co.items()}  # pass 3's operands, the state
+    if keep is not None:  # U' = U rot + p b^T is U itself: rot = I, b = 0 (no select over U)
+      eye = jnp.broadcast_to(jnp.eye(co["rot"].shape[-1], dtype=co["rot"].dtype), co["rot"].shape)
+      co["rot"] = jnp.where(keep, eye, co["rot"])
+      co["b"] = jnp.where(keep, jnp.zeros((), co["b"].dtype), co["b"])
     starts = np.cumsum([0] + sizes[:-1]).tolist()
     for b, first, sigma in zip(members, starts, jnp.split(co["sigma"], starts[1:]), strict=True):
       coefs[b], new_sigmas[b] = (co, first), sigma
