@@ -32,6 +32,11 @@ def load_run_config(run_dir: Path, overrides: list[str]):
   if not config_file.exists():
     raise RunDirError(f"{run_dir} is not a run dir: {config_file} is missing.")
   cfg = OmegaConf.load(config_file)
+  from training.run_record import ABSENT_WHEN_NULL
+
+  for key in ABSENT_WHEN_NULL:  # keys newer than the run: their null is what it did
+    if key not in cfg:
+      cfg[key] = None
   for override in overrides:
     _check_key(cfg, override, config_file)
   return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
@@ -61,7 +66,11 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
   checkpointer = Checkpointer(run_dir)
   step = checkpointer.check_step(step)  # before any data is loaded or compiled
   setup = run_setup.build(cfg, materialize=False)  # no fresh optimizer state beside the saved one
-  state = checkpointer.restore(setup.init_state, step)
+  state = checkpointer.restore(
+    setup.init_state,
+    step,
+    fix=lambda s: f"evaluate it with: evaluate.py run_dir={run_dir} step={s}",
+  )
   metrics = loop.evaluate(
     setup.task,
     setup.eval_step,

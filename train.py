@@ -9,9 +9,11 @@ Each run writes to its own dir (outputs/<name>/<overrides>/): ``.hydra/config.ya
 ``run.json`` (the run's fingerprint), ``metrics.jsonl``, ``spectrum.jsonl.gz`` (Ginger's
 curvature spectrum), ``summary.json`` and orbax ``checkpoints/``. Rerunning the same command
 continues from the last checkpoint; a rerun with another configuration in the same dir is
-refused. SIGTERM/SIGINT save a checkpoint and stop. A ``+key=value`` that adds a key nothing
-reads (a typo: ``+tua=8``) is refused, naming the nearest keys; ``+group=option`` (``+sweep=``)
-adds a config group as usual.
+refused. SIGTERM/SIGINT save a checkpoint and stop (before the first step, with nothing to
+save, they stop at once). A ``key=value`` whose key the config lacks (a typo: ``optimzer=adam``)
+and a ``+key=value`` that adds a key nothing reads (``+tua=8``) are refused, naming the nearest
+keys; ``+group=option`` (``+sweep=``) adds a config group as usual. A misspelled key and a run
+dir another process holds are refused before JAX is imported, in about a second.
 Exit status: 0, 1 (a failed run: the message says why; with -m, after every job ran, with a
 list of the failed ones), or 128 + the signal number (stopped by SIGTERM or SIGINT). With
 ``hydra/launcher=submitit_slurm`` (one SLURM job per run, one GPU each) or ``submitit_local``
@@ -32,14 +34,30 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from training import config_check, launchers, loop, multirun
+# No JAX here: a refused command (a misspelled key, a run dir another process holds) answers
+# before JAX is imported, which takes seconds; training.loop imports it when a run starts.
+from training import config_check, launchers, multirun, run_record
 from training.errors import Interrupted, NonFiniteLossError, user_errors
-from training.loop import evaluate, train
-from training.run_setup import build
-from training.steps import TrainState, initial_stats
 
 # The loop's API, re-exported for scripts that `import train` (tests/test_sharding.py).
-__all__ = ["NonFiniteLossError", "TrainState", "build", "evaluate", "initial_stats", "train"]
+_LAZY = {
+  "evaluate": "training.loop",
+  "train": "training.loop",
+  "build": "training.run_setup",
+  "TrainState": "training.steps",
+  "initial_stats": "training.steps",
+}
+__all__ = ["NonFiniteLossError", *_LAZY]
+
+
+def __getattr__(name: str):
+  """The re-exported names of the loop, imported (with JAX) when first asked for."""
+  if name not in _LAZY:
+    raise AttributeError(f"module 'train' has no attribute {name!r}")
+  import importlib
+
+  return getattr(importlib.import_module(_LAZY[name]), name)
+
 
 log = logging.getLogger("train")
 SHOWN = (
@@ -64,14 +82,19 @@ def main(cfg: DictConfig) -> None:
   multirun.jobs.append(str(run_dir))
   try:
     config_check.check_added_keys(HydraConfig.get().overrides.task, cfg)
+    with run_record.exclusive(run_dir):  # a live run there refuses this one before JAX loads
+      pass
+    from training import loop
+
     summary = loop.train(cfg, run_dir)
   except Interrupted as e:  # preempted: stop, also a multirun's remaining jobs
     log.error("%s", e)
     sys.exit(e.exit_code)
+  except (config_check.ConfigError, run_record.RunDirBusy) as e:  # before JAX is imported
+    _refused(run_dir, e)
+    return
   except user_errors() as e:  # the message is all the user needs; the other jobs go on
-    log.error("%s: %s", type(e).__name__, e)
-    why = "\n    ".join(str(e).splitlines())  # the whole message, its lines indented
-    multirun.failed.append(f"{run_dir}: {type(e).__name__}: {why}")
+    _refused(run_dir, e)
     return
   except Exception:  # a bug: Hydra shows its traceback; the list below names the job too
     multirun.failed.append(f"{run_dir}: raised an unexpected error (traceback above)")
@@ -80,9 +103,21 @@ def main(cfg: DictConfig) -> None:
   log.info("done: %s -> %s", json.dumps(shown), run_dir / "summary.json")
 
 
+def _refused(run_dir: Path, e: Exception) -> None:
+  """Logs a user error's message, and lists the job as failed (with -m, the other jobs go on)."""
+  log.error("%s: %s", type(e).__name__, e)
+  why = "\n    ".join(str(e).splitlines())  # the whole message, its lines indented
+  multirun.failed.append(f"{run_dir}: {type(e).__name__}: {why}")
+
+
 def cli() -> None:
   """main(), then the exit status: non-zero if any job failed, with a list of them."""
   launchers.register()
+  try:
+    config_check.check_command_line_keys(sys.argv[1:])
+  except config_check.ConfigError as e:  # before Hydra, whose advice would be "+key=value"
+    log.error("ConfigError: %s", e)
+    sys.exit(1)
   try:
     main()
   finally:

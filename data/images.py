@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import importlib.util
 import io
+import logging
 import lzma
 import os
 import pickle
@@ -40,10 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from data import cache, hub
+from data.progress import Ticker
+
+log = logging.getLogger(__name__)
 
 DATASETS: tuple[str, ...] = ("cifar100", "cifar10", "digits")
 SOURCES: tuple[str, ...] = ("hf", "tfds", "local")
 NUM_CLASSES: dict[str, int] = {"cifar100": 100, "cifar10": 10, "digits": 10}
+IMAGE_CHANNELS: dict[str, int] = {"cifar100": 3, "cifar10": 3, "digits": 1}
 
 OFFICIAL_URLS: dict[str, str] = {
   "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
@@ -527,7 +532,12 @@ def _decode_entries(entries: list[_Entry], where: Path) -> _Splits:
     unknown = {cls for _, cls, _, _ in items} - set(index)
     if unknown:
       raise ValueError(f"{split}/ has classes missing from train/: {sorted(unknown)}")
-    images = [decode(*item) for item in items]
+    what = f"decoding the {split} images of {where} (cached afterwards)"
+    ticker = Ticker(log, what, len(items), "images", announce=True)
+    images = []
+    for item in items:
+      images.append(decode(*item))
+      ticker.tick(len(images))
     if len({im.shape for im in images}) > 1:
       shapes = sorted({im.shape for im in images})
       raise ValueError(f"{split}/ images differ in size: {shapes}")

@@ -11,6 +11,7 @@ params = optax.apply_updates(params, updates)
 tx = optax.inject_hyperparams(ginger.ginger, static_args=("tau",))(learning_rate=1e-3, tau=8)
 
 # A NaN or Inf gradient would enter U and sigma for good (as any optax state): skip such steps.
+# (A non-finite fisher_grads alone is skipped by the curvature update: state.skipped counts it.)
 tx = optax.apply_if_finite(ginger.ginger(1e-3, tau=8), max_consecutive_errors=5)
 
 The API is what ``__all__`` names: the optimizers (:func:`ginger`, :func:`qng`, and SOAP,

@@ -83,6 +83,31 @@ def build_task(cfg) -> Task:
   return TASKS[family].from_config(cfg)
 
 
+def abstract_trainable(cfg) -> Any | None:
+  """The trained parameters of ``cfg``'s model as ``jax.ShapeDtypeStruct`` s, from its
+  construction under ``jax.eval_shape`` (no data read, nothing allocated, nothing compiled);
+  None where they depend on the data: T5's on the tokenizer's vocabulary or pretrained weights.
+  ``cfg``: the run's checked config, as :func:`build_task` takes it. A ResNet's classes are
+  its dataset's usual count (an image folder of another count changes only the last layer)."""
+  if cfg.model.family != "resnet":
+    return None
+  from data.images import IMAGE_CHANNELS, NUM_CLASSES
+  from models.resnet import build_resnet
+
+  def params():
+    model = build_resnet(
+      cfg.model.name,
+      NUM_CLASSES[cfg.data.name],
+      rngs=nnx.Rngs(0),
+      dtype=compute_dtype(cfg.precision),
+      in_channels=IMAGE_CHANNELS[cfg.data.name],
+      batchnorm_groups=resolve_batchnorm_groups(cfg),
+    )
+    return nnx.state(model, nnx.Param)
+
+  return jax.eval_shape(params)
+
+
 BATCHNORMS = ("sync", "per_device")
 
 

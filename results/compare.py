@@ -2,6 +2,11 @@
 
 python -m results.compare multirun/demo
 python -m results.compare results/cifar10/runs/table1/cifar10_resnet50_30ep   # archives too
+
+python -m results.compare          # every run under outputs/ and multirun/, with its run dir
+
+A run's ``status`` (completed, failed, interrupted; "running or stopped" for a run dir with
+metrics but no summary.json yet) gets a column once any run has one.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from results import records
+from results.runs import DEFAULT_ROOTS
 from training import run_record
 
 COLUMNS = [
@@ -29,6 +35,7 @@ COLUMNS = [
   ("step_memory_bytes", "step GB"),
   ("peak_memory_bytes", "peak GB"),
   ("device_shared", "shared GPU"),
+  ("status", "status"),
 ]
 
 
@@ -58,24 +65,29 @@ def _shown(key: str, run: dict) -> bool:
   return _value(run, key) is not None
 
 
-def rows(root: Path) -> list[dict]:
-  """One row per run dir under ``root`` (archived runs too: results/records.py) with a summary."""
+def rows(*roots: Path) -> list[dict]:
+  """One row per run dir under ``roots`` (archived runs too: results/records.py): its summary,
+  or, for a run dir with metrics but no summary.json yet, its status alone."""
   out = []
-  for run_dir in records.find_run_dirs([root]):
+  for run_dir in records.find_run_dirs(roots):
     summary = records.read_summary(run_dir)
     if summary is not None:  # a torn or foreign file is skipped, not a crash
       out.append(summary.get("run", {}) | summary | {"dir": str(run_dir)})
+    elif not (run_dir / run_record.SUMMARY).exists() and (run_dir / run_record.METRICS).exists():
+      out.append({"status": "running or stopped", "dir": str(run_dir)})
   return out
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("root", type=Path)
+  parser.add_argument("root", type=Path, nargs="?", help="default: outputs/ and multirun/")
   args = parser.parse_args(argv)
-  found = rows(args.root)
+  roots = [args.root] if args.root else [Path(r) for r in DEFAULT_ROOTS if Path(r).is_dir()]
+  found = rows(*roots)
   if not found:
-    raise SystemExit(f"no summary.json under {args.root}")
-  columns = [(k, title) for k, title in COLUMNS if any(_shown(k, r) for r in found)]
+    raise SystemExit(f"no run under {', '.join(map(str, roots)) or ' or '.join(DEFAULT_ROOTS)}")
+  listed = COLUMNS + ([] if args.root else [("dir", "run dir")])
+  columns = [(k, title) for k, title in listed if any(_shown(k, r) for r in found)]
   print("| " + " | ".join(title for _, title in columns) + " |")
   print("|" + "---|" * len(columns))
   for r in found:

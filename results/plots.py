@@ -63,6 +63,32 @@ class RunInfo:
   summary: dict[str, Any] | None
 
 
+def distinct_colors(n: int) -> list[tuple]:
+  """``n`` colours for ``n`` curves: matplotlib's tab10 for the first ten, then, from a pool of
+  its qualitative palettes, each time the one farthest (RGB distance) from those taken. tab20,
+  the usual choice past ten, pairs each hue with a lighter one (its pinks are two curves one
+  cannot tell apart); this keeps any two of the first 20 at least 0.25 apart."""
+  pool = (
+    [
+      cmap(i)
+      for cmap, k in ((plt.cm.tab10, 10), (plt.cm.Dark2, 8), (plt.cm.Set1, 9))
+      for i in range(k)
+    ]
+    + [plt.cm.tab20(i) for i in range(20)]
+    + [plt.cm.Set2(i) for i in range(8)]
+  )
+  picked, rest = pool[:10], pool[10:]
+  while len(picked) < n and rest:
+    far = max(rest, key=lambda c: min(_rgb_distance(c, p) for p in picked))
+    picked.append(far)
+    rest.remove(far)
+  return [picked[i % len(picked)] for i in range(n)]
+
+
+def _rgb_distance(a: tuple, b: tuple) -> float:
+  return float(np.linalg.norm(np.subtract(a[:3], b[:3])))
+
+
 def slug(text: str) -> str:
   """A file-name-safe version of `text`."""
   return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_") or "run"
@@ -180,8 +206,7 @@ def _plot_group(name: str, members: Sequence[RunInfo], out: Path) -> Path | None
   if all(not m.meta for m in members):
     labels = [m.path.name for m in members]
   unique = list(dict.fromkeys(labels))
-  cmap = plt.cm.tab10 if len(unique) <= 10 else plt.cm.tab20
-  colors = {lab: cmap(i % cmap.N) for i, lab in enumerate(unique)}
+  colors = dict(zip(unique, distinct_colors(len(unique)), strict=True))
   fig, axes = plt.subplots(2, 2, figsize=(13, 8), squeeze=False)
   drawn, metric, seen = False, None, set()
   for info, label in zip(members, labels, strict=True):
@@ -388,6 +413,7 @@ def plot_time_to_accuracy(
     fig, ax = plt.subplots(figsize=(8, 5))
     members = [i for i in infos if group_name(i) == name and not _shared(i)]
     labels = config_labels([m.meta for m in members])
+    palette = distinct_colors(len(rows))
     for k, row in enumerate(rows):
       runs = [m for m, lab in zip(members, labels, strict=True) if lab == row["config"]]
       series = [read_series(m.path, spectrum=False) for m in runs]
@@ -395,7 +421,7 @@ def plot_time_to_accuracy(
       # AlgoPerf's rule: a seed that never reached a level is infinitely slow to it.
       median = np.median(np.nan_to_num(times, nan=np.inf), axis=0)
       median = np.where(np.isfinite(median), median, np.nan)
-      _plot_xy(ax, grid, median, label=row["config"], color=plt.cm.tab20(k % 20))
+      _plot_xy(ax, grid, median, label=row["config"], color=palette[k])
     ax.set(
       xlabel="validation accuracy reached (%)",
       ylabel="wall-clock seconds from the run's start",

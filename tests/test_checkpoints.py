@@ -503,3 +503,66 @@ def test_batch_order_is_a_pure_function_of_seed_and_epoch():
   np.testing.assert_array_equal(p, build_task(config("experiment=demo")).batch_order(7, 3))
   assert not np.array_equal(p, task.batch_order(7, 4))
   assert not np.array_equal(p, task.batch_order(8, 3))
+
+
+@pytest.fixture(scope="module")
+def damaged_run(tmp_path_factory):
+  """A demo run with checkpoints 2 and 4 whose checkpoint 4 has one damaged file."""
+  run_dir = tmp_path_factory.mktemp("damaged") / "run"
+  overrides = [*RUN, "optimizer=adam", "checkpoint_every=2"]
+  train.train(config(*overrides), run_dir, stop=lambda step: None)
+  (run_dir / ".hydra").mkdir()
+  OmegaConf.save(config(*overrides), run_dir / ".hydra" / "config.yaml")  # as train.py does
+  (run_dir / "summary.json").unlink()  # a run to resume, not a finished one
+  files = sorted(f for f in (run_dir / "checkpoints" / "4").rglob("*") if f.is_file())
+  biggest = max(files, key=lambda f: f.stat().st_size)
+  biggest.write_bytes(b"garbage")
+  return run_dir, overrides
+
+
+def test_evaluate_names_a_damaged_checkpoint_and_the_intact_one(damaged_run):
+  """One line: checkpoint 4 is damaged, 2 is intact, and the command that evaluates it."""
+  import evaluate
+
+  run_dir, _ = damaged_run
+  with pytest.raises(CheckpointError) as info:
+    evaluate.evaluate_run(run_dir)
+  message = str(info.value)
+  assert "\n" not in message, message
+  assert f"checkpoint 4 in {run_dir / 'checkpoints'} cannot be read" in message
+  assert (
+    f"checkpoint 2 is intact, evaluate it with: evaluate.py run_dir={run_dir} step=2" in message
+  )
+  assert evaluate.evaluate_run(run_dir, 2)["step"] == 2  # and it is
+
+
+def test_a_resume_from_a_damaged_checkpoint_says_how_to_resume_from_the_intact_one(damaged_run):
+  run_dir, overrides = damaged_run
+  folder = run_dir / "checkpoints"
+  with pytest.raises(CheckpointError) as info:
+    train.train(config(*overrides), run_dir, stop=lambda step: None)
+  message = str(info.value)
+  assert "\n" not in message, message
+  assert f"checkpoint 4 in {folder} cannot be read" in message
+  move = f"mv {folder / '4'} {folder / '4'}.damaged"
+  assert f"checkpoint 2 is intact, to resume from it move the later ones aside ({move})" in message
+  (folder / "4").rename(folder / "4.damaged")  # the fix, as printed
+  assert train.train(config(*overrides), run_dir, stop=lambda step: None)["steps"] == 4
+
+
+@pytest.mark.parametrize("make", [ginger.ginger, ginger.qng])
+def test_a_checkpoint_without_the_skipped_counter_restores_from_zero(tmp_path, make):
+  """Version 0.1.0's Ginger and QNG states had no ``skipped`` counter: their checkpoints
+  restore, the counter at 0 and everything else as saved."""
+  params = {k: jnp.ones(s) for k, s in SMALL.items()}
+  tx = make(0.1, tau=2)
+  state = tx.update(params, tx.init(params), params)[1]
+  is_state = lambda x: isinstance(x, (ginger.ScaleByGingerState, ginger.ScaleByQNGState))  # noqa: E731
+  old = jax.tree.map(
+    lambda s: s._replace(skipped=None) if is_state(s) else s, state, is_leaf=is_state
+  )
+  writer = Checkpointer(tmp_path)
+  writer.save(3, old)
+  writer.wait()
+  restored = Checkpointer(tmp_path).restore(tx.init(params), 3)
+  jax.tree.map(np.testing.assert_array_equal, restored, state)

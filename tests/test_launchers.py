@@ -109,7 +109,7 @@ def test_submitit_local_multirun_runs_every_job_in_its_run_dir(tmp_path):
   text = out.stdout + out.stderr
   assert out.returncode == 0, text[-3000:]
   for optimizer in ("adam", "momentum"):  # the run dirs of an in-process multirun
-    summary = run_record.read_summary(tmp_path / f"optimizer={optimizer}")
+    summary = run_record.read_summary(tmp_path / f"eval_every=2,max_steps=2,optimizer={optimizer}")
     assert summary["status"] == "completed" and summary["steps"] == 2, summary
   assert len(list((tmp_path / ".submitit").glob("*/*_result.pkl"))) == 2  # two processes
   compare = subprocess.run(
@@ -123,7 +123,8 @@ def test_submitit_local_multirun_runs_every_job_in_its_run_dir(tmp_path):
   rows = [
     line for line in compare.stdout.splitlines() if line.startswith("| ") and "---" not in line
   ]
-  assert sorted(row.split("|")[1].strip() for row in rows[1:]) == ["adam", "momentum"], (
+  column = [cell.strip() for cell in rows[0].split("|")].index("optimizer")
+  assert sorted(row.split("|")[column].strip() for row in rows[1:]) == ["adam", "momentum"], (
     compare.stdout
   )
 

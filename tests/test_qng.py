@@ -137,3 +137,18 @@ def test_qng_clip_bounds_every_entry_and_leaves_the_rest(block):
     np.testing.assert_allclose(c, jnp.clip(f, -0.1, 0.1), rtol=1e-6, atol=0)
   with pytest.raises(ValueError, match="rho must be > 0 or None"):
     ginger.qng(0.1, rho=0.0)
+
+
+def test_momentum_is_kept_in_the_state_dtype_and_updates_in_the_params():
+  """bfloat16 params: QNG's momentum is float32 like its factors (the state's dtype), and the
+  updates come back in bfloat16, as Ginger's."""
+  params = {"w": jnp.zeros((4, 3), jnp.bfloat16)}
+  grads = {"w": jnp.ones((4, 3), jnp.bfloat16)}
+  tx = ginger.qng(1e-2, tau=2)
+  state = tx.init(params)
+  floats = [x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert floats and all(d == jnp.float32 for d in floats), floats
+  updates, state = tx.update(grads, state, params, fisher_grads=grads)
+  assert updates["w"].dtype == jnp.bfloat16
+  floats = [x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert all(d == jnp.float32 for d in floats), floats

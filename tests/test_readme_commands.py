@@ -37,6 +37,14 @@ def arguments(line: str) -> list[str]:
   return shlex.split(line.split("#", 1)[0])[2:]
 
 
+def test_the_training_section_says_how_to_run_inside_the_environment():
+  """Its `python` lines run in the environment that `make venv` makes, which it names."""
+  text = README.read_text()
+  body = re.search(r"^## Training\n(.*?)```bash", text, re.S | re.M).group(1)
+  assert "source .venv/bin/activate" in body and ".venv/bin/python" in body, body
+  assert (REPO / "Makefile").read_text().count(".venv") > 0  # the folder the Makefile makes
+
+
 def test_the_training_section_has_the_headline_commands():
   lines = train_lines()
   assert any("-m" in arguments(line) for line in lines)

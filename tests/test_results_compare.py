@@ -63,3 +63,41 @@ def test_compare_shows_cost_columns(tmp_path: Path, capsys: pytest.CaptureFixtur
   lines = capsys.readouterr().out.splitlines()
   assert lines[0] == "| optimizer | lr | FLOPs/iter (analytic) | step GB | peak GB |"
   assert lines[2] == "| adam | 0.001 | 9.97e+11 | 3.79 | 6.44 |"
+
+
+def test_without_a_root_every_run_is_listed_with_status_and_dir(
+  tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+  """`python -m results.compare`: the runs under outputs/ and multirun/, finished or not."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "outputs").mkdir()
+  (tmp_path / "multirun").mkdir()
+  done = {"run": {"optimizer": "adam", "lr": 1e-3}, "status": "completed", "steps": 88}
+  _summary(tmp_path / "outputs", "adam", json.dumps(done))
+  (tmp_path / "multirun" / "live").mkdir()
+  (tmp_path / "multirun" / "live" / "metrics.jsonl").write_text('{"event": "train"}\n')
+  compare.main([])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == "| optimizer | lr | steps | status | run dir |"
+  assert lines[2:] == [
+    "|  |  |  | running or stopped | multirun/live |",
+    "| adam | 0.001 | 88 | completed | outputs/adam |",
+  ]
+
+
+def test_distinct_curve_colours():
+  """Past ten configurations the curves keep colours one can tell apart (tab20 pairs each hue
+  with a lighter one: 14 arms drew Momentum and QNG tau 8 in two pinks)."""
+  import itertools
+
+  import numpy as np
+
+  from results.plots import distinct_colors
+
+  for n in (3, 10, 14, 20):
+    colours = distinct_colors(n)
+    assert len(set(colours)) == n
+    gaps = [
+      np.linalg.norm(np.subtract(a[:3], b[:3])) for a, b in itertools.combinations(colours, 2)
+    ]
+    assert min(gaps) >= 0.25, (n, min(gaps))

@@ -303,7 +303,7 @@ def test_cli_multirun_dirs(tmp_path):
   )
   assert out.returncode == 0, out.stderr[-2000:]
   dirs = sorted(p.parent.name for p in tmp_path.glob("*/summary.json"))
-  assert dirs == ["optimizer=adam,seed=0", "optimizer=adam,seed=1"]
+  assert dirs == [f"eval_every=1,max_steps=1,optimizer=adam,seed={s}" for s in (0, 1)]
 
 
 # ----------------------------------------------------------------------------- run dirs

@@ -28,6 +28,7 @@ import inspect
 import logging
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -38,9 +39,29 @@ import ginger
 from training import sharding
 from training.errors import TrainingError, disk_full, no_space
 
+log = logging.getLogger("train")
+
 
 class CheckpointError(TrainingError):
   """A checkpoint that is missing or cannot be read."""
+
+
+def _has_skipped(x) -> bool:
+  """Whether ``x`` is a Ginger or QNG state, whose ``skipped`` counter 0.1.0 did not save."""
+  return isinstance(x, (ginger.ScaleByGingerState, ginger.ScaleByQNGState))
+
+
+def _skipped_from_zero(saved, abstract, step: int):
+  """``saved`` with the ``skipped`` counter of its Ginger and QNG states at 0 where the
+  checkpoint has none (version 0.1.0 wrote none; orbax reads the missing entry as None)."""
+
+  def fill(like, x):
+    if not _has_skipped(like) or like.skipped is None or x.skipped is not None:
+      return x
+    log.warning("checkpoint %d predates the skipped-update counter: counting from 0", step)
+    return x._replace(skipped=np.zeros(like.skipped.shape, like.skipped.dtype))
+
+  return jax.tree.map(fill, abstract, saved, is_leaf=_has_skipped)
 
 
 def _to_saveable(tree):
@@ -451,13 +472,17 @@ class Checkpointer:
     if self.failed is None:
       self._settle()
 
-  def restore(self, like, step: int | None = None):
+  def restore(self, like, step: int | None = None, fix: Callable[[int], str] | None = None):
     """Restores the checkpoint at ``step`` (default: latest) into the structure, bucket plan
     and shardings of ``like`` (a freshly built state of the same run).
 
     ``like`` may also be a function that builds one: restore then keeps only the template's
     shapes and shardings, and its bases (Ginger's ``U``, zeros) are gone before the checkpoint
     is read, so that a resumed run does not hold a fresh ``U`` beside the restored one.
+
+    A checkpoint that cannot be read raises a :class:`CheckpointError` of one line naming it
+    and the newest earlier checkpoint that reads (each is tried), with ``fix(that step)``: how
+    the caller's user gets to use it (by default ``step=N``, evaluate.py's).
     """
     step = self.check_step(step)
     if callable(like):
@@ -466,7 +491,10 @@ class Checkpointer:
     # (its U is a fresh zero state: the copy lives only until `abstract` is made).
     per_leaf = _abstract(_per_leaf_view(like))
     like = _bases_abstract(like)  # a template built here loses its U now
-    saved = self._read(step, per_leaf)
+    try:
+      saved = _skipped_from_zero(self._read(step, per_leaf), per_leaf, step)
+    except CheckpointError as e:
+      raise self._with_intact(step, per_leaf, e, fix or (lambda s: f"use it with step={s}")) from e
     restacked = ginger.restore_checkpoint_state(saved, like)
     return _placed_like(_from_saveable(restacked, like), like)
 
@@ -477,10 +505,33 @@ class Checkpointer:
       raise self._unreadable(step, e) from e
 
   def _unreadable(self, step: int, e: Exception) -> CheckpointError:
+    # orbax's and TensorStore's messages run to dozens of lines: their first line says what.
+    cause = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    cause = cause if len(cause) <= 300 else cause[:297] + "..."
     return CheckpointError(
-      f"checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {e}); "
-      "it may be corrupt or from a different configuration"
+      f"checkpoint {step} in {self.directory} cannot be read ({type(e).__name__}: {cause}); "
+      "it is damaged or from a different configuration"
     )
+
+  def resume_advice(self, intact: int) -> str:
+    """How a rerun resumes from checkpoint ``intact`` where a later one cannot be read: a rerun
+    resumes from the newest checkpoint in the folder, so the later ones are moved aside."""
+    later = [s for s in self.steps() if s > intact]
+    moves = "; ".join(
+      f"mv {self.directory / str(s)} {self.directory / str(s)}.damaged" for s in later
+    )
+    return f"to resume from it move the later ones aside ({moves}) and rerun the same command"
+
+  def _with_intact(self, step: int, abstract, e: CheckpointError, fix) -> CheckpointError:
+    """``e`` (checkpoint ``step`` cannot be read) with the newest earlier checkpoint that
+    reads and how to use it, or saying that none does."""
+    for earlier in reversed([s for s in self.steps() if s < step]):
+      try:
+        self._read(earlier, abstract)
+      except CheckpointError:
+        continue
+      return CheckpointError(f"{e}: checkpoint {earlier} is intact, {fix(earlier)}.")
+    return CheckpointError(f"{e}; no earlier checkpoint reads.")
 
 
 def _abstract(tree):

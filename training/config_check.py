@@ -82,6 +82,38 @@ def check_added_keys(overrides: Sequence[str], cfg: Mapping, config_dir: Path = 
     raise ConfigError(f"{len(bad)} unknown config key(s) added with +:\n" + "\n".join(bad))
 
 
+def top_level_keys(config_dir: Path = CONFIG_DIR) -> set[str]:
+  """What a command-line ``key=value`` may start with: the keys of ``config.yaml`` and of every
+  config in the global package (experiments, sweeps: ``+sweep=table1 scale=smoke``), the
+  config groups, and ``hydra``."""
+  keys = {"hydra"} | {p.name for p in config_dir.iterdir() if p.is_dir()}
+  for path in sorted(config_dir.rglob("*.yaml")):
+    if path == config_dir / "config.yaml" or "@package _global_" in path.read_text():
+      keys |= {str(k) for k in (OmegaConf.load(path) or {}).keys() if k != "defaults"}
+  return keys
+
+
+def check_command_line_keys(arguments: Sequence[str], config_dir: Path = CONFIG_DIR) -> None:
+  """Refuses a ``key=value`` argument whose first key the config does not have (a typo,
+  ``optimzer=adam``) with the nearest keys; Hydra's own message would advise adding the key
+  with ``+``, where nothing would read it. Options (``-m``), ``+``/``~`` overrides and Hydra's
+  own keys pass; composing the config answers for everything below the top level."""
+  known = top_level_keys(config_dir)
+  bad = []
+  for argument in arguments:
+    if argument.startswith(("-", "+", "~")) or "=" not in argument:
+      continue
+    key = argument.split("=", 1)[0]
+    top = key.split("@", 1)[0].split("/", 1)[0].split(".", 1)[0]
+    if top in known:
+      continue
+    near = difflib.get_close_matches(top, sorted(known), n=3)
+    hint = f"did you mean {' or '.join(near)}?" if near else "train.py --help lists the keys."
+    bad.append(f"{argument}: {top} is not a config key; {hint}")
+  if bad:
+    raise ConfigError("; ".join(bad))
+
+
 def _show(value: Any) -> str:
   if isinstance(value, str):
     return repr(value)
@@ -261,6 +293,8 @@ def _check_run(c: _Checker) -> None:
     "'epoch' or an integer >= 1 (steps)",
   )
   c.integer("eval_batch_size", 1)
+  if c.get("eval_examples") is not _MISSING:  # absent from the configs of older runs: null
+    c.integer("eval_examples", 1, optional=True)
   c.integer("log_every", 1)
   c.integer("checkpoint_every", 1)
   c.boolean("resume")
@@ -473,6 +507,7 @@ def _names(has: Callable[[registry.Optimizer], bool]) -> list[str]:
 __all__ = [
   "ConfigError",
   "allowed_values",
+  "check_command_line_keys",
   "check_config",
   "ignored_settings",
   "override_keys",

@@ -83,6 +83,7 @@ SECTIONS = (
       "optimizer.eps",
       "eval_every",
       "eval_batch_size",
+      "eval_examples",
     ),
   ),
   (

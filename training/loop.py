@@ -36,6 +36,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 import ginger
+from data.progress import Ticker
 from models.tasks import Task
 from training import compilation, logs, profiling, run_record, sharding, summary
 from training.checkpoints import Checkpointer, CheckpointError, last_good_in
@@ -61,19 +62,23 @@ def evaluate(
   train_arrays=None,
 ) -> dict:
   """The task's metrics of ``state`` on its evaluation split (``arrays``, placed on the
-  devices), in batches of ``rc.eval_batch_size``; generation-based metrics included.
-  ``eval_weights`` (``Setup.eval_weights``; it reads ``train_arrays``): the weights to score
-  where the optimizer's are not the trained ones; None: the state's."""
+  devices; its first ``rc.eval_examples`` examples where that is set), in batches of
+  ``rc.eval_batch_size``, with a progress line every 10 s; generation-based metrics
+  included. ``eval_weights`` (``Setup.eval_weights``; it reads ``train_arrays``): the weights
+  to score where the optimizer's are not the trained ones; None: the state's."""
   if eval_weights is not None:
     trainable, rest = eval_weights(state, frozen, train_arrays)
     state = state._replace(trainable=trainable, rest=rest)
   batch_size = rc.eval_batch_size
+  total = task.num_val if rc.eval_examples is None else min(task.num_val, rc.eval_examples)
   sums: dict[str, float] = {}
-  for start in range(0, task.num_val, batch_size):
-    idx = np.arange(start, min(start + batch_size, task.num_val))
+  ticker = Ticker(log, f"evaluating on {task.eval_split}", total, "examples")
+  for start in range(0, total, batch_size):
+    idx = np.arange(start, min(start + batch_size, total))
     batch = jax.device_get(eval_step(state.trainable, frozen, state.rest, arrays, idx))
     for k, v in batch.items():
       sums[k] = sums.get(k, 0.0) + float(v)
+    ticker.tick(int(idx[-1]) + 1)
   metrics = {k: float(v) for k, v in task.eval_metrics(sums).items()}
   model = functools.partial(task.model_with, state.trainable, frozen, state.rest)
   return metrics | task.generation_metrics(model)
@@ -155,7 +160,7 @@ def _train(rc: RunConfig, resolved: dict, run_dir: Path, plan, stop: StopRequest
     if resume_from is None:
       return setup.init_state()
     # Given the builder, restore drops the fresh U before it reads the saved one.
-    state = checkpointer.restore(setup.init_state, resume_from)
+    state = checkpointer.restore(setup.init_state, resume_from, fix=checkpointer.resume_advice)
     if int(state.step) != resume_from:
       raise CheckpointError(
         f"checkpoint {resume_from} in {checkpointer.directory} holds step {int(state.step)}"

@@ -136,6 +136,7 @@ class RunConfig:
   batch_size: int  # over all devices
   eval_every: int | str  # steps, or "epoch"
   eval_batch_size: int
+  eval_examples: int | None  # the first N examples of the evaluation split; None: all
   log_every: int
   checkpoint_every: int
   resume: bool
@@ -176,6 +177,7 @@ class RunConfig:
       batch_size=int(c["batch_size"]),
       eval_every=c["eval_every"],
       eval_batch_size=int(c["eval_batch_size"]),
+      eval_examples=c.get("eval_examples"),
       log_every=int(c["log_every"]),
       checkpoint_every=int(c["checkpoint_every"]),
       resume=bool(c["resume"]),

@@ -279,14 +279,20 @@ def curvature_every(config: Mapping) -> int | None:
 # ----------------------------------------------------------------------------- fingerprint
 
 
+# Keys whose null is what runs recorded before the key existed did: left out of the fingerprint
+# while null, so that those runs resume.
+ABSENT_WHEN_NULL = ("eval_examples", "fisher_batch")
+
+
 def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
   """The part of the resolved config that determines the run's result. ``mesh`` is not part
   of it, except the data axis's size under ``batchnorm=per_device`` (the statistics groups);
   ``fisher_batch`` only where set (null, the whole batch, is what configs without it ran)."""
   c = plain(config)
   out = {k: v for k, v in c.items() if k not in NOT_FINGERPRINTED}
-  if out.get("fisher_batch", 0) is None:  # the whole batch: as configs without the key
-    del out["fisher_batch"]
+  for key in ABSENT_WHEN_NULL:
+    if out.get(key) is None:
+      out.pop(key, None)
   if c.get("batchnorm") == "per_device":
     out["batchnorm_groups"] = (c.get("mesh") or {}).get("data")
   return out

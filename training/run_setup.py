@@ -6,6 +6,7 @@ turn the raw config into the typed :class:`~training.run_config.RunConfig` that 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -16,10 +17,11 @@ import optax
 from flax import nnx
 from omegaconf import DictConfig
 
-from models.tasks import Task, build_task, host_cpu
+from models.tasks import Task, abstract_trainable, build_task, host_cpu
 from training import backend, sharding
 from training.compilation import use_compilation_cache
 from training.config_check import ConfigError
+from training.memory import check_state_fits, tree_bytes
 from training.optimizers import (
   build_optimizer,
   clip_bound,
@@ -105,9 +107,15 @@ class Setup(NamedTuple):
 
 def check(cfg: DictConfig) -> tuple[RunConfig, sharding.Plan]:
   """Everything about ``cfg`` that can be checked without data or compiling: the config
-  itself, typed (:func:`training.run_config.parse`), and the mesh (:func:`prepare`)."""
+  itself, typed (:func:`training.run_config.parse`), the mesh (:func:`prepare`) and, where
+  the model's shapes do not depend on the data (the ResNets), whether the optimizer state
+  fits a device (:func:`check_state_fits_device`)."""
   rc = parse(cfg)  # reads the config only: before any JAX work
-  return rc, prepare(rc)
+  plan = prepare(rc)
+  params = abstract_trainable(rc)  # shapes only, where they do not depend on the data
+  if params is not None:
+    check_state_fits_device(rc, plan, params, learning_rate(rc, 1, 1))
+  return rc, plan
 
 
 def prepare(rc: RunConfig) -> sharding.Plan:
@@ -211,6 +219,37 @@ def initial_state(tx, trainable, rest, rc: RunConfig, plan: sharding.Plan, mater
   return placed._replace(opt_state=shapes), init_state, state_shardings
 
 
+def optimizer_state_bytes(
+  rc: RunConfig, plan: sharding.Plan, trainable, schedule, tau=None, loss=None
+):
+  """One device's bytes of the optimizer state of ``rc`` (with ``tau`` in place of the run's
+  where given) for ``trainable``, from its shapes alone (nothing is allocated); ``loss``: the
+  training loss of an optimizer that traces it (K-FAC)."""
+  if tau is not None:
+    optimizer = dataclasses.replace(rc.optimizer, tau=tau)
+    rc = dataclasses.replace(rc, optimizer=optimizer)
+  tx = build_optimizer(rc, schedule, plan.optimizer_sharding, loss)
+  shapes = jax.eval_shape(tx.init, trainable)
+  if plan.shard_optimizer_state and plan.mesh.size > 1:
+    where = plan.optimizer_state(shapes)
+    shapes = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, where
+    )
+  return tree_bytes(shapes)
+
+
+def check_state_fits_device(
+  rc: RunConfig, plan: sharding.Plan, trainable, schedule, loss=None
+) -> None:
+  """Refuses (:class:`ConfigError`) an optimizer state that cannot fit one device, naming the
+  bytes, the device's bytes and the largest tau that fits (:mod:`training.memory`)."""
+  check_state_fits(
+    lambda tau: optimizer_state_bytes(rc, plan, trainable, schedule, tau, loss),
+    tree_bytes(trainable),
+    rc.optimizer.tau,
+  )
+
+
 def build(
   cfg: DictConfig | RunConfig, plan: sharding.Plan | None = None, materialize: bool = True
 ) -> Setup:
@@ -240,6 +279,7 @@ def build(
     frozen_params = task.frozen_params(graphs.params)
     loss = training_loss(task, graphs.train, frozen_params, graphs.rest, rc.batch_size)
   tx = build_optimizer(rc, schedule, plan.optimizer_sharding, loss)
+  check_state_fits_device(rc, plan, trainable, schedule, loss)  # before anything is placed
   state, init_state, state_shardings = initial_state(
     tx, trainable, graphs.rest, rc, plan, materialize
   )

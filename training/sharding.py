@@ -150,6 +150,10 @@ class Plan:
   def _optimizer_split(self) -> state_sharding.StateSharding:
     return state_sharding.StateSharding(self.mesh, ("data", "model"), self.min_shard_size)
 
+  def optimizer_state(self, opt_state):
+    """Shardings of an optimizer state split as :meth:`state` splits it."""
+    return self._optimizer_split.shardings(opt_state)
+
   def state(self, state):
     """Shardings of a ``TrainState``: everything replicated except the optimizer state (its
     big arrays split, see ``ginger.sharding.StateSharding.shardings``)."""

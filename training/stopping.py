@@ -30,8 +30,11 @@ def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> Iterator[StopReq
   """A stop request that SIGTERM or SIGINT sets (the first one; a second one stops at once).
 
   Clusters preempt with SIGTERM: the run then saves a checkpoint after the step in flight and
-  exits, and a rerun continues it. Outside the main thread (where Python cannot install
-  handlers) nothing is installed and the request never fires.
+  exits, and a rerun continues it. Before the request is first asked (the loop asks just
+  before its first step: while the run is built and compiled) either signal stops the
+  process at once, as without a handler: there is nothing to save yet. Outside the main
+  thread (where Python cannot install handlers) nothing is installed and the request never
+  fires.
   """
   received: list[int] = []
   if threading.current_thread() is not threading.main_thread():
@@ -50,9 +53,22 @@ def stop_on_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> Iterator[StopReq
       signal.Signals(signum).name,
     )
 
-  previous = {s: signal.signal(s, handler) for s in signals}
+  # Until the loop first asks (just before its first step) there is nothing to save: the
+  # signals keep their default action and stop the process at once, also inside a minutes-long
+  # compilation, where a Python handler would only run when it returns.
+  previous = {s: signal.signal(s, signal.SIG_DFL) for s in signals}
+
+  def request(step: int) -> int | None:
+    del step
+    if not armed:
+      armed.append(True)
+      for s in signals:
+        signal.signal(s, handler)
+    return received[0] if received else None
+
+  armed: list[bool] = []
   try:
-    yield lambda step: received[0] if received else None
+    yield request
   finally:
     for s, h in previous.items():
       signal.signal(s, h)

@@ -184,6 +184,23 @@ def fisher_vectors(updates, fisher_grads, dtype) -> list[jax.Array]:
   return flat_vectors(fisher_grads, dtype)[0]
 
 
+def all_finite(arrays: Sequence[jax.Array]) -> jax.Array:
+  """Whether every entry of ``arrays`` is finite: a scalar bool (true for no arrays)."""
+  flags = [jnp.all(jnp.isfinite(x)) for x in arrays]
+  return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
+def zero_unless(finite: jax.Array, arrays: Sequence[jax.Array]) -> list[jax.Array]:
+  """``arrays``, or zeros of their shapes where ``finite`` is false: a skipped ``d_t`` enters
+  the step as zero, so that no NaN reaches its small algebra (whose result is then dropped)."""
+  return [jnp.where(finite, x, jnp.zeros((), x.dtype)) for x in arrays]
+
+
+def keep_unless(finite: jax.Array, new, old):
+  """``new`` where ``finite`` is true, else ``old``, leaf by leaf (same structures)."""
+  return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
 def blocks_of(num_leaves: int, block: str) -> list[list[int]]:
   """Leaf indices of each block: one block per leaf, or one block holding all leaves."""
   if block == "global":
@@ -204,6 +221,19 @@ def default_fisher_to_gradient(
     if fisher_grads is None:
       fisher_grads = updates
     return tx.update(updates, state, params, fisher_grads=fisher_grads, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def updates_in_their_dtype(
+  tx: optax.GradientTransformationExtraArgs,
+) -> optax.GradientTransformationExtraArgs:
+  """``tx`` with its updates cast back to the dtype of the updates it was given (bf16
+  gradients give bf16 updates, whatever dtype ``tx`` computes and keeps its state in)."""
+
+  def update_fn(updates, state, params=None, **extra_args):
+    out, state = tx.update(updates, state, params, **extra_args)
+    return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), state
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 

@@ -42,6 +42,8 @@ class ScaleByGingerState(NamedTuple):
       leaf's ``(k,)``), for ``"global"`` a single ``(k,)`` array.
     mu: with ``b1``, the momentum (EMA of the updates) as a :class:`StackedRows`; else None.
     mu_count: with ``b1``, the number of updates averaged into ``mu`` (int32); else None.
+    skipped: curvature updates skipped because ``d_t`` had a NaN or Inf entry (int32): such a
+      step keeps ``count``, ``u`` and ``sigma`` as they were.
   """
 
   count: chex.Array
@@ -49,6 +51,7 @@ class ScaleByGingerState(NamedTuple):
   sigma: Any
   mu: Any = None
   mu_count: Any = None
+  skipped: Any = None
 
 
 # Curvature updates between re-orthonormalisations of U (scale_by_ginger's default): for a 32-
@@ -177,6 +180,7 @@ def scale_by_ginger(
         sigma=leaf,
         mu=None if b1 is None else leaf,
         mu_count=None if b1 is None else counter,
+        skipped=counter,
       )
     common.check_float_params(params)
     vectors, treedef = common.flat_vectors(params, state_dtype)
@@ -197,7 +201,12 @@ def scale_by_ginger(
       )
       mu_count = jnp.zeros([], jnp.int32)
     return ScaleByGingerState(
-      count=jnp.zeros([], jnp.int32), u=u, sigma=sigma, mu=mu, mu_count=mu_count
+      count=jnp.zeros([], jnp.int32),
+      u=u,
+      sigma=sigma,
+      mu=mu,
+      mu_count=mu_count,
+      skipped=jnp.zeros([], jnp.int32),
     )
 
   def average(gs, state):
@@ -278,6 +287,11 @@ def scale_by_ginger(
       outs = debias(whole(outs))
       return common.unflatten_like(common.scatter(layout, outs), updates), new_state
     vs = rows(common.gather(layout, common.fisher_vectors(updates, fisher_grads, state_dtype)), us)
+    # A NaN or Inf in d_t alone (optax.apply_if_finite checks only g) would enter U and sigma
+    # for good: such a d_t enters as zero and the curvature is kept as it was (U by brand_step,
+    # in place: a select over U would hold a second U in the step).
+    finite = common.all_finite(vs)
+    vs = common.zero_unless(finite, vs)
     sigmas = _sigma_stacks(layout, state.sigma, block)
     count = optax.safe_increment(state.count)
     if in_update:
@@ -296,15 +310,18 @@ def scale_by_ginger(
       ]
     new_us, outs, new_sigmas = brand_step(
       us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1],
-      sharding=sharding,
+      sharding=sharding, keep=~finite,
     )  # fmt: skip
     new_us, outs = rows(new_us, us), debias(whole(outs))
     if block == "per_tensor":
       sigma = StackedSigma(new_sigmas, layout)
     else:
       sigma = new_sigmas[0][0] if new_sigmas else state.sigma
+    # U' is U where d_t was skipped (brand_step's keep); the small parts are selected here.
+    count, sigma = common.keep_unless(finite, (count, sigma), (state.count, state.sigma))
+    skipped = state.skipped + (~finite).astype(jnp.int32)
     new_state = ScaleByGingerState(
-      count=count, u=StackedBasis(new_us, layout), sigma=sigma, mu=mu, mu_count=mu_count
+      count, StackedBasis(new_us, layout), sigma, mu=mu, mu_count=mu_count, skipped=skipped
     )
     return common.unflatten_like(common.scatter(layout, outs), updates), new_state
 
@@ -323,6 +340,7 @@ def brand_step(
   impl="jnp",
   interpret=False,
   sharding: gsharding.StateSharding | None = None,
+  keep: jax.Array | None = None,
 ):
   """One curvature update and preconditioning for every bucket.
 
@@ -345,6 +363,9 @@ def brand_step(
   included) runs in the compute dtype (:func:`ginger._src.kernels.compute_dtype`: float32 for a
   bf16 or float16 state, whose eigenproblems neither LAPACK nor the secular solver's bit
   arithmetic take), and pass 3's operands and the new sigma are rounded back to ``U``'s dtype.
+  ``keep`` (a traced bool, or None: never): where true, pass 3 writes ``U`` back unchanged
+  (its rotation set to the identity and the new direction's weights to 0, so that ``U'`` is
+  still written in place, with no select over it); the caller keeps the old ``sigma``.
   Returns ``(new U per bucket, G'^{-1} g per bucket, new sigma per bucket)``.
   """
   kw = dict(impl=impl, interpret=interpret)
@@ -400,6 +421,10 @@ def brand_step(
     joined["q"] = None if qs[members[0]] is None else jnp.concatenate([qs[b] for b in members])
     co = _after_residual(joined, alpha, gamma, eigensolver, jnp.finfo(state_dtype).eps, **kw)
     co = {key: x.astype(state_dtype) for key, x in co.items()}  # pass 3's operands, the state
+    if keep is not None:  # U' = U rot + p b^T is U itself: rot = I, b = 0 (no select over U)
+      eye = jnp.broadcast_to(jnp.eye(co["rot"].shape[-1], dtype=co["rot"].dtype), co["rot"].shape)
+      co["rot"] = jnp.where(keep, eye, co["rot"])
+      co["b"] = jnp.where(keep, jnp.zeros((), co["b"].dtype), co["b"])
     starts = np.cumsum([0] + sizes[:-1]).tolist()
     for b, first, sigma in zip(members, starts, jnp.split(co["sigma"], starts[1:]), strict=True):
       coefs[b], new_sigmas[b] = (co, first), sigma

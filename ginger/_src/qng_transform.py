@@ -46,12 +46,15 @@ class ScaleByQNGState(NamedTuple):
     qhat: pytree like the params; each leaf ``(leaf.size, tau)``: unit factor directions.
     kappa: ``(num_blocks, tau)`` Sherman-Morrison weights (0 for an empty slot).
     scale: ``(num_blocks, tau)``: ``1/sqrt(alpha)`` for a filled slot, 1 for an empty one.
+    skipped: factors not taken because ``d_t`` had a NaN or Inf entry (int32): such a step
+      keeps ``count``, ``qhat``, ``kappa`` and ``scale`` as they were.
   """
 
   count: chex.Array
   qhat: Any
   kappa: chex.Array
   scale: chex.Array
+  skipped: Any = None
 
 
 def scale_by_qng(
@@ -119,12 +122,17 @@ def scale_by_qng(
       qhat=qhat,
       kappa=jnp.zeros((n_blocks, tau), state_dtype),
       scale=jnp.ones((n_blocks, tau), state_dtype),
+      skipped=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):
     del params, extra_args
     gs, _ = common.flat_vectors(updates, state_dtype)
     vs = common.fisher_vectors(updates, fisher_grads, state_dtype)
+    # A NaN or Inf in d_t alone (optax.apply_if_finite checks only g) would enter the factors
+    # for good: such a d_t enters as zero (a factor sqrt(alpha) I) and the state is kept.
+    finite = common.all_finite(vs)
+    vs = common.zero_unless(finite, vs)
     qs, q_def = jax.tree.flatten(state.qhat)
     slot = state.count % tau
     count = optax.safe_increment(state.count)
@@ -171,6 +179,8 @@ def scale_by_qng(
       kappa=jnp.stack(new_kappa) if new_kappa else state.kappa,
       scale=jnp.stack(new_scale) if new_scale else state.scale,
     )
+    kept = common.keep_unless(finite, new_state[:4], state[:4])
+    new_state = ScaleByQNGState(*kept, skipped=state.skipped + (~finite).astype(jnp.int32))
     return common.unflatten_like(out, updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -269,10 +279,14 @@ def qng(
   common.check_b1(b1)
   common.check_rho(rho)
   return common.default_fisher_to_gradient(
-    optax.chain(
-      optax.ema(b1, debias=True),
-      scale_by_qng(tau, alpha, block, state_dtype=state_dtype),
-      optax.clip(rho) if rho is not None else optax.identity(),
-      optax.scale_by_learning_rate(learning_rate),
+    common.updates_in_their_dtype(
+      optax.chain(
+        # The momentum in the state's dtype, as Ginger's (for bf16 params too); the updates
+        # come back in the params' dtype (below).
+        optax.ema(b1, debias=True, accumulator_dtype=state_dtype),
+        scale_by_qng(tau, alpha, block, state_dtype=state_dtype),
+        optax.clip(rho) if rho is not None else optax.identity(),
+        optax.scale_by_learning_rate(learning_rate),
+      )
     )
   )
