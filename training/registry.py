@@ -731,7 +731,38 @@ def _build_kfac(opt: OptimizerConfig, schedule, sharding, loss):
   )
 
 
+# kfac-jax's last release, 0.0.8, reads jax.core names and the ClosedJaxpr class that JAX 0.11
+# removed: it runs on JAX up to 0.10 only.
+KFAC_JAX_LAST_RELEASE = "0.0.8"
+
+
+def kfac_jax_unavailable() -> str | None:
+  """Why ``optimizer=kfac`` cannot run in this environment (None: it can): kfac-jax is not
+  installed, or its installed release is one that JAX 0.11 breaks. Read from the installed
+  packages' metadata: nothing is imported."""
+  from importlib import metadata
+
+  try:
+    kfac = metadata.version("kfac-jax")
+  except metadata.PackageNotFoundError:
+    return "kfac-jax is not installed"
+  jax_major_minor = tuple(int(p) for p in metadata.version("jax").split(".")[:2])
+  if kfac == KFAC_JAX_LAST_RELEASE and jax_major_minor >= (0, 11):
+    return f"kfac-jax {kfac} does not run on JAX {metadata.version('jax')} (JAX 0.10 at most)"
+  return None
+
+
 def _kfac_refuses(c, optimizer: Optimizer) -> None:
+  missing = kfac_jax_unavailable()
+  if missing is not None:
+    c.bad(
+      "optimizer.name",
+      "kfac",
+      f"an optimizer whose library runs here: {missing}; K-FAC needs kfac-jax "
+      f"{KFAC_JAX_LAST_RELEASE} with JAX 0.10.2 (pip install kfac-jax=={KFAC_JAX_LAST_RELEASE} "
+      "jax==0.10.2 jaxlib==0.10.2 flax==0.12.8), or a later kfac-jax release that supports "
+      "JAX 0.11",
+    )
   # kfac-jax gives each parameter one layer of the loss's trace, matched by its patterns.
   if c.get("model.family") == "t5":
     c.bad(
