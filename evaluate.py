@@ -59,7 +59,7 @@ def _check_key(cfg, override: str, config_file: Path) -> None:
 
 
 def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = ()) -> dict:
-  from training import loop, run_setup, sharding
+  from training import evaluation, run_setup, sharding
   from training.checkpoints import Checkpointer
 
   cfg = load_run_config(run_dir, list(overrides))
@@ -71,7 +71,7 @@ def evaluate_run(run_dir: Path, step: int | None = None, overrides: list[str] = 
     step,
     fix=lambda s: f"evaluate it with: evaluate.py run_dir={run_dir} step={s}",
   )
-  metrics = loop.evaluate(
+  metrics = evaluation.evaluate(
     setup.task,
     setup.eval_step,
     state,

@@ -185,13 +185,18 @@ def test_optax_tree_utilities_on_the_state(name, injected):
 @parametrize
 def test_zero_size_leaf_changes_no_other_update(name):
   """A leaf with no entries (a ``(0, n)`` weight) is an empty piece of its block: its update is
-  empty and every other leaf's is the one without it."""
+  empty and every other leaf's is the one without it, to rounding. The two are different
+  programs (one more leaf to lay out), and XLA may order a block's sums differently in them:
+  a sum of n terms reordered moves by at most about n eps of its terms' magnitude (Higham),
+  n <= 12 here, so 16 eps of the leaf's largest entry bounds it (the differences seen: 1 ulp)."""
   tx, params = _make(name), _params()
   with_empty = dict(params, e=jnp.zeros((0, 4)))
   updates, _ = _steps(tx, with_empty)
   assert updates["e"].shape == (0, 4)
   for key in params:
-    np.testing.assert_array_equal(updates[key], _reference(name)[key])
+    reference = np.asarray(_reference(name)[key])
+    bound = 16 * np.finfo(np.float32).eps * np.abs(reference).max()
+    np.testing.assert_allclose(updates[key], reference, rtol=0, atol=bound)
 
 
 @parametrize

@@ -13,7 +13,7 @@ from PIL import Image
 
 from data import images
 from data.progress import Ticker
-from training import loop, run_record
+from training import evaluation, run_record
 
 
 def _recording_log(lines):
@@ -82,7 +82,7 @@ def _evaluate(eval_examples):
 
   rc = types.SimpleNamespace(eval_batch_size=300, eval_examples=eval_examples)
   state = types.SimpleNamespace(trainable=None, rest=None)
-  metrics = loop.evaluate(_Task(), eval_step, state, None, None, rc)
+  metrics = evaluation.evaluate(_Task(), eval_step, state, None, None, rc)
   return np.concatenate(seen), metrics
 
 

@@ -263,3 +263,20 @@ def peak_memory_bytes() -> int | None:
   """The largest ``peak_bytes_in_use`` of this process's devices; None where the backend does
   not report it (CPU)."""
   return device_memory().get("peak_bytes_in_use")
+
+
+def d_pass_lines(rc, fisher_backward: str | None) -> list[str]:
+  """The start-up's lines on how the d-pass runs: a shared forward's backward
+  (``Setup.fisher_backward``), a sub-batch of ``fisher_batch`` examples."""
+  from training.steps import fisher_sub_batch
+
+  lines = []
+  if fisher_backward is not None:
+    lines.append(f"d-pass: shared forward, {fisher_backward} backward")
+  if fisher_sub_batch(rc) is not None:
+    mode = "inference" if rc.fisher_forward == "eval" else "training"
+    lines.append(
+      f"d-pass: the batch's first {fisher_sub_batch(rc)} of {rc.batch_size} examples, "
+      f"{mode}-mode forward and backward of its own"
+    )
+  return lines

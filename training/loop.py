@@ -32,56 +32,21 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 import ginger
-from data.progress import Ticker
-from models.tasks import Task
-from training import compilation, logs, profiling, run_record, sharding, summary
+from training import compilation, kappa, logs, profiling, run_record, sharding, summary
 from training.checkpoints import Checkpointer, CheckpointError, last_good_in
 from training.compilation import CompiledRun
 from training.errors import DiskFullError, Interrupted, NonFiniteLossError, disk_full, no_space
+from training.evaluation import evaluate
 from training.optimizers import divergence_advice
 from training.run_config import RunConfig
 from training.run_setup import Setup, build, check
-from training.steps import TrainState, fisher_sub_batch
+from training.steps import TrainState
 from training.stopping import StopRequest, agreed, preempted, stop_on_signals
 
 log = logging.getLogger("train")
-
-
-def evaluate(
-  task: Task,
-  eval_step,
-  state: TrainState,
-  frozen,
-  arrays,
-  rc: RunConfig,
-  eval_weights=None,
-  train_arrays=None,
-) -> dict:
-  """The task's metrics of ``state`` on its evaluation split (``arrays``, placed on the
-  devices; its first ``rc.eval_examples`` examples where that is set), in batches of
-  ``rc.eval_batch_size``, with a progress line every 10 s; generation-based metrics
-  included. ``eval_weights`` (``Setup.eval_weights``; it reads ``train_arrays``): the weights
-  to score where the optimizer's are not the trained ones; None: the state's."""
-  if eval_weights is not None:
-    trainable, rest = eval_weights(state, frozen, train_arrays)
-    state = state._replace(trainable=trainable, rest=rest)
-  batch_size = rc.eval_batch_size
-  total = task.num_val if rc.eval_examples is None else min(task.num_val, rc.eval_examples)
-  sums: dict[str, float] = {}
-  ticker = Ticker(log, f"evaluating on {task.eval_split}", total, "examples")
-  for start in range(0, total, batch_size):
-    idx = np.arange(start, min(start + batch_size, total))
-    batch = jax.device_get(eval_step(state.trainable, frozen, state.rest, arrays, idx))
-    for k, v in batch.items():
-      sums[k] = sums.get(k, 0.0) + float(v)
-    ticker.tick(int(idx[-1]) + 1)
-  metrics = {k: float(v) for k, v in task.eval_metrics(sums).items()}
-  model = functools.partial(task.model_with, state.trainable, frozen, state.rest)
-  return metrics | task.generation_metrics(model)
 
 
 # ------------------------------------------------------------------------------ the run
@@ -130,15 +95,8 @@ def _train(rc: RunConfig, resolved: dict, run_dir: Path, plan, stop: StopRequest
     f"{setup.n_model:,}",
     f"{sum(setup.sizes):,}",
   )
-  if setup.fisher_backward is not None:
-    log.info("d-pass: shared forward, %s backward", setup.fisher_backward)
-  if fisher_sub_batch(rc) is not None:
-    log.info(
-      "d-pass: the batch's first %d of %d examples, %s-mode forward and backward of its own",
-      fisher_sub_batch(rc),
-      rc.batch_size,
-      "inference" if rc.fisher_forward == "eval" else "training",
-    )
+  for line in logs.d_pass_lines(rc, setup.fisher_backward):
+    log.info(line)
   checkpointer = Checkpointer(run_dir)
   resume_from = checkpointer.latest_step()
   if resume_from is not None and rc.resume:
@@ -377,7 +335,7 @@ def _train_steps(loop: _Loop, at: _Position) -> None:
         ratios = _log_train(
           loop, at.state, stats, done, intervals.lap(done), intervals.steps, progress
         )
-        at.kappa_eps_warned = at.kappa_eps_warned or _warn_kappa_eps(loop.rc, ratios, done)
+        at.kappa_eps_warned = at.kappa_eps_warned or kappa.warn_once(loop.rc, ratios, done)
       elif progress.due():  # no terminal, log steps far apart: a line with rate and ETA
         progress.update(done, loss=float(jax.device_get(at.state.stats["last_loss"])))
       if at_eval:
@@ -426,10 +384,10 @@ def _log_train(
 ) -> dict[str, float]:
   """A log step's train record (``steps`` steps in ``elapsed`` seconds since the last one), the
   progress line, and every ``spectrum_every`` steps the curvature's spectrum. Returns Ginger's
-  ``sigma_max * eps / gamma`` per block (:func:`_kappa_eps`; {} for the other optimizers),
-  whose largest the train record holds as ``kappa_eps``."""
+  ``sigma_max * eps / gamma`` per block (``training.kappa.block_ratios``; {} for the other
+  optimizers), whose largest the train record holds as ``kappa_eps``."""
   rc = loop.rc
-  ratios = _kappa_eps(rc, state)
+  ratios = kappa.block_ratios(rc, state)
   loop.metrics.write(
     "train",
     done,
@@ -447,62 +405,11 @@ def _log_train(
   if rc.spectrum_every and done % rc.spectrum_every == 0:
     spectrum = jax.device_get(ginger.curvature_spectrum(state.opt_state))
     if spectrum:
-      kappa = {"kappa_eps": ratios} if ratios else {}
+      by_block = {"kappa_eps": ratios} if ratios else {}
       loop.metrics.write(
-        "spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()}, **kappa
+        "spectrum", done, sigma={k: v.tolist() for k, v in spectrum.items()}, **by_block
       )
   return ratios
-
-
-def _kappa_eps(rc: RunConfig, state: TrainState) -> dict[str, float]:
-  """``ginger.kappa_eps`` of a Ginger run's blocks (``sigma_max * eps / gamma``), from their
-  ``sigma`` alone fetched to the host (``U`` and the momentum stay on the devices); {} for the
-  other optimizers."""
-  if rc.optimizer.name != "ginger":
-    return {}
-  is_ginger = lambda x: isinstance(x, ginger.ScaleByGingerState)  # noqa: E731
-  small = jax.tree.map(
-    lambda s: s._replace(u=None, mu=None) if is_ginger(s) else s,
-    state.opt_state,
-    is_leaf=is_ginger,
-  )
-  ratios = ginger.kappa_eps(jax.device_get(small), rc.optimizer.gamma)
-  return {k: float(v) for k, v in ratios.items()}
-
-
-def _warn_kappa_eps(rc: RunConfig, ratios: dict[str, float], done: int) -> bool:
-  """Warns where a block's ``sigma_max * eps / gamma`` is above 1: there the direction of a
-  state of ``state_dtype`` is outside its error bound for gradients far from ``span U``
-  (docs/ginger-math.md, section 6). Returns whether it warned."""
-  if not ratios or max(ratios.values()) <= 1:
-    return False
-  block = max(ratios, key=ratios.get)
-  dtype, gamma = rc.optimizer.state_dtype or "float32", rc.optimizer.gamma
-  eps = float(jax.numpy.finfo(jax.numpy.dtype(dtype)).eps)
-  wider = (
-    "state_dtype=float32"
-    if dtype != "float32"
-    else "a float64 state (the library's state_dtype='float64' under jax_enable_x64)"
-  )
-  log.warning(
-    "step %d: Ginger's sigma_max * eps / gamma is %.3g in %s (sigma_max %.3g, gamma %g, "
-    "state_dtype %s; %d of %d blocks above 1): above 1 the %s direction loses its error bound "
-    "for gradients far from span U (docs/ginger-math.md, section 6). The fixes: raise gamma to "
-    "at least %.2g, or store the state wider (%s). Logged once; the train records' kappa_eps "
-    "holds the largest block's value at every log step.",
-    done,
-    ratios[block],
-    block,
-    ratios[block] * gamma / eps,
-    gamma,
-    dtype,
-    sum(v > 1 for v in ratios.values()),
-    len(ratios),
-    dtype,
-    ratios[block] * gamma,
-    wider,
-  )
-  return True
 
 
 def _evaluate_and_log(loop: _Loop, state, stats, done: int, progress) -> None:
