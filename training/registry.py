@@ -788,14 +788,10 @@ def _kfac_layers(params) -> list[tuple[int, int]]:
   shift pairs are kfac-jax's diagonal scale-and-shift blocks, ``(features, 0)``."""
   import math
 
-  import jax
+  from models.lora import named_leaves  # "/"-joined paths, nnx.Variable's .value left out
 
-  from training import muon_layout
-
-  layers, leaves = [], {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    names = muon_layout._names(path)
-    leaves["/".join(names)] = leaf.shape
+  leaves = {name: leaf.shape for name, leaf in named_leaves(params)}
+  layers = []
   for name, shape in leaves.items():
     module, _, leaf = name.rpartition("/")
     bias = f"{module}/bias" in leaves
