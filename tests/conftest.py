@@ -110,10 +110,26 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -tests[item.path.name]))
   config.stash[SELECTED_ITEMS] = items
   gpu = [item for item in items if item.get_closest_marker("gpu")]
-  if gpu and jax.default_backend() != "gpu":  # asks JAX only when a gpu test was selected
-    skip = pytest.mark.skip(
-      reason=f"needs a GPU: JAX runs on {jax.default_backend()} (JAX_PLATFORMS=cuda, and JAX's "
-      "CUDA build: make venv GPU=1)"
-    )
+  reason = gpu and gpu_unavailable()  # asks JAX only when a gpu test was selected
+  if reason:
     for item in gpu:
-      item.add_marker(skip)
+      item.add_marker(pytest.mark.skip(reason=reason))
+
+
+GPU_COMMAND = "JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu tests"
+
+
+def gpu_unavailable() -> str | None:
+  """Why the gpu tests cannot run in this process, or None. They need JAX's CUDA backend as the
+  default and its CPU backend beside it (their float64 references run there)."""
+  try:
+    backend = jax.default_backend()
+  except (RuntimeError, AssertionError) as error:  # JAX_PLATFORMS=cuda without a GPU
+    return f"needs a GPU: JAX found none ({error!s:.80}); run {GPU_COMMAND} with JAX's CUDA build"
+  if backend != "gpu":
+    return f"needs a GPU: JAX runs on {backend}; run {GPU_COMMAND} with JAX's CUDA build"
+  try:
+    jax.devices("cpu")
+  except RuntimeError:
+    return f"needs JAX's CPU backend beside the GPU for the float64 references: {GPU_COMMAND}"
+  return None

@@ -2,7 +2,9 @@
 whole update against float64, a bfloat16 state with directions partly outside span(U), and
 ``deterministic=true`` reruns bit for bit. Run them with JAX's CUDA build installed:
 
-    JAX_PLATFORMS=cuda .venv/bin/python -m pytest -m gpu tests
+    JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu tests
+
+(the CPU backend beside the GPU: the float64 references run there).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def test_bf16_state_out_of_span_compiled():
 
 def _demo_run(run_dir: Path) -> list[dict]:
   """train.py's demo with Ginger, deterministic=true, no compilation cache: its logged events."""
-  env = dict(os.environ, PYTHONPATH=str(ROOT), GINGER_COMPILATION_CACHE_DIR="none")
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+  env = dict(os.environ, PYTHONPATH=path, GINGER_COMPILATION_CACHE_DIR="none")
   for key in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):  # each run compiles (and tunes) anew
     env.pop(key, None)
   cmd = [

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -77,3 +79,28 @@ def test_make_venv_gpu_installs_the_cuda_set_and_refuses_others():
   bad = _make("venv", "GPU=yes")
   assert bad.returncode != 0
   assert "GPU=yes: allowed are 1 (the same as cuda13), cuda13, cuda12" in bad.stderr
+
+
+@pytest.mark.parametrize("platforms", ["cuda", "cuda,cpu"])
+def test_gpu_tests_skip_with_the_command_that_runs_them(platforms):
+  """`pytest -m gpu` on a machine without a GPU: every gpu test skipped, saying how to run them
+  (JAX_PLATFORMS=cuda,cpu: their float64 references run on the CPU backend), never a crash."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  env["JAX_PLATFORMS"] = platforms
+  done = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"]
+    + ["tests/test_gpu.py"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "INTERNALERROR" not in done.stdout + done.stderr
+  assert "4 skipped" in done.stdout
+  assert "JAX_PLATFORMS=cuda,cpu" in done.stdout
+  for doc in ("README.md", "tests/test_gpu.py"):  # the command they show is the one that runs
+    assert (
+      "JAX_PLATFORMS=cuda,cpu .venv/bin/python -m pytest -m gpu tests" in (ROOT / doc).read_text()
+    )
