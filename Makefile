@@ -207,3 +207,4 @@ tables: $(STAMP)
 	$(PY) -m results.newcomers results/cifar10/runs --out results/cifar10
 	rm -rf results/cifar10/plots  # nothing stale: a plot no longer made does not linger
 	$(PY) -m results.plots results/cifar10/runs --out results/cifar10/plots
+	$(PY) -m results.profiles results/cifar10/runs --out results/cifar10

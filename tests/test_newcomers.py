@@ -69,4 +69,5 @@ def test_the_table_of_todays_optimizers(runs):
   assert adam.startswith("+1.00 [") and ginger.startswith("+0.85 [")
   assert adam_holm in ("above", "tie", "below") and ginger_holm in ("above", "tie", "below")
   assert rows["Adam"][2:6] == ["", "", "", ""]  # an arm is not compared with itself
-  assert any("SF-AdamW" in note for note in table.notes)  # registered, no runs yet
+  assert rows["SF-AdamW"][:2] == ["3", "89.03 ± 0.19"]
+  assert any("SOAP" in note for note in table.notes)  # registered, no runs yet

@@ -1,0 +1,249 @@
+"""AlgoPerf's performance profiles over the stand-in workloads: which optimizer reaches a target
+first, and by how much, across ResNet-18 and ResNet-50.
+
+For optimizer ``s`` and workload ``w``, ``t[s, w]`` is the time to the target: the median over
+seeds of each seed's time, a seed that never reaches the target counting as infinitely slow
+(:func:`results.stats.median_time`, AlgoPerf's rule). AlgoPerf (Dahl et al. 2023,
+"Benchmarking Neural Network Training Algorithms", section 4.2) then scores
+
+    r[s, w] = t[s, w] / min_s' t[s', w]          (infinite where r > r_max, r_max = 4)
+    rho_s(tau) = |{w : r[s, w] <= tau}| / |W|    (the performance profile, tau in [1, r_max])
+    B_s = integral_1^r_max rho_s(tau) dtau / (r_max - 1)
+
+so ``B_s = 1`` for an optimizer fastest on every workload and 0 for one that never comes within
+``r_max`` of the fastest.
+
+A seed's time is its steps to the first evaluation at or above the target times the
+configuration's median step time on a device of its own (summary.json's ``step_time_s`` of its
+runs with ``device_shared`` false): the runs of the tables shared GPUs, so their wall clocks
+are not their own. Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
+An optimizer without a run alone on a workload has no time there and is left out of the
+profile, named in the notes. The runs are the Table 1 cells' (``results.tables.select_runs``:
+the tuned lr, one run per seed, the newest). ``make tables`` writes
+``profile_<dataset>_<length>.md`` and its plot::
+
+    python -m results.profiles results/cifar10/runs --out results/cifar10
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from results import stats, tables
+from results.runs import Run, collect_runs, is_number, missing_roots
+from results.series import read_series
+from training import registry
+
+R_MAX = 4.0  # AlgoPerf's largest ratio to the fastest that still scores
+TARGETS = (85.0, 88.0)  # validation accuracy (%): the race's target and a harder one
+MODELS = ("resnet18", "resnet50")
+PAPER_ARMS = (("adam", None), ("momentum", None), ("ginger", 8), ("qng", 8))
+
+
+def performance_ratios(
+  times: Mapping[str, Mapping[str, float]], r_max: float = R_MAX
+) -> dict[str, dict[str, float]]:
+  """``{workload: {optimizer: t}}`` -> ``{optimizer: {workload: r}}`` with ``r = t / min t``
+  over the workload's optimizers; ``inf`` where ``t`` is infinite, where ``r > r_max``, and for
+  every optimizer of a workload that none reaches."""
+  ratios: dict[str, dict[str, float]] = {}
+  for workload, by_optimizer in times.items():
+    fastest = min(by_optimizer.values(), default=math.inf)
+    for optimizer, t in by_optimizer.items():
+      r = t / fastest if math.isfinite(t) else math.inf
+      ratios.setdefault(optimizer, {})[workload] = r if r <= r_max else math.inf
+  return ratios
+
+
+def profile(ratios: Mapping[str, float], taus: np.ndarray) -> np.ndarray:
+  """``rho(tau)``: the fraction of the workloads whose ratio is at most ``tau``, at each tau."""
+  r = np.array(list(ratios.values()), dtype=float)
+  return (r[None, :] <= np.asarray(taus, dtype=float)[:, None]).mean(axis=1)
+
+
+def score(ratios: Mapping[str, float], r_max: float = R_MAX) -> float:
+  """AlgoPerf's ``B``: ``rho``'s integral over ``[1, r_max]`` over ``r_max - 1``, exactly (the
+  profile is a step function: a workload at ratio ``r <= r_max`` adds ``(r_max - r) / (r_max -
+  1)`` over the number of workloads)."""
+  r = [x for x in ratios.values() if x <= r_max]
+  return sum((r_max - max(x, 1.0)) / (r_max - 1.0) for x in r) / len(ratios)
+
+
+def alone_step_time(runs: Sequence[Run]) -> float | None:
+  """The median ``step_time_s`` of the runs that had their device alone (None without one)."""
+  alone = [
+    r["step_time_s"] for r in runs if is_number(r.get("step_time_s")) and not tables.is_shared(r)
+  ]
+  return statistics.median(alone) if alone else None
+
+
+def steps_to(run: Run, target: float) -> float:
+  """Training steps to the run's first evaluation at or above ``target`` (inf if never)."""
+  evals = read_series(run["path"], spectrum=False).eval
+  if "value" not in evals or not evals["value"].size:
+    return math.inf
+  hit = np.flatnonzero(np.nan_to_num(evals["value"], nan=-np.inf) >= target)
+  return float(evals["step"][hit[0]]) if hit.size else math.inf
+
+
+def seed_times(runs: Sequence[Run], target: float) -> list[float] | None:
+  """Each seed's seconds to ``target`` (steps times the configuration's step time alone; inf
+  where never reached); None where no run of the configuration had its device alone."""
+  step_s = alone_step_time(runs)
+  if step_s is None:
+    return None
+  return [steps_to(r, target) * step_s for r in runs]
+
+
+def optimizers() -> list[tuple[str, Any]]:
+  """The profile's rows: the paper's four (Ginger and QNG at tau 8) and every registered
+  optimizer beyond them (those with comparison arms)."""
+  return list(PAPER_ARMS) + [(n, None) for n in registry.table_order() if registry.get(n).arms]
+
+
+def label(optimizer: str, tau: Any) -> str:
+  return registry.display_name(optimizer) if tau is None else tables.optimizer_label(optimizer, tau)
+
+
+def workload_times(
+  runs: Sequence[Run], dataset: str, length: str | None, target: float
+) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+  """``{workload: {optimizer label: median seconds}}`` at ``target`` for each model, and why an
+  optimizer with runs has no time on a workload (``{label: reason}``)."""
+  times: dict[str, dict[str, float]] = {}
+  missing: dict[str, str] = {}
+  for model in MODELS:
+    protocol = {**tables.image_protocol(dataset, length), "model": model}
+    workload = tables.MODEL_NAMES[model]
+    for optimizer, tau in optimizers():
+      criteria = tables.cell_criteria(optimizer, tau, **protocol)
+      runs_of = tables.select_runs(runs, criteria, tables.TABLE_SWEEPS["table1"]).runs
+      name = label(optimizer, tau)
+      if not runs_of:
+        missing.setdefault(name, f"no runs on {workload}")
+        continue
+      seconds = seed_times(runs_of, target)
+      if seconds is None:
+        missing.setdefault(name, f"no run alone on its GPU on {workload}")
+        continue
+      times.setdefault(workload, {})[name] = stats.median_time(seconds)
+  return times, missing
+
+
+def complete(
+  times: dict[str, dict[str, float]], missing: dict[str, str]
+) -> dict[str, dict[str, float]]:
+  """Only the optimizers timed on every workload (a profile over fewer would not compare)."""
+  everywhere = set.intersection(*(set(t) for t in times.values())) if times else set()
+  for by_optimizer in times.values():
+    for name in set(by_optimizer) - everywhere:
+      missing.setdefault(name, "timed on some workloads only")
+  return {w: {o: t for o, t in ts.items() if o in everywhere} for w, ts in times.items()}
+
+
+def _seconds(t: float) -> str:
+  return f"{t:.0f}" if math.isfinite(t) else "not reached"
+
+
+def _ratio(r: float) -> str:
+  return f"{r:.2f}" if math.isfinite(r) else "∞"
+
+
+def target_table(times: dict[str, dict[str, float]], target: float) -> list[str]:
+  """One markdown table: each optimizer's seconds and ratio per workload, and its score."""
+  workloads = list(times)
+  ratios = performance_ratios(times)
+  order = sorted(ratios, key=lambda o: -score(ratios[o]))
+  head = " | ".join(f"{w} s | {w} ratio" for w in workloads)
+  lines = [f"### Target {target:g} %", "", f"| optimizer | {head} | score B |"]
+  lines.append("|---|" + "---:|---:|" * len(workloads) + "---:|")
+  for name in order:
+    cells = " | ".join(f"{_seconds(times[w][name])} | {_ratio(ratios[name][w])}" for w in workloads)
+    lines.append(f"| {name} | {cells} | {score(ratios[name]):.2f} |")
+  return lines + [""]
+
+
+def draw(profiles: dict[float, dict[str, dict[str, float]]], path: Path) -> None:
+  """The profiles as AlgoPerf draws them: rho(tau) against tau, one panel per target."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from results.plots import distinct_colors
+
+  fig, axes = plt.subplots(1, len(profiles), figsize=(5.5 * len(profiles), 4), squeeze=False)
+  taus = np.linspace(1.0, R_MAX, 601)
+  for ax, (target, times) in zip(axes[0], profiles.items(), strict=True):
+    ratios = performance_ratios(times)
+    for color, name in zip(distinct_colors(len(ratios)), sorted(ratios), strict=True):
+      ax.step(taus, profile(ratios[name], taus), where="post", color=color, label=name)
+    ax.set(xlabel="ratio to the fastest, tau", ylabel="fraction of workloads, rho(tau)")
+    ax.set(title=f"target {target:g} %", xlim=(1.0, R_MAX), ylim=(-0.02, 1.02))
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: Path) -> list[Path]:
+  """profile_<dataset>_<length>.md and plots/performance_profile_<...>.png; [] without times."""
+  profiles, missing = {}, {}
+  for target in TARGETS:
+    times, why = workload_times(runs, dataset, length, target)
+    profiles[target] = complete(times, why)
+    missing.update(why)
+  if not any(profiles.values()) or not any(any(t.values()) for t in profiles.values()):
+    return []
+  name = tables._set_name("profile", dataset, length)
+  lines = [
+    f"## Performance profiles: {tables._set_text(dataset, length)}",
+    "",
+    "Time to a target validation accuracy as AlgoPerf scores it (results/profiles.py): per "
+    "workload, the median over seeds of each seed's steps to the target times the "
+    "configuration's step time alone on its GPU (a seed that misses counts as infinitely "
+    f"slow); ratio: to the fastest on that workload (∞ past {R_MAX:g}); score B: the "
+    f"profile's area over [1, {R_MAX:g}] / {R_MAX - 1:g} (1: fastest everywhere).",
+    "",
+  ]
+  for target, times in profiles.items():
+    lines += target_table(times, target) if times else []
+  if missing:
+    lines.append("- Not in the profiles: " + "; ".join(f"{k} ({v})" for k, v in missing.items()))
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / f"{name}.md"
+  path.write_text("\n".join(lines).rstrip() + "\n")
+  plot = out / "plots" / f"performance_{name}.png"
+  plot.parent.mkdir(parents=True, exist_ok=True)
+  draw({t: ts for t, ts in profiles.items() if ts}, plot)
+  return [path, plot]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("roots", nargs="*", default=["results/cifar10/runs"])
+  parser.add_argument("--out", type=Path, default=Path("results/cifar10"))
+  parser.add_argument("--dataset", default="cifar10")
+  parser.add_argument("--length", default="30ep")
+  args = parser.parse_args(argv)
+  if error := missing_roots(args.roots):
+    print(error, file=sys.stderr)
+    return 2
+  written = write_profiles(collect_runs(args.roots), args.dataset, args.length, args.out)
+  for path in written:
+    print(f"wrote {path}")
+  if not written:
+    print("no workload has runs timed alone on their GPU: no profile written")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,63 @@
+"""AlgoPerf's performance profiles (results/profiles.py): the ratios, the profile and the score
+against hand-worked cases and the score's definition as an integral, and the profile of the
+committed runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from results import profiles
+from results.runs import collect_runs
+
+COMMITTED = Path(__file__).resolve().parents[1] / "results" / "cifar10" / "runs"
+INF = math.inf
+
+
+def test_ratios_and_scores_by_hand():
+  """Two workloads: a fastest on one and 5x the fastest (past r_max = 4: unscored) on the
+  other; b 2x then fastest; c misses one and is 4.5x on the other."""
+  times = {"w1": {"a": 10.0, "b": 20.0, "c": INF}, "w2": {"a": 50.0, "b": 10.0, "c": 45.0}}
+  ratios = profiles.performance_ratios(times)
+  assert ratios == {
+    "a": {"w1": 1.0, "w2": INF},
+    "b": {"w1": 2.0, "w2": 1.0},
+    "c": {"w1": INF, "w2": INF},
+  }
+  assert profiles.score(ratios["a"]) == pytest.approx(0.5)  # (4 - 1) / 3 on one of two
+  assert profiles.score(ratios["b"]) == pytest.approx((2 / 3 + 1) / 2)
+  assert profiles.score(ratios["c"]) == 0.0
+  taus = np.array([1.0, 1.5, 2.0, 4.0])
+  np.testing.assert_array_equal(profiles.profile(ratios["b"], taus), [0.5, 0.5, 1.0, 1.0])
+
+
+def test_a_workload_nobody_reaches_scores_nobody():
+  ratios = profiles.performance_ratios({"w": {"a": INF, "b": INF}})
+  assert ratios == {"a": {"w": INF}, "b": {"w": INF}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.floats(1.0, 6.0), st.just(INF)), min_size=1, max_size=6))
+def test_score_is_the_profiles_area(ratios):
+  """B = integral over [1, r_max] of rho / (r_max - 1): the step function's area, within the
+  grid's resolution (each workload's step moves the area by at most one cell)."""
+  r = {f"w{i}": (x if x <= profiles.R_MAX else INF) for i, x in enumerate(ratios)}
+  taus = np.linspace(1.0, profiles.R_MAX, 30_001)
+  rho = profiles.profile(r, taus)
+  area = float(np.sum(rho[:-1] * np.diff(taus))) / (profiles.R_MAX - 1.0)
+  assert profiles.score(r) == pytest.approx(area, abs=2 * (taus[1] - taus[0]))
+
+
+def test_profile_of_the_committed_runs(tmp_path):
+  """ResNet-18 at 85 %: every optimizer with a run alone on its GPU gets a time, the fastest a
+  ratio of 1; the newcomers' runs all shared GPUs, so the notes name them instead."""
+  written = profiles.write_profiles(collect_runs([COMMITTED]), "cifar10", "30ep", tmp_path)
+  md = (tmp_path / "profile_cifar10_30ep.md").read_text()
+  assert written[0].name == "profile_cifar10_30ep.md" and written[1].suffix == ".png"
+  assert "### Target 85 %" in md and "| 1.00 | 1.00 |" in md
+  assert "Muon (no run alone on its GPU on ResNet-18)" in md
