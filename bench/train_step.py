@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 TAUS = (1, 2, 4, 8, 16, 32)  # Table 1's
+NEWCOMERS = ("muon", "schedule_free_adamw", "soap")  # K-FAC needs kfac-jax (JAX 0.10)
 SUITES = {
   # ResNet-18, batch 128, on CIFAR-10 (the same shapes as CIFAR-100 but for the last layer).
   "resnet18": {
@@ -77,6 +78,8 @@ SUITES = {
         "fisher_forward=eval",
         "curvature_every=4",
       ],
+      # Today's optimizers beyond the paper's (their lr does not change a step's time).
+      **{name: [f"optimizer={name}"] for name in NEWCOMERS},
     },
   },
   # Every arm of Table 1's ResNet-18 half as the campaign runs it (eval d-pass, per-tensor
@@ -102,6 +105,7 @@ SUITES = {
     ],
     "runs": {
       "full adam": ["optimizer=adam"],
+      **{f"full {name}": [f"optimizer={name}"] for name in NEWCOMERS},
       "full ginger tau=1": ["optimizer=ginger", "tau=1"],
       "full ginger tau=8": ["optimizer=ginger", "tau=8"],
       "full ginger tau=32": ["optimizer=ginger", "tau=32"],

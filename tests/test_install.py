@@ -81,12 +81,11 @@ def test_make_venv_gpu_installs_the_cuda_set_and_refuses_others():
   assert "GPU=yes: allowed are 1 (the same as cuda13), cuda13, cuda12" in bad.stderr
 
 
-@pytest.mark.parametrize("platforms", ["cuda", "cuda,cpu"])
-def test_gpu_tests_skip_with_the_command_that_runs_them(platforms):
+def test_gpu_tests_skip_with_the_command_that_runs_them():
   """`pytest -m gpu` on a machine without a GPU: every gpu test skipped, saying how to run them
   (JAX_PLATFORMS=cuda,cpu: their float64 references run on the CPU backend), never a crash."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-  env["JAX_PLATFORMS"] = platforms
+  env["JAX_PLATFORMS"] = "cuda"  # no GPU here: JAX cannot start a backend at all
   done = subprocess.run(
     [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider"]
     + ["tests/test_gpu.py"],
