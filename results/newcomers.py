@@ -41,6 +41,7 @@ from results.selection import (
   tuple_key,
 )
 from results.table_model import (
+  DEFAULT_OUT,
   MODEL_NAMES,
   Column,
   Row,
@@ -50,7 +51,6 @@ from results.table_model import (
   set_name,
   set_text,
 )
-from results.tables import DEFAULT_OUT
 from training import registry
 
 # The image shapes of the stand-in datasets whose FLOPs are counted (the ResNets' forward pass

@@ -14,6 +14,9 @@ from results.runs import Run, length_text
 from results.selection import Selection
 from training import registry
 
+# Where tables of your own runs go by default: beside the source, ignored by git (.gitignore);
+# the committed campaign's are written with --out results/cifar10 (make tables).
+DEFAULT_OUT = "results/local"
 DATASET_NAMES = {"cifar100": "CIFAR-100", "cifar10": "CIFAR-10", "xsum": "XSUM"}
 MODEL_NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
 

@@ -57,11 +57,8 @@ from results.runs import (  # noqa: F401 (the run list, read through this module
 )
 from results.selection import image_protocol, matches, models_in, tabulated
 from results.studies import curvature_every_tables
-from results.table_model import Table, slug
+from results.table_model import DEFAULT_OUT, Table, slug
 
-# Where tables of your own runs go by default: beside the source, ignored by git (.gitignore);
-# the committed campaign's are written with --out results/cifar10 (make tables).
-DEFAULT_OUT = "results/local"
 FLOPS_SOURCES = ("analytic", "xla")
 
 
