@@ -69,4 +69,5 @@ def test_the_table_of_todays_optimizers(runs):
   assert adam.startswith("+1.00 [") and ginger.startswith("+0.85 [")
   assert adam_holm in ("above", "tie", "below") and ginger_holm in ("above", "tie", "below")
   assert rows["Adam"][2:6] == ["", "", "", ""]  # an arm is not compared with itself
-  assert any("SF-AdamW" in note for note in table.notes)  # registered, no runs yet
+  assert "SF-AdamW" in rows  # a newcomer with runs has its row ...
+  assert any("SOAP" in note for note in table.notes)  # ... one registered without runs a note
