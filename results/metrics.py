@@ -102,7 +102,8 @@ primary_number = first_number(
 @dataclass(frozen=True)
 class Metric:
   """One reported number: label, getter (display units), paper CSV column, format style, and
-  the part of a table too wide for one (MAX_COLUMNS) it goes to (:data:`QUALITY`, ...)."""
+  the part of a table too wide for one (results.render.MAX_COLUMNS) it goes to
+  (:data:`QUALITY`, ...)."""
 
   label: str
   value: Callable[[Run], float | None]
@@ -112,7 +113,7 @@ class Metric:
   part: str = ""
 
 
-# The parts a table wider than MAX_COLUMNS is split into, by what its columns measure.
+# The parts a table wider than render.MAX_COLUMNS is split into, by what its columns measure.
 QUALITY = "accuracy and loss"
 COST = "cost"
 ROUGE = "ROUGE"

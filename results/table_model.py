@@ -25,8 +25,8 @@ MODEL_NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
 class Column:
   """A column: group (tau in Tables 3/4; "" for none), metric label, sub-label ("ours",
   "paper", "Δ"; "" for columns that are not one of a metric's), the section it is shown in
-  (model, setting; "" for none: see :func:`blocks`) and the part of a too wide section it
-  goes to ("" for every part, like n)."""
+  (model, setting; "" for none: see :func:`results.render.blocks`) and the part of a too wide
+  section it goes to ("" for every part, like n)."""
 
   group: str
   label: str
@@ -42,7 +42,7 @@ class Column:
 @dataclass
 class Row:
   """A row: label, one text cell per column, whether a rule precedes it, and the section it
-  is shown in ("" for none: see :func:`blocks`)."""
+  is shown in ("" for none: see :func:`results.render.blocks`)."""
 
   label: str
   cells: list[str]
