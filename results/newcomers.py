@@ -5,10 +5,10 @@ of training/registry.py whose ``compared_with`` names arms) gets a row once it h
 runs of the set: its best validation accuracy over seeds, its difference from each arm it is
 compared with (Adam and Ginger τ=8 by default) with Welch's 95 % interval and the reading after
 Holm's correction over the family of every optimizer compared with that arm (the families of
-the comparisons file, ``results/tables.py``'s :func:`~results.tables.newcomer_pairs`), its step
-time and memory (from runs alone on their device), its optimizer state and its FLOPs per step
-counted from the model's parameter shapes (``registry.update_flops``). The arms have rows of
-their own above. ``make tables`` writes ``newcomers_<dataset>_<length>.md`` and ``.tex``::
+the comparisons file, :func:`results.comparisons.newcomer_pairs`), its step time and memory
+(from runs alone on their device), its optimizer state and its FLOPs per step counted from the
+model's parameter shapes (``registry.update_flops``). The arms have rows of their own above.
+``make tables`` writes ``newcomers_<dataset>_<length>.md`` and ``.tex``::
 
     python -m results.newcomers results/cifar10/runs --out results/cifar10
 """
@@ -24,9 +24,33 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from results import stats, tables
+from results import stats
+from results.comparisons import accuracies, newcomer_family, newcomer_pairs
+from results.metrics import aggregate, fmt_num, fmt_stat, number_alone, summary_number
+from results.render import to_latex, to_markdown
 from results.runs import Run, collect_runs, is_number, missing_roots, rfield
-from results.tables import Column, Row, Selection, Table
+from results.selection import (
+  TABLE_SWEEPS,
+  ComparisonPair,
+  Selection,
+  cell_criteria,
+  found_optimizers,
+  image_protocol,
+  select_runs,
+  tabulated,
+  tuple_key,
+)
+from results.table_model import (
+  DEFAULT_OUT,
+  MODEL_NAMES,
+  Column,
+  Row,
+  Table,
+  finish,
+  optimizer_label,
+  set_name,
+  set_text,
+)
 from training import registry
 
 # The image shapes of the stand-in datasets whose FLOPs are counted (the ResNets' forward pass
@@ -96,17 +120,17 @@ def _completed(config: dict[str, Any], optimizer: registry.Optimizer) -> dict[st
 
 def _stat(runs: Sequence[Run], value, style: str) -> str:
   values = [v for v in (value(r) for r in runs) if v is not None]
-  return tables.fmt_stat(tables.aggregate(values), style) if values else ""
+  return fmt_stat(aggregate(values), style) if values else ""
 
 
 def _differences(
-  pairs: Sequence[tables.ComparisonPair],
+  pairs: Sequence[ComparisonPair],
 ) -> dict[tuple[str, str], tuple[str, str]]:
   """(optimizer label, family) -> (Welch interval text, Holm reading) for the newcomers'
   comparisons with runs on both sides, Holm's correction run over each family."""
   tested = collections.defaultdict(list)
   for family, label, a, b in pairs:
-    va, vb = tables._accuracies(a), tables._accuracies(b)
+    va, vb = accuracies(a), accuracies(b)
     if va and vb:
       tested[family].append((label, stats.welch(va, vb)))
   out = {}
@@ -121,19 +145,19 @@ def build_newcomers(
   runs: Sequence[Run], dataset: str, model: str, length: str | None = None
 ) -> Table:
   """The table of today's optimizers on ``model`` for one set of runs (see the module)."""
-  protocol = {**tables.image_protocol(dataset, length), "model": model}
+  protocol = {**image_protocol(dataset, length), "model": model}
 
   def cell(optimizer: str, tau: Any = None) -> Selection:
-    criteria = tables.cell_criteria(optimizer, tau, **protocol)
-    return tables.select_runs(runs, criteria, tables.TABLE_SWEEPS["table1"])
+    criteria = cell_criteria(optimizer, tau, **protocol)
+    return select_runs(runs, criteria, TABLE_SWEEPS["table1"])
 
-  found = tables._found(runs, **protocol)
-  pairs = tables.newcomer_pairs(cell, found)
+  found = found_optimizers(runs, **protocol)
+  pairs = newcomer_pairs(cell, found)
   arms = list(dict.fromkeys(arm for n in registry.table_order() for arm in registry.get(n).arms))
   newcomers = [n for n in registry.table_order() if registry.get(n).arms]
   have = {o for o, _tau in found}
   diffs = _differences(pairs)
-  arm_labels = [tables.optimizer_label(*arm) for arm in arms]
+  arm_labels = [optimizer_label(*arm) for arm in arms]
   columns = [Column("", "n"), Column("", "Acc")]
   for label in arm_labels:
     columns += [Column(f"− {label}", "[95 % CI]"), Column(f"− {label}", "Holm")]
@@ -143,16 +167,16 @@ def build_newcomers(
     Column("", "State MB"),
     Column("", "GFLOPs/step"),
   ]
-  set_text = tables._set_text(dataset, length)
-  name = tables.MODEL_NAMES.get(model, model)
+  what = set_text(dataset, length)
+  name = MODEL_NAMES.get(model, model)
   table = Table(
-    tables._set_name("newcomers", dataset, length) + ("" if model == "resnet18" else f"_{model}"),
-    f"{name} stand-in: today's optimizers ({set_text})",
+    set_name("newcomers", dataset, length) + ("" if model == "resnet18" else f"_{model}"),
+    f"{name} stand-in: today's optimizers ({what})",
     _caption(arm_labels),
     "Optimizer",
     columns,
   )
-  rows = [(tables.optimizer_label(*arm), cell(*arm)) for arm in arms]
+  rows = [(optimizer_label(*arm), cell(*arm)) for arm in arms]
   rows += [(registry.display_name(n), cell(n)) for n in newcomers if n in have]
   used = []
   for k, (label, sel) in enumerate(rows):
@@ -163,7 +187,7 @@ def build_newcomers(
   notes = []
   if missing:
     notes.append(f"Registered, no completed runs of this set yet: {', '.join(missing)}.")
-  return tables._finish(table, used, notes)
+  return finish(table, used, notes)
 
 
 def _row_cells(
@@ -172,15 +196,15 @@ def _row_cells(
   """One row's cells: seeds, accuracy, the difference and Holm reading against each arm
   (blank for an arm itself, or without runs), then the costs."""
   runs = sel.runs
-  cells = [str(len(runs)), _stat(runs, tables._get("best_val_accuracy"), "f2")]
+  cells = [str(len(runs)), _stat(runs, summary_number("best_val_accuracy"), "f2")]
   for arm in arms:
-    reference = tables.optimizer_label(*arm)
-    key = (f"{label} − {reference}", tables.newcomer_family(arm))
+    reference = optimizer_label(*arm)
+    key = (f"{label} − {reference}", newcomer_family(arm))
     cells += list(diffs.get(key, ("", "")))
   return cells + [
-    _stat(runs, tables._alone("step_time_s", 1e3), "f1"),
-    _stat(runs, tables._alone("step_memory_bytes", 1e-9), "f2"),
-    _median(runs, tables._get("optimizer_state_bytes_per_device", 1e-6), "f1"),
+    _stat(runs, number_alone("step_time_s", 1e3), "f1"),
+    _stat(runs, number_alone("step_memory_bytes", 1e-9), "f2"),
+    _median(runs, summary_number("optimizer_state_bytes_per_device", 1e-6), "f1"),
     _median(runs, lambda r: _scaled(step_flops(r), 1e-9), "f1"),
   ]
 
@@ -188,7 +212,7 @@ def _row_cells(
 def _median(runs: Sequence[Run], value, style: str) -> str:
   """The median of a figure that does not vary from seed to seed (a state's size, a count)."""
   values = [v for v in (value(r) for r in runs) if v is not None]
-  return tables.fmt_num(statistics.median(values), style) if values else ""
+  return fmt_num(statistics.median(values), style) if values else ""
 
 
 def _scaled(value: float | None, scale: float) -> float | None:
@@ -215,14 +239,14 @@ def newcomer_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
   """(file name, table): one per (dataset, length, model) of image runs where an optimizer
   beyond the paper's has completed runs."""
   newcomers = {n for n in registry.names() if registry.get(n).arms}
-  done = [r for r in tables.tabulated(runs) if rfield(r, "setting") is None]
+  done = [r for r in tabulated(runs) if rfield(r, "setting") is None]
   sets = {
     (rfield(r, "dataset"), rfield(r, "length"), rfield(r, "model"))
     for r in done
     if rfield(r, "optimizer") in newcomers
   }
   out = []
-  for dataset, length, model in sorted(sets, key=tables.tuple_key):
+  for dataset, length, model in sorted(sets, key=tuple_key):
     table = build_newcomers(runs, dataset, model, length)
     out.append((table.name, table))
   return out
@@ -232,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Scan the roots and write <out>/newcomers_<set>.md and .tex."""
   parser = argparse.ArgumentParser(prog="python -m results.newcomers", description=__doc__)
   parser.add_argument("roots", nargs="+", help="dirs (or run archives) to scan")
-  parser.add_argument("--out", default=tables.DEFAULT_OUT, help="where to write the tables")
+  parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the tables")
   args = parser.parse_args(argv)
   if error := missing_roots(args.roots):
     print(f"error: {error}", file=sys.stderr)
@@ -240,8 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   for name, table in newcomer_tables(collect_runs(args.roots)):
-    (out / f"{name}.md").write_text(tables.to_markdown(table))
-    (out / f"{name}.tex").write_text(tables.to_latex(table))
+    (out / f"{name}.md").write_text(to_markdown(table))
+    (out / f"{name}.tex").write_text(to_latex(table))
     print(f"wrote {out / name}.md and .tex", file=sys.stderr)
   return 0
 

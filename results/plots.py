@@ -27,8 +27,7 @@ import argparse
 import math
 import re
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,39 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from results import records, tables  # noqa: E402
+from results import records  # noqa: E402
+from results.metrics import aggregate  # noqa: E402
+from results.plot_runs import (  # noqa: E402
+  RunInfo,
+  config_labels,
+  device_shared,
+  group_name,
+  load_runs,
+)
+from results.runs import (  # noqa: E402
+  DEFAULT_ROOTS,
+  Run,
+  is_done,
+  is_number,
+  length_text,
+  missing_roots,
+  rfield,
+)
+from results.selection import (  # noqa: E402
+  PAPER_IMAGE,
+  PAPER_TEXT,
+  TAUS,
+  cell_criteria,
+  comparable,
+  config_key,
+  load_paper,
+  matches,
+  paper_row,
+  select_runs,
+  sort_key,
+  tabulated,
+  tuple_key,
+)
 from results.series import (  # noqa: E402
   Series,
   accuracy_times,
@@ -46,21 +77,11 @@ from results.series import (  # noqa: E402
   first_time_at,
   read_series,
 )
+from results.studies import time_to_target_cell  # noqa: E402
 from training import registry  # noqa: E402
 
 DEFAULT_OUT = "results/local/plots"  # ignored by git, like tables.DEFAULT_OUT
-LABEL_KEYS = ("optimizer", "tau", "alpha", "rho", "block", "gamma", "lr", "curvature_every")
-GROUP_KEYS = ("sweep", "experiment", "dataset", "model", "setting", "length")
 METRIC_NAMES = {"val_accuracy": "val. accuracy (%)", "rougeL": "ROUGE-L (%)"}
-
-
-@dataclass
-class RunInfo:
-  """A run dir with its run fields (empty without summary.json) and summary (or None)."""
-
-  path: Path
-  meta: dict[str, Any]
-  summary: dict[str, Any] | None
 
 
 def distinct_colors(n: int) -> list[tuple]:
@@ -94,51 +115,7 @@ def slug(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_") or "run"
 
 
-def read_events(run_dir: str | Path) -> Iterable[dict[str, Any]]:
-  """metrics.jsonl's events (lenient: a run killed mid-write still plots); archived runs too."""
-  return records.read_events(run_dir)
-
-
-def _shared(info: RunInfo) -> bool:
-  """Whether the run shared its device: its wall-clock seconds are not its own."""
-  return bool(info.summary and tables.is_shared(info.summary))
-
-
-def load_runs(roots: Iterable[str | Path]) -> list[RunInfo]:
-  """Every run dir under `roots`, with its summary where there is one."""
-  infos = []
-  for run_dir in tables.find_run_dirs(roots):
-    summary = tables.load_summary(run_dir)
-    meta = dict(summary["run"]) if summary else {}
-    infos.append(RunInfo(run_dir, meta, summary))
-  return infos
-
-
 # ----------------------------------------------------------------------------- curves
-
-
-def config_labels(metas: Sequence[dict[str, Any]]) -> list[str]:
-  """Legend labels: optimizer and tau, plus the keys that vary among that optimizer's runs."""
-  by_optimizer: dict[Any, list[dict[str, Any]]] = {}
-  for meta in metas:
-    by_optimizer.setdefault(meta.get("optimizer"), []).append(meta)
-  varying = {
-    opt: [k for k in LABEL_KEYS[2:] if len({repr(m.get(k)) for m in group}) > 1]
-    for opt, group in by_optimizer.items()
-  }
-  labels = []
-  for meta in metas:
-    text = str(meta.get("optimizer") or "?")
-    if meta.get("tau") is not None:
-      text += f" τ={meta['tau']}"
-    labels += [text + "".join(f" {k}={meta.get(k)}" for k in varying[meta.get("optimizer")])]
-  return labels
-
-
-def group_name(info: RunInfo) -> str:
-  """The experiment a run belongs to; runs without summary.json go by their parent dir."""
-  parts = [str(info.meta[k]) for k in GROUP_KEYS if info.meta.get(k)]
-  return "-".join(dict.fromkeys(parts)) if parts else f"no-summary-{info.path.parent.name}"
 
 
 def _plot_xy(ax: Any, x: np.ndarray, y: np.ndarray, **style: Any) -> bool:
@@ -214,7 +191,7 @@ def _plot_group(name: str, members: Sequence[RunInfo], out: Path) -> Path | None
     if not (series.train["step"].size or series.eval["step"].size):
       continue
     first = None if label in seen else label
-    metric = _draw_run(axes, series, colors[label], first, _shared(info)) or metric
+    metric = _draw_run(axes, series, colors[label], first, device_shared(info)) or metric
     seen.add(label)
     drawn = True
   if not drawn:
@@ -237,33 +214,33 @@ def _final_metric(dataset: str) -> tuple[str, str, str]:
   return "best_val_accuracy", "acc", "best val. accuracy (%)"
 
 
-def _panels(runs: Sequence[tables.Run], protocol: dict[str, Any]) -> list[tuple[str, dict]]:
+def _panels(runs: Sequence[Run], protocol: dict[str, Any]) -> list[tuple[str, dict]]:
   """(title, criteria) per panel: one per model, or per setting for XSUM."""
-  mine = [r for r in runs if tables.matches(r, protocol)]
+  mine = [r for r in runs if matches(r, protocol)]
   key = "setting" if protocol["dataset"] == "xsum" else "model"
-  values = sorted({tables.rfield(r, key) for r in mine}, key=tables.sort_key)
+  values = sorted({rfield(r, key) for r in mine}, key=sort_key)
   return [(f"{key} {v}", {**protocol, key: v}) for v in values]
 
 
 def _paper_points(dataset: str, crit: dict[str, Any], optimizer: str) -> dict[int, float]:
   """The paper's numbers by tau for this panel (empty unless its runs follow the paper's
   protocol: dataset, model and run length)."""
-  if tables.comparable(crit, tables.PAPER_IMAGE):
-    rows, keys = tables.load_paper("table1_cifar100"), {"model": crit.get("model")}
-  elif tables.comparable(crit, tables.PAPER_TEXT):
-    rows, keys = tables.load_paper("table2_xsum"), {"setting": crit.get("setting")}
+  if comparable(crit, PAPER_IMAGE):
+    rows, keys = load_paper("table1_cifar100"), {"model": crit.get("model")}
+  elif comparable(crit, PAPER_TEXT):
+    rows, keys = load_paper("table2_xsum"), {"setting": crit.get("setting")}
   else:
     return {}
   col = _final_metric(dataset)[1]
   points = {}
-  for tau in tables.TAUS:
-    row = tables.paper_row(rows, optimizer=optimizer, tau=tau, **keys)
+  for tau in TAUS:
+    row = paper_row(rows, optimizer=optimizer, tau=tau, **keys)
     if row and row.get(col):
       points[tau] = float(row[col])
   return points
 
 
-def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dict) -> bool:
+def _draw_tau_panel(ax: Any, runs: Sequence[Run], dataset: str, crit: dict) -> bool:
   """The optimizers with a rank (Ginger, QNG) against tau, the others (Adam, Momentum) as
   lines; paper dashed. False if empty."""
   key = _final_metric(dataset)[0]
@@ -273,13 +250,13 @@ def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dic
     pts = []
     for tau in sorted(
       {
-        tables.rfield(r, "tau")
+        rfield(r, "tau")
         for r in runs
-        if tables.rfield(r, "optimizer") == optimizer and tables.is_number(tables.rfield(r, "tau"))
+        if rfield(r, "optimizer") == optimizer and is_number(rfield(r, "tau"))
       }
     ):
-      sel = tables.select_runs(runs, tables.cell_criteria(optimizer, tau, **crit))
-      stat = tables.aggregate(r.get(key) for r in sel.runs)
+      sel = select_runs(runs, cell_criteria(optimizer, tau, **crit))
+      stat = aggregate(r.get(key) for r in sel.runs)
       if stat.mean is not None:
         pts.append((tau, stat.mean, stat.std or 0.0))
     if pts:
@@ -299,9 +276,7 @@ def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dic
       taus |= set(paper)
   flat = [o for o in registry.names() if not registry.reads(o, "tau")]
   for i, optimizer in enumerate(flat, start=len(ranked)):
-    stat = tables.aggregate(
-      r.get(key) for r in tables.select_runs(runs, dict(crit, optimizer=optimizer)).runs
-    )
+    stat = aggregate(r.get(key) for r in select_runs(runs, dict(crit, optimizer=optimizer)).runs)
     if stat.mean is not None:
       ax.axhline(stat.mean, color=f"C{i}", ls=":", label=optimizer)
       drawn = True
@@ -311,20 +286,20 @@ def _draw_tau_panel(ax: Any, runs: Sequence[tables.Run], dataset: str, crit: dic
   return drawn
 
 
-def _protocols(runs: Sequence[tables.Run]) -> list[dict[str, Any]]:
+def _protocols(runs: Sequence[Run]) -> list[dict[str, Any]]:
   """The sets of tabulated runs: (dataset, run length), and the model for XSUM."""
   found = set()
-  for r in tables.tabulated(runs):
-    dataset = tables.rfield(r, "dataset")
-    model = tables.rfield(r, "model") if dataset == "xsum" else None
-    found.add((dataset, model, tables.rfield(r, "length")))
+  for r in tabulated(runs):
+    dataset = rfield(r, "dataset")
+    model = rfield(r, "model") if dataset == "xsum" else None
+    found.add((dataset, model, rfield(r, "length")))
   return [
     {"dataset": d, "length": n} | ({"model": m} if m is not None else {})
-    for d, m, n in sorted(found, key=tables.tuple_key)
+    for d, m, n in sorted(found, key=tuple_key)
   ]
 
 
-def plot_final_vs_tau(runs: Sequence[tables.Run], out: Path) -> list[Path]:
+def plot_final_vs_tau(runs: Sequence[Run], out: Path) -> list[Path]:
   """One tau_<dataset>[_<length>].png per set of runs; returns the files written."""
   written = []
   for protocol in _protocols(runs):
@@ -341,11 +316,9 @@ def plot_final_vs_tau(runs: Sequence[tables.Run], out: Path) -> list[Path]:
     for ax, (title, _) in zip(axes[0], panels, strict=True):
       ax.set(title=title, xlabel="τ", ylabel=_final_metric(dataset)[2])
       ax.legend(fontsize="small")
-    paper = tables.comparable(protocol, tables.PAPER_IMAGE) or tables.comparable(
-      protocol, tables.PAPER_TEXT
-    )
+    paper = comparable(protocol, PAPER_IMAGE) or comparable(protocol, PAPER_TEXT)
     what = ", ".join(
-      str(x) for x in (dataset, protocol.get("model"), tables.length_text(protocol["length"])) if x
+      str(x) for x in (dataset, protocol.get("model"), length_text(protocol["length"])) if x
     )
     fig.suptitle(
       f"{what}: final metric against τ" + ("" if paper else " - NOT COMPARABLE with the paper")
@@ -374,8 +347,8 @@ def time_to_accuracy(
     if (
       info.meta.get("sweep") in TABLE_SWEEPS
       and info.summary
-      and tables.is_done(info.summary)
-      and not _shared(info)  # wall-clock seconds: a run alone on its device
+      and is_done(info.summary)
+      and not device_shared(info)  # wall-clock seconds: a run alone on its device
     ):
       groups.setdefault(group_name(info), []).append(info)
   report = {}
@@ -411,7 +384,7 @@ def plot_time_to_accuracy(
   for name, rows in time_to_accuracy(infos, levels).items():
     grid = np.arange(50.0, 100.0, 0.5)
     fig, ax = plt.subplots(figsize=(8, 5))
-    members = [i for i in infos if group_name(i) == name and not _shared(i)]
+    members = [i for i in infos if group_name(i) == name and not device_shared(i)]
     labels = config_labels([m.meta for m in members])
     palette = distinct_colors(len(rows))
     for k, row in enumerate(rows):
@@ -445,7 +418,7 @@ def plot_time_to_accuracy(
     ]
     for row in rows:
       cells = [_mean_cell(row["best"], ".2f"), _mean_cell(row["to_best"], ".0f")]
-      cells += [tables.time_to_target_cell(row[str(v)]) for v in levels]
+      cells += [time_to_target_cell(row[str(v)]) for v in levels]
       lines.append(f"| {row['config']} | " + " | ".join(cells) + " |")
     md = out / f"time_to_accuracy_{slug(name)}.md"
     md.write_text("\n".join(lines) + "\n")
@@ -530,7 +503,7 @@ def default_spectrum_runs(infos: Sequence[RunInfo], limit: int) -> list[Path]:
   for info in sorted(infos, key=rank):
     if len(chosen) >= limit:
       break
-    configuration = tables.config_key(info.summary) if info.summary else info.path
+    configuration = config_key(info.summary) if info.summary else info.path
     if configuration in configurations or info.meta.get("optimizer") not in ("ginger", None):
       continue
     if read_series(info.path).spectrum:
@@ -579,10 +552,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   """Scan the roots and write every plot to --out."""
   args = parse_args(argv)
-  if error := tables.missing_roots(args.roots):
+  if error := missing_roots(args.roots):
     print(f"error: {error}", file=sys.stderr)
     return 2
-  roots = args.roots or list(tables.DEFAULT_ROOTS)
+  roots = args.roots or list(DEFAULT_ROOTS)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   try:

@@ -18,7 +18,7 @@ configuration's median step time on a device of its own (summary.json's ``step_t
 runs with ``device_shared`` false): the runs of the tables shared GPUs, so their wall clocks
 are not their own. Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
 An optimizer without a run alone on a workload has no time there and is left out of the
-profile, named in the notes. The runs are the Table 1 cells' (``results.tables.select_runs``:
+profile, named in the notes. The runs are the Table 1 cells' (``results.selection.select_runs``:
 the tuned lr, one run per seed, the newest). ``make tables`` writes
 ``profile_<dataset>_<length>.md`` and its plot::
 
@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from results import stats, tables
+from results import selection, stats, table_model
+from results.metrics import is_shared
 from results.runs import Run, collect_runs, is_number, missing_roots
 from results.series import read_series
 from training import registry
@@ -79,9 +80,7 @@ def score(ratios: Mapping[str, float], r_max: float = R_MAX) -> float:
 
 def alone_step_time(runs: Sequence[Run]) -> float | None:
   """The median ``step_time_s`` of the runs that had their device alone (None without one)."""
-  alone = [
-    r["step_time_s"] for r in runs if is_number(r.get("step_time_s")) and not tables.is_shared(r)
-  ]
+  alone = [r["step_time_s"] for r in runs if is_number(r.get("step_time_s")) and not is_shared(r)]
   return statistics.median(alone) if alone else None
 
 
@@ -110,7 +109,9 @@ def optimizers() -> list[tuple[str, Any]]:
 
 
 def label(optimizer: str, tau: Any) -> str:
-  return registry.display_name(optimizer) if tau is None else tables.optimizer_label(optimizer, tau)
+  return (
+    registry.display_name(optimizer) if tau is None else table_model.optimizer_label(optimizer, tau)
+  )
 
 
 def workload_times(
@@ -121,11 +122,11 @@ def workload_times(
   times: dict[str, dict[str, float]] = {}
   missing: dict[str, str] = {}
   for model in MODELS:
-    protocol = {**tables.image_protocol(dataset, length), "model": model}
-    workload = tables.MODEL_NAMES[model]
+    protocol = {**selection.image_protocol(dataset, length), "model": model}
+    workload = table_model.MODEL_NAMES[model]
     for optimizer, tau in optimizers():
-      criteria = tables.cell_criteria(optimizer, tau, **protocol)
-      runs_of = tables.select_runs(runs, criteria, tables.TABLE_SWEEPS["table1"]).runs
+      criteria = selection.cell_criteria(optimizer, tau, **protocol)
+      runs_of = selection.select_runs(runs, criteria, selection.TABLE_SWEEPS["table1"]).runs
       name = label(optimizer, tau)
       if not runs_of:
         missing.setdefault(name, f"no runs on {workload}")
@@ -203,9 +204,9 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
     missing.update(why)
   if not any(profiles.values()) or not any(any(t.values()) for t in profiles.values()):
     return []
-  name = tables._set_name("profile", dataset, length)
+  name = table_model.set_name("profile", dataset, length)
   lines = [
-    f"## Performance profiles: {tables._set_text(dataset, length)}",
+    f"## Performance profiles: {table_model.set_text(dataset, length)}",
     "",
     "Time to a target validation accuracy as AlgoPerf scores it (results/profiles.py): per "
     "workload, the median over seeds of each seed's steps to the target times the "

@@ -1,6 +1,7 @@
 """The layering docs/architecture.md draws, checked on the code: imports go one way (no module
 reaches back up into one that imports it), the library imports nothing of the framework, the
-readers of run records import no JAX, and the training code stays readable in one sitting."""
+readers of run records import no JAX, and the training and results code stay readable in one
+sitting."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ginger", "data", "models", "training", "results", "sweeps", "bench")
-LONGEST_FUNCTION = 80  # lines, def to the end of its body, in training/
+LONGEST_FUNCTION = 80  # lines, def to the end of its body, in training/ and results/
 LONGEST_LOOP = 450  # lines of training/loop.py
+LONGEST_RESULTS_FILE = 600  # lines of a module of results/
 
 
 def _module_name(path: Path) -> str:
@@ -96,14 +98,36 @@ def test_run_record_readers_import_no_jax():
   assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_the_training_code_reads_in_one_sitting():
-  loop = ROOT / "training" / "loop.py"
-  assert len(loop.read_text().splitlines()) <= LONGEST_LOOP
+def _long_functions(folder: Path) -> list[str]:
+  """The functions of ``folder``'s modules longer than LONGEST_FUNCTION lines, as
+  "file:line name (n lines)"."""
   long = []
-  for path in sorted((ROOT / "training").glob("*.py")):
+  for path in sorted(folder.glob("*.py")):
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         lines = node.end_lineno - node.lineno + 1
         if lines > LONGEST_FUNCTION:
           long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+  return long
+
+
+def test_the_training_code_reads_in_one_sitting():
+  loop = ROOT / "training" / "loop.py"
+  assert len(loop.read_text().splitlines()) <= LONGEST_LOOP
+  long = _long_functions(ROOT / "training")
   assert not long, long
+
+
+def test_the_results_code_reads_in_one_sitting(tmp_path):
+  results = ROOT / "results"
+  long_files = [
+    f"{path.name} ({n} lines)"
+    for path in sorted(results.glob("*.py"))
+    if (n := len(path.read_text().splitlines())) > LONGEST_RESULTS_FILE
+  ]
+  assert not long_files, long_files
+  long = _long_functions(results)
+  assert not long, long
+  body = "".join(f"  x = {i}\n" for i in range(LONGEST_FUNCTION))
+  (tmp_path / "long.py").write_text(f"def long():\n{body}")
+  assert _long_functions(tmp_path) == ["long.py:1 long (81 lines)"]  # the check itself can fail

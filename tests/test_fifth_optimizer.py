@@ -19,7 +19,9 @@ from hydra import compose, initialize_config_dir
 
 from models import flops
 from results import newcomers, tables
+from results.comparisons import build_comparisons
 from results.runs import collect_runs
+from results.selection import config_key
 from training import registry, run_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +89,7 @@ def test_its_own_keys_are_part_of_the_identity(adopt):
   assert default["optimizer"] == "adopt" and run_record.OPTIONS not in default
   moved = run_record.identity(config(adopt, "optimizer=adopt", "optimizer.b2=0.999"))
   assert moved[run_record.OPTIONS] == {"optimizer.b2": 0.999}
-  assert tables.config_key({"run": default}) != tables.config_key({"run": moved})
+  assert config_key({"run": default}) != config_key({"run": moved})
 
 
 def test_it_is_compared_with_adam_and_ginger(adopt):
@@ -127,9 +129,7 @@ def test_it_trains_and_is_counted_and_tabulated(adopt, tmp_path):
 
   table1 = tables.build_table1(runs, "digits", ["resnet_tiny"], length="2steps")
   assert [r.label for r in table1.rows if r.label == "ADOPT"] == ["ADOPT"]
-  comparisons = tables.to_markdown(
-    tables.build_comparisons(runs, "digits", ["resnet_tiny"], "2steps")
-  )
+  comparisons = tables.to_markdown(build_comparisons(runs, "digits", ["resnet_tiny"], "2steps"))
   assert "| ADOPT − Adam |" in comparisons and "newcomers − Adam (" in comparisons
   assert "| ADOPT − Ginger (τ=8) |" in comparisons and "newcomers − Ginger (τ=8) (" in comparisons
 

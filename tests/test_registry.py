@@ -168,7 +168,7 @@ def test_an_optimizers_own_keys_are_part_of_the_identity():
   """Runs that differ only in an optimizer's own key (Muon's ns_steps, Adam's b1) have other
   identities; at its YAML's values a run's identity has no such field (a committed run keeps
   the identity it was recorded with)."""
-  from results.tables import config_key
+  from results.selection import config_key
 
   default = run_record.identity(config("optimizer=muon"))
   fewer = run_record.identity(config("optimizer=muon", "optimizer.ns_steps=3"))

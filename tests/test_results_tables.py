@@ -12,7 +12,17 @@ from typing import Any
 
 import pytest
 
-from results import tables
+from results import (
+  ablation,
+  comparisons,
+  metrics,
+  paper_tables,
+  render,
+  selection,
+  stats,
+  studies,
+  tables,
+)
 
 BASE_RUN = {
   "experiment": "cifar100_resnet18",
@@ -141,7 +151,7 @@ def header_rows(markdown: str) -> list[list[str]]:
 
 def test_table1_markdown_rows(runs_root: Path) -> None:
   """One table per model and kind of column: accuracy and loss, then cost."""
-  md = tables.to_markdown(tables.build_table1(tables.collect_runs([runs_root])))
+  md = render.to_markdown(paper_tables.build_table1(tables.collect_runs([runs_root])))
   parts = sections(md)
   assert list(parts) == [
     "ResNet-18: accuracy and loss",
@@ -180,7 +190,7 @@ def test_table1_markdown_rows(runs_root: Path) -> None:
 
 
 def test_table1_latex(runs_root: Path) -> None:
-  tex = tables.to_latex(tables.build_table1(tables.collect_runs([runs_root])))
+  tex = render.to_latex(paper_tables.build_table1(tables.collect_runs([runs_root])))
   assert (
     r"    Adam & 2 & 72.50 $\pm$ 0.71 & 71.61 & +0.89 & 1.250 $\pm$ 0.071 & 1.249 & "
     r"+0.001 & 15.00 $\pm$ 7.07 & 9.57 & +5.43 \\"
@@ -202,11 +212,11 @@ def test_table1_dataset_override_and_extra_tau(tmp_path: Path) -> None:
   extra = {"optimizer": "ginger", "tau": 64, "alpha": 0.99, "dataset": "cifar10"}
   make_run(tmp_path, "a", extra, **image(90.0, 0.3, 1e-6, 1e9, 10**9))
   runs = tables.collect_runs([tmp_path])
-  table = tables.build_table1(runs, dataset="cifar10")
+  table = paper_tables.build_table1(runs, dataset="cifar10")
   assert table.title.startswith("Table 1: CIFAR-10 - NOT COMPARABLE with the paper")
   row = next(r for r in table.rows if r.label == "Ginger (τ=64)")
   assert row.cells[:4] == ["1", "90.00", "", "0.300"]  # n, Acc, no paper number, Val loss
-  assert all(r.label != "Ginger (τ=64)" for r in tables.build_table1(runs).rows)
+  assert all(r.label != "Ginger (τ=64)" for r in paper_tables.build_table1(runs).rows)
 
 
 def test_selection_note_names_a_differing_setting_once(tmp_path: Path) -> None:
@@ -215,7 +225,7 @@ def test_selection_note_names_a_differing_setting_once(tmp_path: Path) -> None:
   for i, (lr, seed) in enumerate([(1e-3, 0), (1e-3, 1), (5e-3, 0)]):
     run = {"lr": lr, "seed": seed}
     make_run(tmp_path, f"r{i}", run, config={"epochs": 200, "max_steps": None, "lr": lr})
-  sel = tables.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "adam"}, ())
+  sel = selection.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "adam"}, ())
   assert sel.note == "2 configurations matched; used lr=0.001 (n=2)"
 
 
@@ -235,12 +245,12 @@ def test_selection_rules(tmp_path: Path) -> None:
     )
     os.utime(run_dir / "summary.json", (1000 + i, 1000 + i))
   runs = tables.collect_runs([tmp_path])
-  sel = tables.select_runs(runs, {"optimizer": "adam"}, ())
+  sel = selection.select_runs(runs, {"optimizer": "adam"}, ())
   assert [r["best_val_accuracy"] for r in sel.runs] == [71.0, 72.0]
   assert sel.note == "2 configurations matched; used lr=0.001 (n=2)"
-  preferred = tables.select_runs(runs, {"optimizer": "adam"}, ("table1",))
+  preferred = selection.select_runs(runs, {"optimizer": "adam"}, ("table1",))
   assert preferred.note is None and len(preferred.runs) == 2
-  only_c = tables.select_runs(runs, {"optimizer": "adam", "lr": 5e-3}, ("table1",))
+  only_c = selection.select_runs(runs, {"optimizer": "adam", "lr": 5e-3}, ("table1",))
   assert [r["best_val_accuracy"] for r in only_c.runs] == [60.0]
 
 
@@ -259,7 +269,7 @@ def test_table2_xsum(tmp_path: Path) -> None:
       step_memory_bytes=1_900_000_000,
       flops_per_iter={"analytic": None, "xla": 5.6e9},
     )
-  table = tables.build_table2(tables.collect_runs([tmp_path]), flops="xla")
+  table = paper_tables.build_table2(tables.collect_runs([tmp_path]), flops="xla")
   adam = table.rows[0]
   assert adam.label == "Adam"
   assert adam.cells[:20] == [
@@ -295,8 +305,8 @@ def test_tables_3_and_4(tmp_path: Path) -> None:
   make_run(tmp_path, "a", {**sens, "seed": 0}, best_val_accuracy=73.0, min_train_loss=6e-6)
   make_run(tmp_path, "b", {**sens, "seed": 1}, best_val_accuracy=74.0, min_train_loss=7e-6)
   runs = tables.collect_runs([tmp_path])
-  md3 = tables.to_markdown(tables.build_table3(runs)).splitlines()
-  md4 = tables.to_markdown(tables.build_table4(runs)).splitlines()
+  md3 = render.to_markdown(paper_tables.build_table3(runs)).splitlines()
+  md4 = render.to_markdown(paper_tables.build_table4(runs)).splitlines()
   # The seed count in the cell (a column per tau would make the table 13 columns wide).
   assert "| 0.9 |  | 73.24 |  | 73.50 ± 0.71 (n=2) | 73.35 | +0.15 |  | 73.15 |  |" in md3
   assert "| 0.9 |  | 14.82 |  | 6.50 ± 0.71 (n=2) | 6.03 | +0.47 |  | 10.62 |  |" in md4
@@ -317,9 +327,9 @@ def test_tables_3_and_4_for_smoke_model(tmp_path: Path) -> None:
   }
   make_run(tmp_path, "s", smoke, best_val_accuracy=91.0, min_train_loss=0.5)
   runs = tables.collect_runs([tmp_path])
-  smoke_md = tables.to_markdown(tables.build_table3(runs, "digits", "resnet_tiny"))
+  smoke_md = render.to_markdown(paper_tables.build_table3(runs, "digits", "resnet_tiny"))
   assert "NOT COMPARABLE" in smoke_md and "| 0.9 | 91.00 (n=1) | 73.24 |  | 73.35 |" in smoke_md
-  assert "91.00" not in tables.to_markdown(tables.build_table3(runs))
+  assert "91.00" not in render.to_markdown(paper_tables.build_table3(runs))
 
 
 def test_ablation_rows(tmp_path: Path) -> None:
@@ -340,8 +350,8 @@ def test_ablation_rows(tmp_path: Path) -> None:
   )
   make_run(tmp_path, "noclip", {**abl, "rho": None, "block": "per_tensor"}, best_val_accuracy=70.0)
   make_run(tmp_path, "alone", {**abl, "tau": 8, "rho": None}, best_val_accuracy=1.0)
-  table = tables.build_ablation(tables.collect_runs([tmp_path]))
-  parts = sections(tables.to_markdown(table))
+  table = ablation.build_ablation(tables.collect_runs([tmp_path]))
+  parts = sections(render.to_markdown(table))
   base = "cifar100 resnet18 200ep τ=4 α=0.99"
   assert list(parts) == [f"{base}: accuracy and loss", f"{base}: cost"]
   assert parts[f"{base}: accuracy and loss"][2:] == [
@@ -360,10 +370,10 @@ def test_ablation_rows(tmp_path: Path) -> None:
 
 
 def test_empty_tables_and_latex_escaping() -> None:
-  table = tables.build_ablation([])
+  table = ablation.build_ablation([])
   assert table.rows == [] and "No setting" in table.notes[0]
-  assert tables.latex_escape("a_b & 5% ±") == r"a\_b \& 5\% $\pm$"
-  assert tables.fmt_num(None, "f2") == "" and tables.fmt_num(-1.5e-7, "sci", True) == "-1.50e-7"
+  assert render.latex_escape("a_b & 5% ±") == r"a\_b \& 5\% $\pm$"
+  assert metrics.fmt_num(None, "f2") == "" and metrics.fmt_num(-1.5e-7, "sci", True) == "-1.50e-7"
 
 
 def test_cli_writes_files(runs_root: Path, tmp_path: Path) -> None:
@@ -413,9 +423,9 @@ def test_only_the_papers_protocol_fills_paper_cells(tmp_path: Path) -> None:
     config={"epochs": 20, "max_steps": None},
   )
   runs = tables.collect_runs([tmp_path])
-  assert "| Ginger (τ=4) |  |  |" in tables.to_markdown(tables.build_table2(runs))
-  assert "50.00" not in tables.to_markdown(tables.build_table3(runs))
-  written = dict(tables.standin_tables(runs))
+  assert "| Ginger (τ=4) |  |  |" in render.to_markdown(paper_tables.build_table2(runs))
+  assert "50.00" not in render.to_markdown(paper_tables.build_table3(runs))
+  written = dict(paper_tables.standin_tables(runs))
   # one Ginger variant in the text set: no ablation table for it
   assert set(written) == {
     "table2_t5_small_random_2ep",
@@ -424,12 +434,12 @@ def test_only_the_papers_protocol_fills_paper_cells(tmp_path: Path) -> None:
     "table4_cifar100_20ep",
     "table_ablation_cifar100_20ep",
   }
-  t2 = tables.to_markdown(written["table2_t5_small_random_2ep"])
+  t2 = render.to_markdown(written["table2_t5_small_random_2ep"])
   assert t2.startswith("## Table 2: XSUM, t5-small-random, 2 epochs - NOT COMPARABLE")
   assert "7.97" in t2
-  t3 = tables.to_markdown(written["table3_cifar100_20ep"])
+  t3 = render.to_markdown(written["table3_cifar100_20ep"])
   assert "CIFAR-100, resnet18, 20 epochs - NOT COMPARABLE" in t3 and "50.00" in t3
-  assert "49.00" not in t3 and "49.00" in tables.to_markdown(
+  assert "49.00" not in t3 and "49.00" in render.to_markdown(
     written["table_ablation_cifar100_20ep"]
   )
 
@@ -443,9 +453,9 @@ def test_runs_of_different_lengths_never_share_a_cell(tmp_path: Path) -> None:
     tmp_path, "short", base, best_val_accuracy=40.0, config={"epochs": 2, "max_steps": 20}
   )
   os.utime(newer / "summary.json", (2e9, 2e9))
-  written = dict(tables.standin_tables(tables.collect_runs([tmp_path])))
-  long_t3 = tables.to_markdown(written["table3_digits_88steps"])
-  short_t3 = tables.to_markdown(written["table3_digits_20steps"])
+  written = dict(paper_tables.standin_tables(tables.collect_runs([tmp_path])))
+  long_t3 = render.to_markdown(written["table3_digits_88steps"])
+  short_t3 = render.to_markdown(written["table3_digits_20steps"])
   assert "90.00" in long_t3 and "40.00" not in long_t3
   assert "40.00" in short_t3 and "90.00" not in short_t3
   assert "88 steps - NOT COMPARABLE" in long_t3
@@ -594,7 +604,7 @@ def test_curvature_every_is_part_of_a_cells_identity(tmp_path: Path) -> None:
   make_run(tmp_path, "k1s0", {**ginger, "curvature_every": 1}, best_val_accuracy=72.0)
   make_run(tmp_path, "k1", {**ginger, "seed": 1, "curvature_every": 1}, best_val_accuracy=74.0)
   make_run(tmp_path, "k4", {**ginger, "seed": 2, "curvature_every": 4}, best_val_accuracy=10.0)
-  sel = tables.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "ginger", "tau": 4})
+  sel = selection.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "ginger", "tau": 4})
   assert sorted(r["best_val_accuracy"] for r in sel.runs) == [72.0, 74.0]
   assert "2 configurations matched" in sel.note and "curvature_every=1" in sel.note
 
@@ -644,9 +654,9 @@ def curvature_every_runs(root: Path) -> Path:
 
 def test_curvature_every_table(tmp_path: Path) -> None:
   runs = tables.collect_runs([curvature_every_runs(tmp_path)])
-  (name, table), *others = tables.curvature_every_tables(runs)
+  (name, table), *others = studies.curvature_every_tables(runs)
   assert name == "curvature_every_cifar10_10ep" and not others
-  md = tables.to_markdown(table)
+  md = render.to_markdown(table)
   assert "CIFAR-10, 10 epochs" in table.title and "NOT COMPARABLE" in table.title
   header = (
     "| Optimizer | K | seeds | Best acc | Final acc | ms/step | × Adam | s to 85% | s to best |"
@@ -671,11 +681,11 @@ def test_curvature_every_runs_enter_no_other_table(tmp_path: Path) -> None:
   and a Table 1 cell at 30 epochs never takes one."""
   root = curvature_every_runs(tmp_path / "runs")
   runs = tables.collect_runs([root])
-  assert tables.standin_tables(runs) == []
-  assert tables.tabulated(runs) == []
+  assert paper_tables.standin_tables(runs) == []
+  assert selection.tabulated(runs) == []
   crit = {"dataset": "cifar10", "optimizer": "adam"}
-  assert tables.select_runs(runs, crit).runs == []
-  assert len(tables.select_runs(runs, crit, ("curvature_every",)).runs) == 2
+  assert selection.select_runs(runs, crit).runs == []
+  assert len(selection.select_runs(runs, crit, ("curvature_every",)).runs) == 2
   out = tmp_path / "out"
   assert tables.main([str(root), "--out", str(out), "--standin-only"]) == 0
   assert sorted(p.name for p in out.iterdir()) == [
@@ -701,10 +711,10 @@ def test_batchnorm_modes_never_share_a_cell(tmp_path: Path) -> None:
   run("per4", 0, batchnorm="per_device", batchnorm_groups=4)
   run("per2", 0, batchnorm="per_device", batchnorm_groups=2)
   runs = tables.collect_runs([tmp_path])
-  keys = {tables.config_key(r) for r in runs}
+  keys = {selection.config_key(r) for r in runs}
   assert len(keys) == 3
   sync0, sync1 = (r for r in runs if "sync" in Path(r["path"]).name)
-  assert tables.config_key(sync0) == tables.config_key(sync1)
+  assert selection.config_key(sync0) == selection.config_key(sync1)
 
 
 def test_ginger_cells_prefer_the_default_variant(tmp_path: Path) -> None:
@@ -722,13 +732,13 @@ def test_ginger_cells_prefer_the_default_variant(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path, name, {**ginger, **variant, "seed": seed}, best_val_accuracy=acc)
     os.utime(run_dir / "summary.json", (1000 + i, 1000 + i))
   runs = tables.collect_runs([tmp_path])
-  crit = tables.cell_criteria("ginger", 4)
+  crit = selection.cell_criteria("ginger", 4)
   for sweeps in ((), ("table34",)):
-    sel = tables.select_runs(runs, crit, sweeps)
+    sel = selection.select_runs(runs, crit, sweeps)
     assert [r["best_val_accuracy"] for r in sel.runs] == [88.0]
     assert sel.note is None
   others = [r for r in runs if tables.rfield(r, "sweep") == "ablation"]
-  fallback = tables.select_runs(others, crit)
+  fallback = selection.select_runs(others, crit)
   assert [r["best_val_accuracy"] for r in fallback.runs] == [86.0, 86.5]
   assert "default variant" in fallback.note and "rho=None" in fallback.note
 
@@ -743,10 +753,10 @@ def test_state_dtype_and_precision_are_part_of_a_cells_identity(tmp_path: Path) 
   make_run(tmp_path, "bf16", {**ginger, "state_dtype": "bfloat16"}, best_val_accuracy=10.0)
   make_run(tmp_path, "bf16c", {**ginger, "seed": 1, "precision": "bfloat16"}, best_val_accuracy=9.0)
   runs = tables.collect_runs([tmp_path])
-  sel = tables.select_runs(runs, {"optimizer": "ginger", "tau": 4})
+  sel = selection.select_runs(runs, {"optimizer": "ginger", "tau": 4})
   assert sorted(r["best_val_accuracy"] for r in sel.runs) == [72.0, 74.0]
   only_bf16 = [r for r in runs if Path(r["path"]).name == "bf16"]
-  sel = tables.select_runs(only_bf16, {"optimizer": "ginger", "tau": 4})
+  sel = selection.select_runs(only_bf16, {"optimizer": "ginger", "tau": 4})
   assert [r["best_val_accuracy"] for r in sel.runs] == [10.0]
   assert "no run of the default variant" in sel.note and "state_dtype=bfloat16" in sel.note
 
@@ -767,7 +777,7 @@ def test_runs_differing_in_any_setting_never_share_a_cell(tmp_path: Path) -> Non
   elsewhere["config"]["data"] = {"path": "/elsewhere/cifar"}
   make_run(tmp_path, "b128s2", {**ginger, "seed": 2}, best_val_accuracy=73.0, **elsewhere)
   make_run(tmp_path, "b256s0", ginger, best_val_accuracy=10.0, **config(256, seed=0))
-  sel = tables.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "ginger", "tau": 4})
+  sel = selection.select_runs(tables.collect_runs([tmp_path]), {"optimizer": "ginger", "tau": 4})
   assert sorted(r["best_val_accuracy"] for r in sel.runs) == [72.0, 73.0, 74.0]
   assert "2 configurations matched" in sel.note and "batch_size=128" in sel.note
 
@@ -787,7 +797,7 @@ def test_ablation_rows_keep_one_configuration_per_variant(tmp_path: Path) -> Non
   make_run(
     tmp_path, "noclip", {**ginger, "rho": None, "block": "per_tensor"}, best_val_accuracy=60.0
   )
-  table = tables.build_ablation(tables.collect_runs([tmp_path]))
+  table = ablation.build_ablation(tables.collect_runs([tmp_path]))
   assert any("2 configurations matched" in n and "batch_size=128" in n for n in table.notes)
   clip_row = next(row.cells for row in table.rows if row.label.startswith("ρ=1.0"))
   assert "73.00 ± 1.41" in clip_row  # the batch-128 pair, the batch-256 run neither mixed in
@@ -811,7 +821,7 @@ def test_a_run_that_shared_its_device_counts_for_accuracy_not_memory(tmp_path: P
   make_run(root, "1", {"seed": 1}, **image(73.0, 1.3, 2e-5, 2.4e9, 3_300_000_000))
   shared = image(75.0, 1.25, 1.5e-5, 2.4e9, 9_900_000_000)
   make_run(root, "2", {"seed": 2}, device_shared=True, **shared)
-  md = tables.to_markdown(tables.build_table1(tables.collect_runs([root])))
+  md = render.to_markdown(paper_tables.build_table1(tables.collect_runs([root])))
   adam, adam_cost = (line for line in md.splitlines() if line.startswith("| Adam | 3 |"))
   assert adam.startswith("| Adam | 3 | 73.33 ± 1.53 |"), adam
   assert "| 3.25 ± 0.07 | 3.16 |" in adam_cost, adam_cost
@@ -860,10 +870,10 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
     for seed, acc in enumerate(accs):
       make_run(root, f"{name}{seed}", {**run, "seed": seed}, best_val_accuracy=acc)
   runs = tables.collect_runs([root])
-  table = tables.build_comparisons(runs, "cifar100", ["resnet18"])
+  table = comparisons.build_comparisons(runs, "cifar100", ["resnet18"])
   rows = {r.label: r.cells for r in table.rows}
   assert set(rows) == {"Ginger τ=8 − Adam", "Ginger τ=8 − QNG τ=8", "QNG τ=8 − Adam"}
-  tie = tables.stats.welch(samples["ginger"][1], samples["adam"][1])
+  tie = stats.welch(samples["ginger"][1], samples["adam"][1])
   assert rows["Ginger τ=8 − Adam"] == [
     "88.13 ± 0.25 (n=3)",
     "87.97 ± 0.35 (n=3)",
@@ -879,11 +889,13 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
   for seed, acc in enumerate([87.0, 87.2]):
     make_run(root, f"control{seed}", {**clipped, "seed": seed}, best_val_accuracy=acc)
   runs = tables.collect_runs([root])
-  rows = {r.label: r.cells for r in tables.build_comparisons(runs, "cifar100", ["resnet18"]).rows}
+  rows = {
+    r.label: r.cells for r in comparisons.build_comparisons(runs, "cifar100", ["resnet18"]).rows
+  }
   assert rows["Ginger τ=8 − QNG τ=8 clipped"][1] == "87.10 ± 0.14 (n=2)"
   assert rows["QNG τ=8 clipped − QNG τ=8"][3] == "above"
   # Table 1's QNG cell stays the unclipped global variant: the control does not leak into it.
-  table1 = tables.build_table1(runs, "cifar100", ["resnet18"])
+  table1 = paper_tables.build_table1(runs, "cifar100", ["resnet18"])
   qng_row = next(r for r in table1.rows if r.label == "QNG (τ=8)")
   assert qng_row.cells[0] == "3"
 
@@ -903,8 +915,8 @@ def test_comparisons_read_each_family_after_holms_correction(tmp_path):
     "g4": ({**ginger, "tau": 4}, [89.0, 89.1, 88.9]),
   }
   rows = _comparison_rows(root, samples)
-  diffs = [tables.stats.welch(samples[k][1], adam) for k in ("g1", "g2", "g4")]
-  adjusted = tables.stats.holm([d.p for d in diffs])
+  diffs = [stats.welch(samples[k][1], adam) for k in ("g1", "g2", "g4")]
+  adjusted = stats.holm([d.p for d in diffs])
   for k, (tau, d, p) in enumerate(zip((1, 2, 4), diffs, adjusted, strict=True)):
     cells = rows[f"Ginger τ={tau} − Adam"]
     assert cells[2:] == [
@@ -912,7 +924,7 @@ def test_comparisons_read_each_family_after_holms_correction(tmp_path):
       d.verdict,
       "Ginger − Adam over τ (3)",
       f"{p:.2g}",
-      tables.stats.holm_verdicts(diffs)[k],
+      stats.holm_verdicts(diffs)[k],
     ]
   assert rows["Ginger τ=2 − Adam"][3] == "above" and rows["Ginger τ=2 − Adam"][6] == "tie"
   assert rows["Ginger τ=4 − Adam"][6] == "above"
@@ -927,7 +939,9 @@ def _comparison_rows(root, samples) -> dict[str, list[str]]:
       make_run(root, f"{name}{seed}", {**run, "seed": seed}, best_val_accuracy=acc)
   return {
     r.label: r.cells
-    for r in tables.build_comparisons(tables.collect_runs([root]), "cifar100", ["resnet18"]).rows
+    for r in comparisons.build_comparisons(
+      tables.collect_runs([root]), "cifar100", ["resnet18"]
+    ).rows
   }
 
 
@@ -948,7 +962,7 @@ def test_comparisons_cover_the_ablation_variants(tmp_path):
     ),
   }
   rows = _comparison_rows(root, samples)
-  welch = tables.stats.welch
+  welch = stats.welch
   expected = {
     "Ginger τ=4 ρ=1 global − ρ=1 per-tensor": welch(samples["global"][1], samples["authors"][1]),
     "Ginger τ=4 no clip per-tensor − ρ=1 per-tensor": welch(
@@ -995,7 +1009,7 @@ def test_clip_fraction_table_averages_the_logged_share_by_stretch(tmp_path):
   ]
   make_run(root, "clip", ginger, events=events, best_val_accuracy=88.0)
   make_run(root, "adam", {}, events=[{"event": "train", "step": 5, "epoch": 0.5}])
-  table = tables.build_clip_fraction(tables.collect_runs([root]), "cifar100")
+  table = studies.build_clip_fraction(tables.collect_runs([root]), "cifar100")
   assert [r.label for r in table.rows] == ["Ginger (τ=8), clip ρ=1, per_tensor (table1)"]
   # epochs 0-1: 0.4 and 0.2; 1-5: 0.1; 20-end: 0.3; whole run: 0.25
   assert table.rows[0].cells == [
@@ -1041,7 +1055,7 @@ def test_clip_fraction_table_names_a_setting_other_than_the_papers(tmp_path, key
   ginger = {"optimizer": "ginger", "tau": 8, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
   for value in values:
     make_run(root, f"{key}{value}", {**ginger, key: value}, events=events, best_val_accuracy=88.0)
-  table = tables.build_clip_fraction(tables.collect_runs([root]), "cifar100")
+  table = studies.build_clip_fraction(tables.collect_runs([root]), "cifar100")
   assert sorted(r.label for r in table.rows) == labels
 
 
@@ -1058,7 +1072,7 @@ def test_an_ablation_variant_at_two_learning_rates_is_two_comparisons(tmp_path):
     "fast": ({**free, "lr": 1e-5}, [80.1, 81.0, 80.4]),
   }
   rows = _comparison_rows(root, samples)
-  welch = tables.stats.welch
+  welch = stats.welch
   for name, lr in (("slow", "1e-06"), ("fast", "1e-05")):
     diff = welch(samples[name][1], samples["authors"][1])
     label = f"Ginger τ=4 no clip per-tensor lr={lr} − ρ=1 per-tensor"
@@ -1071,7 +1085,8 @@ def test_comparisons_hold_the_curvature_every_family(tmp_path: Path) -> None:
   each K > 1 against K = 1 (the diverged K=2 run has no cell, the one-seed K=8 no interval)."""
   runs = tables.collect_runs([curvature_every_runs(tmp_path)])
   rows = {
-    r.label: r.cells for r in tables.build_comparisons(runs, "cifar10", ["resnet18"], "10ep").rows
+    r.label: r.cells
+    for r in comparisons.build_comparisons(runs, "cifar10", ["resnet18"], "10ep").rows
   }
   assert set(rows) == {
     "Ginger τ=8 K=1 − Adam",
@@ -1080,7 +1095,7 @@ def test_comparisons_hold_the_curvature_every_family(tmp_path: Path) -> None:
     "Ginger τ=8 K=8 − Adam",
     "Ginger τ=8 K=8 − K=1",
   }
-  expected = tables.stats.welch([88.0, 89.0], [86.0, 87.0])
+  expected = stats.welch([88.0, 89.0], [86.0, 87.0])
   assert rows["Ginger τ=8 K=1 − Adam"][:5] == [
     "88.50 ± 0.71 (n=2)",
     "86.50 ± 0.71 (n=2)",

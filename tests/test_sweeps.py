@@ -11,7 +11,7 @@ import pytest
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from results import records, tables
+from results import paper_tables, records, render, selection, tables
 from sweeps import best_lr, gpu_pool
 from sweeps.expand import compose_job, expand, hydra_context, job_overrides
 
@@ -102,7 +102,7 @@ def test_tables_3_4_are_9_configurations(cfg_dir, table34):
   assert {(j.run["optimizer"], j.run["model"], j.run["dataset"], j.run["sweep"]) for j in jobs} == {
     ("ginger", "resnet18", "cifar100", "table34")
   }
-  assert {j.run["sweep"] for j in jobs} <= set(tables.TABLE_SWEEPS["table3"])
+  assert {j.run["sweep"] for j in jobs} <= set(selection.TABLE_SWEEPS["table3"])
   # +sweep=table3 and +sweep=table4 are the same runs, in the same dirs.
   for alias in ("table3", "table4"):
     jobs = job_overrides([f"+sweep={alias}"], cfg_dir)
@@ -132,7 +132,7 @@ def test_lr_tune_protocol(cfg_dir):
   image = compose_job(
     ["+sweep=lr_tune", "+sweep/exp=full/cifar100_resnet18", "+sweep/arm=ginger", "lr=0.05"], cfg_dir
   )
-  assert image.run["sweep"] in tables.EXCLUDED_SWEEPS
+  assert image.run["sweep"] in selection.EXCLUDED_SWEEPS
   assert image.config["data"]["holdout"] == 5000  # held-out training images, not test
   assert image.run["lr"] == 0.05 and image.run["tau"] == 4  # ginger's config default tau
   smoke = compose_job(
@@ -550,18 +550,18 @@ def test_smoke_sweep_end_to_end_gives_table_rows(tmp_path, capsys):
     assert tables.rfield(run, "sweep") == "table34"
     assert (tables.rfield(run, "dataset"), tables.rfield(run, "model")) == ("digits", "resnet_tiny")
   # The cell a Table 3 would take for alpha 0.9, tau 2 (at the smoke stand-ins) ...
-  cell = tables.select_runs(
+  cell = selection.select_runs(
     runs,
     {"dataset": "digits", "model": "resnet_tiny", "optimizer": "ginger", "tau": 2, "alpha": 0.9},
-    tables.TABLE_SWEEPS["table3"],
+    selection.TABLE_SWEEPS["table3"],
   )
   assert len(cell.runs) == 1 and cell.note is None
   # ... and a rendered partial table: Table 1's Ginger (tau=2) row from the alpha=0.99 run.
-  table = tables.build_table1(runs, dataset="digits", models=("resnet_tiny",))
+  table = paper_tables.build_table1(runs, dataset="digits", models=("resnet_tiny",))
   row = next(r for r in table.rows if r.label == "Ginger (τ=2)")
   assert row.cells[0] == "1" and row.cells[1]  # n = 1 and an accuracy
   assert all(r.cells[0] == "" for r in table.rows if r.label != "Ginger (τ=2)")
-  assert "Ginger (τ=2) | 1 |" in tables.to_markdown(table)
+  assert "Ginger (τ=2) | 1 |" in render.to_markdown(table)
 
 
 def test_best_lr_skips_tuning_runs_in_narrow_numerics(tmp_path, cfg_dir, capsys):

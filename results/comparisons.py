@@ -1,0 +1,228 @@
+"""Every comparison of best validation accuracy the results make, with its Welch 95 % interval
+and its reading after Holm's correction over its family (results/stats.py)."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from results import stats
+from results.ablation import CLIPPED_PER_TENSOR, ablation_pairs
+from results.metrics import aggregate, fmt_stat
+from results.runs import Run, is_number, rfield
+from results.selection import (
+  PAPER_ALPHA,
+  SENSITIVITY_ALPHAS,
+  SENSITIVITY_TAUS,
+  TABLE_SWEEPS,
+  ComparisonPair,
+  Selection,
+  cell_criteria,
+  found_optimizers,
+  image_protocol,
+  matches,
+  models_in,
+  select_runs,
+  sort_key,
+  tabulated,
+  tuple_key,
+)
+from results.studies import build_clip_fraction, curvature_every_pairs
+from results.table_model import (
+  MODEL_NAMES,
+  Column,
+  Row,
+  Table,
+  finish,
+  optimizer_label,
+  set_name,
+  set_text,
+)
+from training import registry
+
+QNG_CONTROL_SWEEP = "qng_control"
+
+
+def accuracies(sel: Selection) -> list[float]:
+  return [float(r["best_val_accuracy"]) for r in sel.runs if is_number(r.get("best_val_accuracy"))]
+
+
+def _sample_text(values: Sequence[float]) -> str:
+  return f"{fmt_stat(aggregate(values), 'f2')} (n={len(values)})"
+
+
+def _comparison_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[ComparisonPair]:
+  """(family, label, a, b) for every comparison of best validation accuracy that
+  REPRODUCTION.md makes on one model: each Ginger tau against Adam, Momentum and QNG at that
+  tau; QNG against Adam; Momentum against Adam; the pairs of taus of Ginger and of QNG; the clip
+  control (QNG with Ginger's clip and blocks) where it has runs; the ablation; and each alpha
+  of Tables 3/4 against the paper's alpha at the same tau. A family is the set of comparisons
+  one sentence reads together (e.g. Ginger - Adam at every tau): Holm's correction runs over it."""
+  table1 = TABLE_SWEEPS["table1"]
+
+  def cell(optimizer: str, tau: Any = None, sweeps: Sequence[str] = table1, **extra) -> Selection:
+    return select_runs(runs, {**cell_criteria(optimizer, tau, **protocol), **extra}, sweeps)
+
+  adam, momentum = cell("adam"), cell("momentum")
+  found = found_optimizers(runs, **protocol)
+  taus = sorted({t for o, t in found if o == "ginger" and t is not None}, key=sort_key)
+  qng_taus = sorted({t for o, t in found if o == "qng" and t is not None}, key=sort_key)
+  pairs = []
+  for tau in taus:
+    ginger, qng = cell("ginger", tau), cell("qng", tau)
+    pairs += [
+      ("Ginger − Adam over τ", f"Ginger τ={tau} − Adam", ginger, adam),
+      ("Ginger − Momentum over τ", f"Ginger τ={tau} − Momentum", ginger, momentum),
+      ("Ginger − QNG over τ", f"Ginger τ={tau} − QNG τ={tau}", ginger, qng),
+    ]
+  for tau in qng_taus:
+    pairs.append(("QNG − Adam over τ", f"QNG τ={tau} − Adam", cell("qng", tau), adam))
+  pairs.append(("Momentum − Adam", "Momentum − Adam", momentum, adam))
+  for name, optimizer, opt_taus in (("Ginger", "ginger", taus), ("QNG", "qng", qng_taus)):
+    for low, high in itertools.combinations(opt_taus, 2):
+      label = f"{name} τ={high} − τ={low}"
+      pairs.append((f"{name} τ pairs", label, cell(optimizer, high), cell(optimizer, low)))
+  pairs += _control_pairs(cell, taus)
+  pairs += curvature_every_pairs(runs, protocol)
+  pairs += ablation_pairs(runs, protocol, adam)
+  sensitivity = TABLE_SWEEPS["table3"]
+  for alpha in SENSITIVITY_ALPHAS:
+    for tau in SENSITIVITY_TAUS:
+      if alpha == PAPER_ALPHA:
+        continue
+      base = {**protocol, "optimizer": "ginger", "tau": tau}
+      a = select_runs(runs, {**base, "alpha": alpha}, sensitivity)
+      b = select_runs(runs, {**base, "alpha": PAPER_ALPHA}, sensitivity)
+      family = f"α − {PAPER_ALPHA} over α and τ"
+      pairs.append((family, f"Ginger α={alpha} − α={PAPER_ALPHA}, τ={tau}", a, b))
+  return pairs + newcomer_pairs(cell, found)
+
+
+def newcomer_family(arm: tuple[str, Any]) -> str:
+  """ "newcomers − Adam": the family of every optimizer compared with ``arm``."""
+  return f"newcomers − {optimizer_label(*arm)}"
+
+
+def newcomer_pairs(
+  cell: Callable[..., Selection], found: set[tuple[str, Any]]
+) -> list[ComparisonPair]:
+  """The comparisons the registry asks for (``registry.Optimizer.compared_with``: Adam and
+  Ginger τ=8 for every optimizer beyond the paper's): for each arm, every optimizer compared
+  with it that has runs, one Holm family per arm (:func:`newcomer_family`)."""
+  arms = dict.fromkeys(arm for n in registry.table_order() for arm in registry.get(n).arms)
+  have = {o for o, _tau in found}
+  pairs = []
+  for arm in arms:
+    reference = cell(*arm)
+    for name in registry.compared(arm):
+      if name in have:
+        label = f"{registry.display_name(name)} − {optimizer_label(*arm)}"
+        pairs.append((newcomer_family(arm), label, cell(name), reference))
+  return pairs
+
+
+def _control_pairs(cell: Callable[..., Selection], taus: Sequence[Any]) -> list[ComparisonPair]:
+  """The clip control's comparisons (one family): at each tau where QNG with Ginger's clip and
+  blocks has runs, Ginger against it and it against unclipped QNG."""
+  pairs = []
+  for tau in taus:
+    control = cell("qng", tau, (QNG_CONTROL_SWEEP,), **CLIPPED_PER_TENSOR)
+    control.runs = [r for r in control.runs if rfield(r, "sweep") == QNG_CONTROL_SWEEP]
+    if control.runs:
+      pairs += [
+        ("clip control", f"Ginger τ={tau} − QNG τ={tau} clipped", cell("ginger", tau), control),
+        ("clip control", f"QNG τ={tau} clipped − QNG τ={tau}", control, cell("qng", tau)),
+      ]
+  return pairs
+
+
+def build_comparisons(
+  runs: Sequence[Run], dataset: str, models: Sequence[str], length: str | None = None
+) -> Table:
+  """Every comparison the results make, with its Welch 95 % interval and its reading after
+  Holm's correction over its family (results/stats.py): one row per (model, comparison) that
+  has runs on both sides."""
+  protocol = image_protocol(dataset, length)
+  caption = (
+    "Best validation accuracy (%): A and B as mean ± sample std (n seeds); A − B = difference "
+    "of means [Welch 95 % interval, uncorrected]; reading: above / below where that interval "
+    "excludes 0, tie where it contains 0, n < 2 where a side has one run (no interval). Family "
+    "(m): the comparisons of one model read together (e.g. Ginger − Adam at every τ), m of "
+    "them tested; p (Holm): Welch's p-value adjusted by Holm's step-down procedure over the "
+    "family, which keeps the chance of any false above / below in the family at 5 %; reading "
+    "(Holm): above / below where it is below 0.05. A sentence about a family uses the Holm "
+    "reading. A cell pools the runs of one resolved configuration (the cell of Tables 1 and 3 "
+    "it comes from; a rerun of a seed replaces the earlier run), on any card: accuracy does "
+    "not depend on the card's kind."
+  )
+  labels = ("A", "B", "A − B [95 % CI]", "Reading", "Family (m)", "p (Holm)", "Reading (Holm)")
+  table = Table(
+    set_name("comparisons", dataset, length),
+    f"Comparisons with 95 % intervals, Holm-corrected by family: {set_text(dataset, length)}",
+    caption,
+    "Comparison",
+    [Column("", label) for label in labels],
+  )
+  used = []
+  for model in models:
+    rows, model_runs = _comparison_rows(runs, {**protocol, "model": model})
+    prefix = f"{MODEL_NAMES.get(model, model)}: " if len(models) > 1 else ""
+    for k, (label, cells) in enumerate(rows):
+      table.rows.append(Row(prefix + label, cells, rule_before=k == 0 and bool(table.rows)))
+    used += [r for r in model_runs if r not in used]
+  return finish(table, used, [])
+
+
+def _comparison_rows(
+  runs: Sequence[Run], protocol: dict[str, Any]
+) -> tuple[list[tuple[str, list[str]]], list[Run]]:
+  """(label, cells) of one model's comparisons with runs on both sides, in order, the Holm
+  columns computed over each family's comparisons; and the runs they use."""
+  tested, used = [], []
+  for family, label, a, b in _comparison_pairs(runs, protocol):
+    va, vb = accuracies(a), accuracies(b)
+    if va and vb:
+      tested.append((family, label, va, vb, stats.welch(va, vb)))
+      used += [r for r in a.runs + b.runs if r not in used]
+  by_family: dict[str, list[int]] = collections.defaultdict(list)
+  for k, (family, *_rest) in enumerate(tested):
+    by_family[family].append(k)
+  holm: dict[int, tuple[float | None, str, int]] = {}
+  for ks in by_family.values():
+    diffs = [tested[k][4] for k in ks]
+    m = sum(d.p is not None for d in diffs)
+    for k, p, reading in zip(
+      ks, stats.holm([d.p for d in diffs]), stats.holm_verdicts(diffs), strict=True
+    ):
+      holm[k] = (p, reading, m)
+  out = []
+  for k, (family, label, va, vb, diff) in enumerate(tested):
+    p, reading, m = holm[k]
+    cells = [_sample_text(va), _sample_text(vb), diff.text(), diff.verdict]
+    cells += [f"{family} ({m})", "" if p is None else _p_text(p), reading]
+    out.append((label, cells))
+  return out, used
+
+
+def _p_text(p: float) -> str:
+  """A p-value to two significant digits, "< 0.0001" below that."""
+  return "< 0.0001" if p < 1e-4 else f"{p:.2g}"
+
+
+def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
+  """(file name, table): the comparisons and the clip-fraction table of every image set."""
+  done = tabulated(runs)
+  out = []
+  sets = {(rfield(r, "dataset"), rfield(r, "length")) for r in done if rfield(r, "setting") is None}
+  for dataset, length in sorted(sets, key=tuple_key):
+    protocol = image_protocol(dataset, length)
+    models = models_in([r for r in done if matches(r, protocol)])
+    table = build_comparisons(runs, dataset, models, length)
+    if table.rows:
+      out.append((table.name, table))
+    clip = build_clip_fraction(runs, dataset, length)
+    if clip.rows:
+      out.append((clip.name, clip))
+  return out

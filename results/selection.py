@@ -1,0 +1,282 @@
+"""Which runs fill a table cell, and which row of the paper's numbers stands beside them.
+
+A cell's runs are the completed runs matching its criteria ({run field: value or tuple of
+values}), one configuration of them (the one with the most seeds), one run per seed; the paper's
+row is looked up in ``results/paper/<name>.csv``. The paper's protocols (:data:`PAPER_IMAGE`,
+:data:`PAPER_TEXT`) decide which runs may fill the paper's own tables.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from results.runs import Run, is_done, is_number, rfield
+from training import registry
+
+PAPER_DIR = Path(__file__).resolve().parent / "paper"
+
+
+TAUS = (1, 2, 4, 8, 16, 32)
+SENSITIVITY_ALPHAS = (0.9, 0.99, 0.999)
+SENSITIVITY_TAUS = (2, 4, 8)
+PAPER_ALPHA = 0.99  # the paper's "second moment" for all optimizers
+# Never in a paper table: lr_tune's candidates, and the studies beyond the paper, which have
+# their own tables (curvature_every: build_curvature_every).
+EXCLUDED_SWEEPS = frozenset({"lr_tune", "curvature_every"})
+# The variant an optimizer's cells in Tables 1-4 stand for: Ginger's config defaults, as the
+# authors' code runs it (clip rho=1, one (U, sigma) per tensor). The other variants (sweep
+# ablation) share tau and alpha with it and belong to the ablation table.
+DEFAULT_VARIANT = {
+  "ginger": {"rho": 1.0, "block": "per_tensor"},
+  "qng": {"rho": None, "block": "global"},
+}
+CONFIG_KEYS = (
+  "experiment",
+  "model",
+  "dataset",
+  "setting",
+  "optimizer",
+  "tau",
+  "alpha",
+  "gamma",
+  "rho",
+  "block",
+  "lr",
+  "length",
+  "curvature_every",
+  "batchnorm",
+  "batchnorm_groups",
+  "precision",
+  "state_dtype",
+  "settings",
+  "optimizer_options",  # an optimizer's own keys set away from its YAML (run_record.OPTIONS)
+)
+# The paper's protocols: only runs matching one fill the paper's tables.
+PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}
+PAPER_TEXT = {"dataset": "xsum", "model": "t5-small", "length": "1ep"}
+# The sweeps whose runs a table's cells prefer (select_runs).
+TABLE_SWEEPS = {
+  "table1": ("table1",),
+  "table2": ("table2",),
+  "table3": ("table3", "table4", "table34"),
+  "table4": ("table3", "table4", "table34"),
+}
+
+
+def same_value(a: Any, b: Any) -> bool:
+  """Equality that treats 0.99 and 0.9900000001 (or 4 and 4.0) as the same value."""
+  if is_number(a) and is_number(b):
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+  return a == b
+
+
+def _accepts(value: Any, want: Any) -> bool:
+  """`want` is one allowed value, or a tuple of them."""
+  options = want if isinstance(want, tuple) else (want,)
+  return any(same_value(value, w) for w in options)
+
+
+def sort_key(value: Any) -> tuple[int, Any]:
+  """Sorts numbers, then strings, then None."""
+  if is_number(value):
+    return (0, value)
+  return (2, "") if value is None else (1, str(value))
+
+
+def config_key(run: Run) -> tuple:
+  """The run's hyperparameters (everything but the seed), hashable (a mapping as its sorted
+  items)."""
+  return tuple(_hashable(rfield(run, k)) for k in CONFIG_KEYS)
+
+
+def _hashable(value: Any) -> Any:
+  return tuple(sorted(value.items())) if isinstance(value, dict) else value
+
+
+def dedupe_seeds(runs: Iterable[Run]) -> list[Run]:
+  """One run per seed: the newest summary.json wins (a rerun replaces the earlier one)."""
+  best: dict[Any, Run] = {}
+  for run in runs:
+    seed = rfield(run, "seed")
+    key = seed if seed is not None else run.get("path")
+    if key not in best or run.get("mtime", 0) > best[key].get("mtime", 0):
+      best[key] = run
+  return sorted(best.values(), key=lambda r: sort_key(rfield(r, "seed")))
+
+
+@dataclass
+class Selection:
+  """The runs chosen for one table cell, and a note when several configurations matched."""
+
+  runs: list[Run]
+  note: str | None = None
+
+
+def _describe(run: Run, keys: Sequence[str]) -> str:
+  return ", ".join(f"{k}={rfield(run, k)}" for k in keys)
+
+
+def select_runs(
+  runs: Iterable[Run], criteria: dict[str, Any], sweeps: Sequence[str] = ()
+) -> Selection:
+  """Completed runs matching `criteria` ({run field: value or tuple of values}).
+
+  Runs of an excluded sweep (lr_tune, curvature_every) count only where `sweeps` names that
+  sweep. Runs of one of `sweeps` are preferred over others, then runs of the optimizer's default
+  variant (DEFAULT_VARIANT: an ablation variant fills a cell only where the default has no run,
+  and the note says so). If the remaining runs hold several
+  configurations (e.g. two learning rates), the one with the most seeds (then the newest) is
+  used and the note says so.
+  """
+  pool = [
+    r
+    for r in runs
+    if is_done(r)
+    and (rfield(r, "sweep") not in EXCLUDED_SWEEPS or rfield(r, "sweep") in sweeps)
+    and all(_accepts(rfield(r, k), w) for k, w in criteria.items())
+  ]
+  pool = [r for r in pool if rfield(r, "sweep") in sweeps] or pool
+  default = [r for r in pool if is_default_variant(r)]
+  fallback = None
+  if pool and not default:  # every run left is a non-default variant of one optimizer
+    want = default_variant(rfield(pool[0], "optimizer"))
+    fallback = (
+      "no run of the default variant (" + ", ".join(f"{k}={v}" for k, v in want.items()) + ")"
+    )
+  pool = default or pool
+  if fallback and pool:
+    used = _describe(pool[0], list(default_variant(rfield(pool[0], "optimizer"))))
+    fallback = f"{fallback}; used {used}"
+  return one_configuration(pool, fallback)
+
+
+def one_configuration(runs: Sequence[Run], note: str | None = None) -> Selection:
+  """The runs of one configuration (:func:`config_key`; one run per seed, the newest): the one
+  with the most seeds (then the newest) when there are several, and a note naming what
+  differs. ``note``: said first where the selection has a note."""
+  groups: dict[tuple, list[Run]] = {}
+  for run in runs:
+    groups.setdefault(config_key(run), []).append(run)
+  if not groups:
+    return Selection([])
+  chosen = {k: dedupe_seeds(v) for k, v in groups.items()}
+  best = max(chosen.values(), key=lambda rs: (len(rs), max(r.get("mtime", 0) for r in rs)))
+  if len(chosen) == 1:
+    return Selection(best, f"{note} (n={len(best)})" if note else None)
+  varying = [k for i, k in enumerate(CONFIG_KEYS) if len({repr(g[i]) for g in chosen}) > 1]
+  fields = [k for k in varying if k != "settings"]
+  used = _describe(best[0], fields)
+  if "settings" in varying:  # name the settings that differ, not their digest
+    firsts = [group[0]["settings"] for group in chosen.values()]
+    differ = {k for f in firsts for k in f if len({repr(x.get(k)) for x in firsts}) > 1}
+    keys = sorted(differ - set(fields))  # a setting that is also a field is named once
+    own = ", ".join(f"{k}={best[0]['settings'].get(k)}" for k in keys)
+    used = ", ".join(part for part in (used, own) if part)
+  matched = f"{len(chosen)} configurations matched"
+  return Selection(best, f"{note + '; ' if note else ''}{matched}; used {used} (n={len(best)})")
+
+
+def default_variant(optimizer: str) -> dict[str, Any]:
+  """The run fields of `optimizer`'s default variant: DEFAULT_VARIANT's, and float32 numerics
+  (compute, and the curvature state where there is one)."""
+  numerics = {"precision": "float32"}
+  if registry.keeps_curvature(optimizer):
+    numerics["state_dtype"] = "float32"
+  return {**DEFAULT_VARIANT.get(optimizer, {}), **numerics}
+
+
+def is_default_variant(run: Run) -> bool:
+  """Whether `run` is its optimizer's default variant (:func:`default_variant`)."""
+  want = default_variant(rfield(run, "optimizer"))
+  return all(rfield(run, k) == v for k, v in want.items())
+
+
+# A comparison of two cells (results/comparisons.py): (family, label, a, b).
+ComparisonPair = tuple[str, str, Selection, Selection]
+
+
+def matches(run: Run, criteria: dict[str, Any]) -> bool:
+  return all(_accepts(rfield(run, k), v) for k, v in criteria.items())
+
+
+def tuple_key(values: tuple) -> tuple:
+  return tuple(sort_key(v) for v in values)
+
+
+def cell_criteria(optimizer: str, tau: Any, **base: Any) -> dict[str, Any]:
+  """Cell criteria; the curvature methods must use the paper's alpha (or leave it unset)."""
+  crit = dict(base, optimizer=optimizer)
+  if tau is not None:
+    crit.update(tau=tau, alpha=(PAPER_ALPHA, None))
+  return crit
+
+
+def found_optimizers(runs: Iterable[Run], **base: Any) -> set[tuple[str, Any]]:
+  """(optimizer, tau) pairs among runs that some cell of a table with `base` would use."""
+  return {
+    (rfield(r, "optimizer"), rfield(r, "tau"))
+    for r in runs
+    if is_done(r)
+    and rfield(r, "sweep") not in EXCLUDED_SWEEPS
+    and all(_accepts(rfield(r, k), v) for k, v in base.items())
+    and (rfield(r, "tau") is None or _accepts(rfield(r, "alpha"), (PAPER_ALPHA, None)))
+  }
+
+
+def image_protocol(dataset: str = "cifar100", length: str | None = None) -> dict[str, Any]:
+  """Criteria of an image-table set: the dataset and run length (the paper's length for the
+  paper's dataset when not given; any length otherwise)."""
+  if length is None and dataset == PAPER_IMAGE["dataset"]:
+    length = PAPER_IMAGE["length"]
+  return {"dataset": dataset} | ({"length": length} if length is not None else {})
+
+
+def comparable(protocol: dict[str, Any], paper: dict[str, Any]) -> bool:
+  return all(protocol.get(k) == v for k, v in paper.items())
+
+
+def text_protocol(model: str = "t5-small", length: str | None = "1ep") -> dict[str, Any]:
+  """Criteria of a Table 2 set: XSUM, the model (by name) and the run length."""
+  return {"dataset": "xsum", "model": model} | ({"length": length} if length is not None else {})
+
+
+def tabulated(runs: Iterable[Run]) -> list[Run]:
+  return [r for r in runs if is_done(r) and rfield(r, "sweep") not in EXCLUDED_SWEEPS]
+
+
+def models_in(runs: Iterable[Run]) -> list[str]:
+  """The models of `runs`, the paper's first (ResNet-18, ResNet-50), then by name."""
+  found = {rfield(r, "model") for r in runs} - {None}
+  paper = [m for m in ("resnet18", "resnet50") if m in found]
+  return paper + sorted(found - set(paper))
+
+
+def _parse(text: str) -> Any:
+  """A CSV cell as int, float, str, or None when empty."""
+  if text == "":
+    return None
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def load_paper(name: str) -> list[dict[str, str]]:
+  """Rows of results/paper/<name>.csv, values as the paper prints them."""
+  with open(PAPER_DIR / f"{name}.csv", newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def paper_row(rows: Iterable[dict[str, str]], **keys: Any) -> dict[str, str] | None:
+  """The paper row whose columns equal `keys` (None matches an empty cell)."""
+  for row in rows:
+    if all(same_value(_parse(row.get(k, "")), v) for k, v in keys.items()):
+      return row
+  return None
