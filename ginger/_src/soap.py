@@ -30,12 +30,19 @@ the reference rotates ``m`` back to the parameters' coordinates and into the eig
 after every step (the same basis but on refreshes: the identity, to rounding); here ``m`` stays
 in the eigenbasis and is rotated only when the basis changes, ``Q_new^T Q_old m``.
 
+Compilation: a factor of at most :data:`SMALL_FACTOR` (a convolution's 3-wide spatial axes, a
+1x1 kernel's axes of 1) is applied by multiply-adds rather than a matrix product (the same sums,
+in another order; :func:`contract_first_axis`): those axes would otherwise make over half the
+update's matrix products (ResNet-18: 210 of 456), which XLA compiles one by one (on a GPU,
+autotuning each distinct one). ``bench/compile_time.py`` measures the compilation.
+
 Memory: ``m`` and ``v`` (two floats per parameter) plus, per factor of size ``d``, ``F_i`` and
 ``Q_i`` (``2 d^2`` floats).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -53,6 +60,10 @@ HIGHEST = jax.lax.Precision.HIGHEST
 EIGH_SHIFT = 1e-30
 # The authors' largest axis given a factor: it leaves out most vocabularies.
 DEFAULT_MAX_PRECOND_DIM = 10000
+# Factors up to this size are applied by multiply-adds, not matrix products (contract_first_axis):
+# a convolution's spatial axes (3 for 3x3 kernels, 1 for 1x1) would otherwise make half the
+# update's matrix products (ResNet-18: 210 of 456).
+SMALL_FACTOR = 8
 # The branches of the preconditioner's basis update (one ``lax.switch`` a step).
 _FIRST, _KEEP, _REFRESH = 0, 1, 2
 
@@ -118,31 +129,46 @@ def preconditioned_shape(
   return shape, tuple(not empty and d <= max_precond_dim for d in shape)
 
 
+def contract_first_axis(x: jax.Array, q: jax.Array) -> jax.Array:
+  """``tensordot(x, q, [[0], [0]])``: axis 0 of ``x`` contracted with the rows of ``q``, the
+  new axis last. A ``q`` of at most :data:`SMALL_FACTOR` rows is applied by multiply-adds,
+  ``sum_k x[k, ...] q[k, :]``, which XLA fuses with their neighbours instead of compiling (on a
+  GPU: autotuning) one matrix product per leaf and axis."""
+  if q.shape[0] > SMALL_FACTOR:
+    return jnp.tensordot(x, q, axes=[[0], [0]], precision=HIGHEST)
+  terms = [x[k][..., None] * q[k] for k in range(q.shape[0])]
+  return functools.reduce(jnp.add, terms)
+
+
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a b`` for square factors: multiply-adds up to :data:`SMALL_FACTOR` (as
+  :func:`contract_first_axis`), else a float32 matrix product."""
+  return contract_first_axis(a.T, b)
+
+
 def project(x: jax.Array, bases) -> jax.Array:
   """``Q^T x``: ``x`` rotated by ``Q_i^T`` along each axis ``i`` with a basis (None: left as
   it is). Contracts axis 0 and appends the new axis last, once per axis, as the authors do."""
   for q in bases:
-    if q is None:
-      x = jnp.moveaxis(x, 0, -1)
-    else:
-      x = jnp.tensordot(x, q, axes=[[0], [0]], precision=HIGHEST)
+    x = jnp.moveaxis(x, 0, -1) if q is None else contract_first_axis(x, q)
   return x
 
 
 def project_back(x: jax.Array, bases) -> jax.Array:
   """``Q x``: the inverse of :func:`project` (each ``Q_i`` is orthonormal)."""
   for q in bases:
-    if q is None:
-      x = jnp.moveaxis(x, 0, -1)
-    else:
-      x = jnp.tensordot(x, q, axes=[[0], [1]], precision=HIGHEST)
+    x = jnp.moveaxis(x, 0, -1) if q is None else contract_first_axis(x, q.T)
   return x
 
 
 def axis_second_moment(g: jax.Array, axis: int) -> jax.Array:
-  """``G_(i) G_(i)^T``: ``g`` contracted with itself over every axis but ``axis``."""
+  """``G_(i) G_(i)^T``: ``g`` contracted with itself over every axis but ``axis`` (for an axis
+  of at most :data:`SMALL_FACTOR`, as a sum of products, see :func:`contract_first_axis`)."""
   others = [a for a in range(g.ndim) if a != axis]
-  return jnp.tensordot(g, g, axes=[others, others], precision=HIGHEST)
+  if g.shape[axis] > SMALL_FACTOR:
+    return jnp.tensordot(g, g, axes=[others, others], precision=HIGHEST)
+  rows = jnp.moveaxis(g, axis, 0).reshape(g.shape[axis], -1)
+  return jnp.sum(rows[:, None, :] * rows[None, :, :], axis=-1)
 
 
 def update_factors(factors, g: jax.Array, beta) -> tuple:
@@ -164,27 +190,28 @@ def refreshed_basis(factor: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax
   """One power-iteration step from ``basis``: ``qr(F Q)``, with the columns of ``Q`` first
   ordered by the eigenvalue estimates ``diag(Q^T F Q)``, descending. Returns the new basis and
   that order (the permutation of ``Q``'s columns)."""
-  fq = jnp.matmul(factor, basis, precision=HIGHEST)
+  fq = matmul(factor, basis)
   estimates = jnp.sum(basis * fq, axis=0)  # diag(Q^T F Q)
   order = jnp.argsort(-estimates)
   new_basis, _ = jnp.linalg.qr(fq[:, order])
   return new_basis, order
 
 
-def refresh_leaf(factors, bases, mu: jax.Array, nu: jax.Array):
-  """Every basis of a leaf refreshed (:func:`refreshed_basis`): ``v`` permuted as the columns
-  of each ``Q_i``, ``m`` rotated from the old bases into the new ones (``Q_new^T Q_old m``)."""
-  new_bases, rotations = [], []
-  for axis, (f, q) in enumerate(zip(factors, bases, strict=True)):
-    if f is None:
-      new_bases.append(None)
-      rotations.append(None)
-      continue
-    q_new, order = refreshed_basis(f, q)
-    nu = jnp.take(nu, order, axis=axis)
-    new_bases.append(q_new)
-    rotations.append(jnp.matmul(q.T, q_new, precision=HIGHEST))
-  return tuple(new_bases), project(mu, rotations), nu
+def rotate_moments(mu: jax.Array, nu: jax.Array, rotations, orders):
+  """``m`` and ``v`` carried into refreshed bases: ``v`` permuted along each axis as the columns
+  of its ``Q_i`` (``orders``), ``m`` rotated by ``Q_old^T Q_new`` along each axis
+  (``rotations``; None: an axis without a factor)."""
+  for axis, order in enumerate(orders):
+    if order is not None:
+      nu = jnp.take(nu, order, axis=axis)
+  return project(mu, rotations), nu
+
+
+def refresh_factor(factor: jax.Array, basis: jax.Array):
+  """:func:`refreshed_basis` of one factor, with the order of its columns and the rotation
+  ``Q_old^T Q_new`` that carries ``m`` into the new basis."""
+  new_basis, order = refreshed_basis(factor, basis)
+  return new_basis, order, matmul(basis.T, new_basis)
 
 
 def adam_in_eigenbasis(g, mu, nu, bases, t, *, b1, b2, eps, correct_bias, normalize_grads):
@@ -228,6 +255,161 @@ def _check_int(name: str, value, what: str) -> None:
     raise ValueError(f"{name} must be an int >= 1 ({what}), got {value!r}.")
 
 
+class SoapOptions(NamedTuple):
+  """:func:`scale_by_soap`'s arguments, checked by :func:`soap_options` (``beta``: the factors'
+  decay, ``shampoo_beta`` or ``b2``)."""
+
+  b1: Any
+  b2: Any
+  beta: Any
+  eps: Any
+  precondition_frequency: Any
+  max_precond_dim: int
+  merge_dims: bool
+  precondition_1d: bool
+  normalize_grads: bool
+  correct_bias: bool
+
+
+def soap_options(
+  b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, merge_dims, *flags
+) -> SoapOptions:
+  """:func:`scale_by_soap`'s arguments checked (a bad one raises a ValueError naming it) and
+  completed (``max_precond_dim=None``: the authors' 10000). ``flags``: ``precondition_1d``,
+  ``normalize_grads``, ``correct_bias``."""
+  _check_decay("b1", b1)
+  _check_decay("b2", b2)
+  _check_decay("shampoo_beta", shampoo_beta, optional=True)
+  concrete_eps = common._concrete(eps)
+  if concrete_eps is not None and not (concrete_eps >= 0.0 and math.isfinite(concrete_eps)):
+    raise ValueError(f"eps must be a finite number >= 0, got {concrete_eps}.")
+  _check_int("precondition_frequency", precondition_frequency, "steps between refreshes")
+  if max_precond_dim is None:
+    max_precond_dim = DEFAULT_MAX_PRECOND_DIM
+  if not isinstance(max_precond_dim, (int, np.integer)) or isinstance(max_precond_dim, bool):
+    raise ValueError(
+      f"max_precond_dim must be a Python int >= 1 (it fixes the state's shapes, so under "
+      f"optax.inject_hyperparams pass it in static_args), got {max_precond_dim!r}."
+    )
+  _check_int("max_precond_dim", max_precond_dim, "the largest axis given a factor")
+  names = ("precondition_1d", "normalize_grads", "correct_bias")
+  return SoapOptions(
+    b1,
+    b2,
+    b2 if shampoo_beta is None else shampoo_beta,
+    eps,
+    precondition_frequency,
+    int(max_precond_dim),
+    _check_flag("merge_dims", merge_dims),
+    *(_check_flag(name, value) for name, value in zip(names, flags, strict=True)),
+  )
+
+
+def leaf_layout(leaf, options: SoapOptions) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+  """:func:`preconditioned_shape` of a leaf under ``options``."""
+  return preconditioned_shape(
+    jnp.shape(leaf), options.max_precond_dim, options.merge_dims, options.precondition_1d
+  )
+
+
+def init_soap(params, options: SoapOptions) -> ScaleBySoapState:
+  """Zero moments, zero factors and identity bases, laid out per leaf as
+  :class:`ScaleBySoapState` says."""
+  if isinstance(params, _state_utils._ParamsPlaceholder):  # noqa: SLF001
+    # optax.tree.map_params looks for params-shaped trees by initialising with a placeholder:
+    # m and v are such trees, the per-leaf lists of factors and bases are not (one leaf each
+    # here, so map_params leaves them to transform_non_params).
+    leaf = jnp.zeros([], jnp.float32)
+    return ScaleBySoapState(jnp.zeros([], jnp.int32), params, params, leaf, leaf)
+  common.check_float_params(params)
+  factors, bases = [], []
+  for leaf in jax.tree.leaves(params):
+    shape, has = leaf_layout(leaf, options)
+    sizes = [d if h else None for d, h in zip(shape, has, strict=True)]
+    factors.append(tuple(None if d is None else jnp.zeros((d, d)) for d in sizes))
+    bases.append(tuple(None if d is None else jnp.eye(d) for d in sizes))
+  zeros = lambda p: jnp.zeros(jnp.shape(p), jnp.float32)
+  return ScaleBySoapState(
+    count=jnp.zeros([], jnp.int32),
+    mu=jax.tree.map(zeros, params),
+    nu=jax.tree.map(zeros, params),
+    factors=factors,
+    bases=bases,
+  )
+
+
+def refresh_leaf(factors, bases, mu: jax.Array, nu: jax.Array):
+  """Every basis of a leaf refreshed (:func:`refresh_factor`) and its moments carried along
+  (:func:`rotate_moments`). Returns the new bases, ``m`` and ``v``."""
+  refreshed = [
+    None if f is None else refresh_factor(f, q) for f, q in zip(factors, bases, strict=True)
+  ]
+  output = lambda k: tuple(None if r is None else r[k] for r in refreshed)
+  mu, nu = rotate_moments(mu, nu, output(2), output(1))
+  return output(0), mu, nu
+
+
+def update_bases(branch, factors, bases, mus, nus):
+  """The step's basis work, one ``lax.switch`` on ``branch`` for all leaves: set up
+  (``Q_i = eigh(F_i)``, :func:`initial_basis`), keep, or refresh (:func:`refresh_leaf`).
+  ``factors``, ``bases``: per leaf, tuples over axes. Returns the bases, ``m`` and ``v``."""
+
+  def set_up(bases, mus, nus):
+    return [tuple(None if f is None else initial_basis(f) for f in fs) for fs in factors], mus, nus
+
+  def refresh(bases, mus, nus):
+    out = [refresh_leaf(*a) for a in zip(factors, bases, mus, nus, strict=True)]
+    return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
+
+  keep = lambda *operands: operands
+  return jax.lax.switch(branch, (set_up, keep, refresh), bases, mus, nus)
+
+
+def update_soap(updates, state: ScaleBySoapState, params=None, *, options: SoapOptions, **extra):
+  """One SOAP update (:func:`scale_by_soap`): Adam in the eigenbasis, the factors' moving
+  average, then the basis work of the step (:func:`update_bases`)."""
+  del params, extra
+  leaves, treedef = jax.tree.flatten(updates)
+  shapes = [leaf_layout(g, options)[0] for g in leaves]
+  grads = [g.astype(jnp.float32).reshape(s) for g, s in zip(leaves, shapes, strict=True)]
+  mus = [m.reshape(s) for m, s in zip(treedef.flatten_up_to(state.mu), shapes, strict=True)]
+  nus = [v.reshape(s) for v, s in zip(treedef.flatten_up_to(state.nu), shapes, strict=True)]
+  first = state.count == 0
+  adam = functools.partial(
+    adam_in_eigenbasis,
+    t=jnp.maximum(state.count, 1).astype(jnp.float32),  # Adam's step (1 on the first call)
+    b1=options.b1,
+    b2=options.b2,
+    eps=options.eps,
+    correct_bias=options.correct_bias,
+    normalize_grads=options.normalize_grads,
+  )
+  stepped = [adam(*a) for a in zip(grads, mus, nus, state.bases, strict=True)]
+  # The first call takes no step: its basis is not set up yet.
+  directions = [jnp.where(first, 0.0, u) for u, _, _ in stepped]
+  mus = [jnp.where(first, old, new) for old, (_, new, _) in zip(mus, stepped, strict=True)]
+  nus = [jnp.where(first, old, new) for old, (_, _, new) in zip(nus, stepped, strict=True)]
+  factors = [update_factors(f, g, options.beta) for f, g in zip(state.factors, grads, strict=True)]
+  refresh = state.count % options.precondition_frequency == 0
+  branch = jnp.where(first, _FIRST, jnp.where(refresh, _REFRESH, _KEEP))
+  bases, mus, nus = update_bases(branch, factors, list(state.bases), mus, nus)
+
+  def unflatten(xs, dtype=None):
+    shaped = [
+      x.reshape(jnp.shape(g)).astype(dtype or g.dtype) for x, g in zip(xs, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, shaped)
+
+  new_state = ScaleBySoapState(
+    count=optax.safe_increment(state.count),
+    mu=unflatten(mus, jnp.float32),
+    nu=unflatten(nus, jnp.float32),
+    factors=factors,
+    bases=bases,
+  )
+  return unflatten(directions), new_state
+
+
 def scale_by_soap(
   b1: float = 0.95,
   b2: float = 0.95,
@@ -249,43 +431,34 @@ def scale_by_soap(
     m_t = b1 m_{t-1} + (1 - b1) Q^T G_t,   v_t = b2 v_{t-1} + (1 - b2) (Q^T G_t)^2
     u_t = sqrt(1 - b2^t) / (1 - b1^t) Q (m_t / (sqrt(v_t) + eps))
 
-  and every ``precondition_frequency`` steps ``Q_i <- qr(F_i Q_i)`` (one power-iteration
-  step from the current basis, its columns ordered by the eigenvalue estimates
-  ``diag(Q_i^T F_i Q_i)``; ``v`` permuted and ``m`` rotated along). The first update only sets
-  up ``F_i`` and ``Q_i = eigh(F_i)`` from the first gradient and is zero; ``t`` counts the
-  updates after it. Returns ``u_t`` (positive: chain ``optax.scale_by_learning_rate``).
-
-  As the authors' PyTorch ``SOAP`` (``data_format="channels_first"``: ``merge_dims`` merges
-  the leaf's axes in their own order, e.g. a ``(3, 3, 64, 128)`` HWIO kernel into
-  ``(576, 128)``). Float32 state and float32 products (``Precision.HIGHEST``, as PyTorch's
-  default, which does not use TF32) whatever the params' dtype. A leaf without entries has no
-  factors. Under ``jax.jit`` the step's basis work (set-up, keep or refresh) is one
-  ``lax.switch`` on the count (on a GPU, XLA reads its index on the host, so the host waits for
-  the device once a step). ``max_precond_dim`` fixes the state's shapes: under
-  ``optax.inject_hyperparams`` pass a value of it in ``static_args``.
+  and every ``precondition_frequency`` steps ``Q_i <- qr(F_i Q_i)``, columns ordered by the
+  estimates ``diag(Q_i^T F_i Q_i)`` (``v`` permuted and ``m`` rotated along). The first update
+  sets up ``F_i`` and ``Q_i = eigh(F_i)`` and is zero; ``t`` counts the updates after it.
+  Returns ``u_t`` (positive: chain ``optax.scale_by_learning_rate``). As the authors' PyTorch
+  ``SOAP`` (``data_format="channels_first"``; the module docstring gives the details): float32
+  state and ``Precision.HIGHEST`` products whatever the params' dtype; the step's basis work is
+  one ``lax.switch`` on the count (on a GPU the host reads its index once a step).
 
   Args:
-    b1: decay of the first moment, in [0, 1).
-    b2: decay of the second moment, in [0, 1).
+    b1, b2: decays of the first and second moments, in [0, 1).
     shampoo_beta: decay of the factors ``F_i``, in [0, 1); None: ``b2`` (the authors' -1).
     eps: added to ``sqrt(v_t)``, >= 0.
     precondition_frequency: steps between refreshes of the eigenbases, an int >= 1.
-    max_precond_dim: axes longer than this get no factor, a Python int >= 1; None: the
-      authors' 10000, which leaves out vocabulary-sized axes (None, so that
-      ``optax.inject_hyperparams`` leaves the default static).
+    max_precond_dim: axes longer than this get no factor, a Python int >= 1 (it fixes the
+      state's shapes: under ``optax.inject_hyperparams`` pass it in ``static_args``); None:
+      the authors' 10000.
     merge_dims: merge consecutive axes while their product stays at most
-      ``max_precond_dim`` (:func:`merged_shape`), fewer and larger factors.
+      ``max_precond_dim`` (:func:`merged_shape`): fewer, larger factors.
     precondition_1d: give 1-D leaves (biases, norms) a factor; by default they get Adam.
     normalize_grads: divide each leaf's update by its root mean square.
     correct_bias: Adam's bias correction ``sqrt(1 - b2^t) / (1 - b1^t)``.
 
   Returns:
-    An :class:`optax.GradientTransformationExtraArgs` (extra arguments such as
-    ``fisher_grads`` are ignored).
+    An :class:`optax.GradientTransformationExtraArgs` (extra arguments are ignored).
 
   Examples:
-    The first update only sets up the preconditioner and is zero; the second is Adam's first
-    step in the eigenbasis (here, on a 1-D leaf without a factor, Adam's own: ``sign(g)``):
+    The first update is zero; the second is Adam's first step in the eigenbasis (on a 1-D leaf
+    without a factor, Adam's own: ``sign(g)``):
 
     >>> import jax, jax.numpy as jnp
     >>> import ginger
@@ -300,120 +473,17 @@ def scale_by_soap(
     [ 1. -1.] (2, 3) [(2, 2), (3, 3)]
 
   References:
-    Nikhil Vyas, Depen Morwani, Rosie Zhao, Itai Shapira, David Brandfonbrener, Lucas Janson
-    and Sham Kakade, `SOAP: Improving and Stabilizing Shampoo using Adam
-    <https://arxiv.org/abs/2409.11321>`_, 2024
+    Vyas, Morwani, Zhao, Shapira, Brandfonbrener, Janson and Kakade, `SOAP: Improving and
+    Stabilizing Shampoo using Adam <https://arxiv.org/abs/2409.11321>`_, 2024
   """
-  _check_decay("b1", b1)
-  _check_decay("b2", b2)
-  _check_decay("shampoo_beta", shampoo_beta, optional=True)
-  concrete_eps = common._concrete(eps)
-  if concrete_eps is not None and not (concrete_eps >= 0.0 and math.isfinite(concrete_eps)):
-    raise ValueError(f"eps must be a finite number >= 0, got {concrete_eps}.")
-  _check_int("precondition_frequency", precondition_frequency, "steps between refreshes")
-  if max_precond_dim is None:
-    max_precond_dim = DEFAULT_MAX_PRECOND_DIM
-  if not isinstance(max_precond_dim, (int, np.integer)) or isinstance(max_precond_dim, bool):
-    raise ValueError(
-      f"max_precond_dim must be a Python int >= 1 (it fixes the state's shapes, so under "
-      f"optax.inject_hyperparams pass it in static_args), got {max_precond_dim!r}."
-    )
-  _check_int("max_precond_dim", max_precond_dim, "the largest axis given a factor")
-  max_precond_dim = int(max_precond_dim)
-  merge_dims = _check_flag("merge_dims", merge_dims)
-  precondition_1d = _check_flag("precondition_1d", precondition_1d)
-  normalize_grads = _check_flag("normalize_grads", normalize_grads)
-  correct_bias = _check_flag("correct_bias", correct_bias)
-  beta = b2 if shampoo_beta is None else shampoo_beta
-
-  def layout(leaf) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    return preconditioned_shape(jnp.shape(leaf), max_precond_dim, merge_dims, precondition_1d)
-
-  def init_fn(params):
-    if isinstance(params, _state_utils._ParamsPlaceholder):  # noqa: SLF001
-      # optax.tree.map_params looks for params-shaped trees by initialising with a placeholder:
-      # m and v are such trees, the per-leaf lists of factors and bases are not (one leaf each
-      # here, so map_params leaves them to transform_non_params).
-      leaf = jnp.zeros([], jnp.float32)
-      return ScaleBySoapState(jnp.zeros([], jnp.int32), params, params, leaf, leaf)
-    common.check_float_params(params)
-    factors, bases = [], []
-    for leaf in jax.tree.leaves(params):
-      shape, has = layout(leaf)
-      factors.append(
-        tuple(jnp.zeros((d, d)) if h else None for d, h in zip(shape, has, strict=True))
-      )
-      bases.append(tuple(jnp.eye(d) if h else None for d, h in zip(shape, has, strict=True)))
-    zeros = lambda p: jnp.zeros(jnp.shape(p), jnp.float32)
-    return ScaleBySoapState(
-      count=jnp.zeros([], jnp.int32),
-      mu=jax.tree.map(zeros, params),
-      nu=jax.tree.map(zeros, params),
-      factors=factors,
-      bases=bases,
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    leaves, treedef = jax.tree.flatten(updates)
-    shapes = [layout(g)[0] for g in leaves]
-    grads = [g.astype(jnp.float32).reshape(s) for g, s in zip(leaves, shapes, strict=True)]
-    mus = [m.reshape(s) for m, s in zip(treedef.flatten_up_to(state.mu), shapes, strict=True)]
-    nus = [v.reshape(s) for v, s in zip(treedef.flatten_up_to(state.nu), shapes, strict=True)]
-    first = state.count == 0
-    t = jnp.maximum(state.count, 1).astype(jnp.float32)  # Adam's step (1 on the first call)
-
-    directions, new_mus, new_nus = [], [], []
-    for g, m, v, q in zip(grads, mus, nus, state.bases, strict=True):
-      u, m_new, v_new = adam_in_eigenbasis(
-        g,
-        m,
-        v,
-        q,
-        t,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        correct_bias=correct_bias,
-        normalize_grads=normalize_grads,
-      )
-      # The first call takes no step: its basis is not set up yet.
-      directions.append(jnp.where(first, 0.0, u))
-      new_mus.append(jnp.where(first, m, m_new))
-      new_nus.append(jnp.where(first, v, v_new))
-    factors = [update_factors(f, g, beta) for f, g in zip(state.factors, grads, strict=True)]
-
-    def set_up(bases, mus, nus):
-      new = [tuple(None if f is None else initial_basis(f) for f in fs) for fs in factors]
-      return new, mus, nus
-
-    def refresh(bases, mus, nus):
-      out = [refresh_leaf(*a) for a in zip(factors, bases, mus, nus, strict=True)]
-      return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
-
-    branch = jnp.where(
-      first, _FIRST, jnp.where(state.count % precondition_frequency == 0, _REFRESH, _KEEP)
-    )
-    bases, new_mus, new_nus = jax.lax.switch(
-      branch, (set_up, lambda *a: a, refresh), list(state.bases), new_mus, new_nus
-    )
-
-    def unflatten(xs, dtype=None):
-      shaped = [
-        x.reshape(jnp.shape(g)).astype(dtype or g.dtype) for x, g in zip(xs, leaves, strict=True)
-      ]
-      return jax.tree.unflatten(treedef, shaped)
-
-    new_state = ScaleBySoapState(
-      count=optax.safe_increment(state.count),
-      mu=unflatten(new_mus, jnp.float32),
-      nu=unflatten(new_nus, jnp.float32),
-      factors=factors,
-      bases=[tuple(b) for b in bases],
-    )
-    return unflatten(directions), new_state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  options = soap_options(
+    b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, merge_dims,
+    precondition_1d, normalize_grads, correct_bias,
+  )  # fmt: skip
+  return optax.GradientTransformationExtraArgs(
+    functools.partial(init_soap, options=options),
+    functools.partial(update_soap, options=options),
+  )
 
 
 def soap(
@@ -435,10 +505,10 @@ def soap(
     params <- params - lr_t (u_t + weight_decay params)
 
   The defaults are the authors' (``betas=(0.95, 0.95)``, ``eps=1e-8``,
-  ``precondition_frequency=10``, ``max_precond_dim=10000`` as None), except ``weight_decay``: theirs
-  is 0.01, 0 here (a framework adds its own). Their decay is applied after the step,
-  ``params <- (params - lr u) (1 - lr weight_decay)``, and skipped with the first (zero) step;
-  this one is optax's ``add_decayed_weights``: the two differ by ``lr^2 weight_decay u``.
+  ``precondition_frequency=10``, ``max_precond_dim=10000`` as None) but ``weight_decay``: 0.01
+  theirs, 0 here (a framework adds its own). Theirs is applied after the step, ``params <-
+  (params - lr u) (1 - lr weight_decay)``, and skipped with the first (zero) step; this one is
+  optax's ``add_decayed_weights``: the two differ by ``lr^2 weight_decay u``.
 
   Args:
     learning_rate: a scalar or an optax schedule.
@@ -472,26 +542,16 @@ def soap(
     True
 
   References:
-    Vyas et al., `SOAP: Improving and Stabilizing Shampoo using Adam
-    <https://arxiv.org/abs/2409.11321>`_, 2024
+    Vyas et al., `SOAP <https://arxiv.org/abs/2409.11321>`_, 2024
   """
   concrete = common._concrete(weight_decay)
   if concrete is not None and not concrete >= 0.0:
     raise ValueError(f"weight_decay must be >= 0, got {concrete}.")
-  parts = [
-    scale_by_soap(
-      b1=b1,
-      b2=b2,
-      shampoo_beta=shampoo_beta,
-      eps=eps,
-      precondition_frequency=precondition_frequency,
-      max_precond_dim=max_precond_dim,
-      merge_dims=merge_dims,
-      precondition_1d=precondition_1d,
-      normalize_grads=normalize_grads,
-      correct_bias=correct_bias,
-    )
-  ]
+  scale = scale_by_soap(
+    b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, merge_dims,
+    precondition_1d, normalize_grads, correct_bias,
+  )  # fmt: skip
+  parts = [scale]
   # A Python 0 adds nothing; an array (optax.inject_hyperparams passes one, concrete in init
   # and traced in update) always chains the decay, so that both see the same chain.
   if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
