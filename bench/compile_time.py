@@ -3,7 +3,6 @@ ResNet-18's parameter shapes: one fresh process per measurement.
 
     python -m bench.compile_time                                  # Adam and SOAP, the update
     python -m bench.compile_time --optimizers adam soap --train-step    # and the whole step
-    python -m bench.compile_time --optimizers soap soap-dots   # small factors as products too
     XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python -m bench.compile_time --train-step
 
 ``update``: ``tx.update`` followed by ``optax.apply_updates``, jitted, lowered from
@@ -33,19 +32,15 @@ from pathlib import Path
 from bench import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIMIZERS = ("adam", "soap", "soap-dots")
+OPTIMIZERS = ("adam", "soap")
 
 
 def build(name: str):
-  """``soap-dots``: SOAP with every factor applied by matrix products, small ones included
-  (``SMALL_FACTOR = 0``; see ``ginger._src.soap.contract_first_axis``)."""
+  """``optax.adam`` or ``ginger.soap`` (train.py's ``optimizer=soap``), at lr 3e-3."""
   import optax
 
   import ginger
-  from ginger._src import soap
 
-  if name == "soap-dots":
-    soap.SMALL_FACTOR = 0
   return optax.adam(3e-3) if name == "adam" else ginger.soap(3e-3)
 
 
@@ -82,10 +77,8 @@ def measure_train_step(name: str) -> dict:
   """train.py's training step, lowered and compiled as ``bench.startup`` does."""
   from bench import startup
 
-  build(name)  # soap-dots: SMALL_FACTOR set for train.py's SOAP too
-  optimizer = name.removesuffix("-dots")
   record = startup.child(
-    {"overrides": [f"optimizer={optimizer}"], "mode": "one-by-one", "data": None, "cache_dir": None}
+    {"overrides": [f"optimizer={name}"], "mode": "one-by-one", "data": None, "cache_dir": None}
   )
   step = record["programs"]["train step"]
   return {"lower_s": step["lower_s"], "compile_s": step["compile_s"], "params": None}

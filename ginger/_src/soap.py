@@ -30,12 +30,6 @@ the reference rotates ``m`` back to the parameters' coordinates and into the eig
 after every step (the same basis but on refreshes: the identity, to rounding); here ``m`` stays
 in the eigenbasis and is rotated only when the basis changes, ``Q_new^T Q_old m``.
 
-Compilation: a factor of at most :data:`SMALL_FACTOR` (a convolution's 3-wide spatial axes, a
-1x1 kernel's axes of 1) is applied by multiply-adds rather than a matrix product (the same sums,
-in another order; :func:`contract_first_axis`): those axes would otherwise make over half the
-update's matrix products (ResNet-18: 210 of 456), which XLA compiles one by one (on a GPU,
-autotuning each distinct one). ``bench/compile_time.py`` measures the compilation.
-
 Memory: ``m`` and ``v`` (two floats per parameter) plus, per factor of size ``d``, ``F_i`` and
 ``Q_i`` (``2 d^2`` floats).
 """
@@ -60,10 +54,6 @@ HIGHEST = jax.lax.Precision.HIGHEST
 EIGH_SHIFT = 1e-30
 # The authors' largest axis given a factor: it leaves out most vocabularies.
 DEFAULT_MAX_PRECOND_DIM = 10000
-# Factors up to this size are applied by multiply-adds, not matrix products (contract_first_axis):
-# a convolution's spatial axes (3 for 3x3 kernels, 1 for 1x1) would otherwise make half the
-# update's matrix products (ResNet-18: 210 of 456).
-SMALL_FACTOR = 8
 # The branches of the preconditioner's basis update (one ``lax.switch`` a step).
 _FIRST, _KEEP, _REFRESH = 0, 1, 2
 
@@ -131,19 +121,13 @@ def preconditioned_shape(
 
 def contract_first_axis(x: jax.Array, q: jax.Array) -> jax.Array:
   """``tensordot(x, q, [[0], [0]])``: axis 0 of ``x`` contracted with the rows of ``q``, the
-  new axis last. A ``q`` of at most :data:`SMALL_FACTOR` rows is applied by multiply-adds,
-  ``sum_k x[k, ...] q[k, :]``, which XLA fuses with their neighbours instead of compiling (on a
-  GPU: autotuning) one matrix product per leaf and axis."""
-  if q.shape[0] > SMALL_FACTOR:
-    return jnp.tensordot(x, q, axes=[[0], [0]], precision=HIGHEST)
-  terms = [x[k][..., None] * q[k] for k in range(q.shape[0])]
-  return functools.reduce(jnp.add, terms)
+  new axis last (float32 products)."""
+  return jnp.tensordot(x, q, axes=[[0], [0]], precision=HIGHEST)
 
 
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``a b`` for square factors: multiply-adds up to :data:`SMALL_FACTOR` (as
-  :func:`contract_first_axis`), else a float32 matrix product."""
-  return contract_first_axis(a.T, b)
+  """``a b``, float32 products."""
+  return jnp.matmul(a, b, precision=HIGHEST)
 
 
 def project(x: jax.Array, bases) -> jax.Array:
@@ -162,13 +146,9 @@ def project_back(x: jax.Array, bases) -> jax.Array:
 
 
 def axis_second_moment(g: jax.Array, axis: int) -> jax.Array:
-  """``G_(i) G_(i)^T``: ``g`` contracted with itself over every axis but ``axis`` (for an axis
-  of at most :data:`SMALL_FACTOR`, as a sum of products, see :func:`contract_first_axis`)."""
+  """``G_(i) G_(i)^T``: ``g`` contracted with itself over every axis but ``axis``."""
   others = [a for a in range(g.ndim) if a != axis]
-  if g.shape[axis] > SMALL_FACTOR:
-    return jnp.tensordot(g, g, axes=[others, others], precision=HIGHEST)
-  rows = jnp.moveaxis(g, axis, 0).reshape(g.shape[axis], -1)
-  return jnp.sum(rows[:, None, :] * rows[None, :, :], axis=-1)
+  return jnp.tensordot(g, g, axes=[others, others], precision=HIGHEST)
 
 
 def update_factors(factors, g: jax.Array, beta) -> tuple:
