@@ -136,10 +136,9 @@ SECTIONS = (
   ),
 )
 
-# What config_check accepts for the keys it checks by hand (not through one of its helpers).
+# What the mapping-valued keys config_check does not check as a whole hold (their entries it
+# checks one by one: model.lora.rank, ...).
 ALLOWED_ELSEWHERE = {
-  "curvature_every": "an integer >= 1 (QNG: 1 only) or null",
-  "data.path": "a file or folder path, or null",
   "model.size": "a mapping of T5Config fields (vocab_size, d_model, num_layers, ...)",
   "model.lora": "null or a mapping (rank, alpha, targets, train_1d)",
 }

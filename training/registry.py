@@ -42,6 +42,7 @@ in milliseconds.
 from __future__ import annotations
 
 from training import registry_paper, registry_recent  # noqa: F401 - each registers its entries
+from training.choices import BLOCKS, PASSES, STATE_DTYPES
 from training.registry_costs import (
   elementwise_flops,
   leaf_sizes,
@@ -54,16 +55,13 @@ from training.registry_recent import (
 )
 from training.registry_schema import (
   ALPHA,
-  BLOCKS,
   DECAY,
   FISHER_KEYS,
   FLAG,
   PAPER_KEYS,
   PAPER_ORDER,
-  PASSES,
   REFERENCE_ARMS,
   RHO,
-  STATE_DTYPES,
   Advice,
   Build,
   Check,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from training.choices import BLOCKS, PASSES
 from training.registry_costs import (
   elementwise_flops,
   leaf_sizes,
@@ -16,9 +17,7 @@ from training.registry_costs import (
 )
 from training.registry_schema import (
   ALPHA,
-  BLOCKS,
   DECAY,
-  PASSES,
   RHO,
   Optimizer,
   OptimizerConfig,

@@ -23,12 +23,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-# The values the optimizer keys accept (config_check checks them against the entries below).
-BLOCKS = ("per_tensor", "global")  # ginger._src.common.BLOCKS
-# A float64 state needs JAX's 64-bit mode, which a training run does not use (the library takes
-# it: ginger.scale_by_ginger(..., state_dtype="float64") under jax_enable_x64).
-STATE_DTYPES = ("float32", "bfloat16", "float16")
-PASSES = ("jnp", "pallas", "auto")  # Ginger's passes over U (ginger.scale_by_ginger)
+from training.choices import STATE_DTYPES
 
 # The paper-notation keys at the top of the config (configs/config.yaml): an optimizer's YAML
 # sets those it does not read to null, so a value there was asked for, and is warned about.
