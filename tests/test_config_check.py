@@ -89,6 +89,8 @@ def test_shipped_configs_pass_without_warnings(experiment, optimizer, caplog):
     ("mesh.model=0", "mesh.model=0: must be an integer >= 1"),
     ("distributed=maybe", "distributed='maybe': must be one of ['auto', True, False]"),
     ("logger.mode=loud", "logger.mode='loud': must be one of"),
+    ("data.path=3", "data.path=3: must be a file or folder path, or null."),
+    ("passes=triton", "passes='triton': must be one of ['jnp', 'pallas', 'auto'] or null"),
   ],
 )
 def test_bad_value_is_named_with_what_is_allowed(override, named):
@@ -174,17 +176,25 @@ def test_check_loads_and_compiles_nothing(monkeypatch):
 
 
 def test_allowed_values_agree_with_the_code_that_uses_them():
+  """training/choices.py lists each choice key's values once for the framework; the library,
+  the models and the data loaders keep their own (they import nothing of the framework)."""
+  import ginger.fisher
   from data import images, xsum
   from ginger._src import common
   from models import tasks
-  from training import config_check, optimizers, registry
+  from training import choices, config_check, logs, optimizers, registry
 
-  assert config_check.SCHEDULES == optimizers.SCHEDULES
-  assert registry.BLOCKS == common.BLOCKS
-  assert set(config_check.PRECISIONS) == set(tasks.DTYPES)
-  assert set(config_check.IMAGE_DATASETS) == set(images.DATASETS)
-  assert set(config_check.IMAGE_SOURCES) == set(images.SOURCES)
-  assert set(config_check.XSUM_SOURCES) == set(xsum.SOURCES)
+  assert optimizers.SCHEDULES is config_check.SCHEDULES is choices.SCHEDULES
+  assert choices.BLOCKS == common.BLOCKS and registry.BLOCKS is choices.BLOCKS
+  assert choices.PASSES == common.PASSES and registry.PASSES is choices.PASSES
+  assert set(ginger.fisher.BACKWARDS) < set(choices.FISHER_BACKWARDS)
+  assert set(choices.BATCHNORMS) == set(tasks.BATCHNORMS)
+  assert set(choices.FAMILIES) == set(tasks.TASKS)
+  assert set(choices.PRECISIONS) == set(tasks.DTYPES)
+  assert set(choices.IMAGE_DATASETS) == set(images.DATASETS)
+  assert set(choices.IMAGE_SOURCES) == set(images.SOURCES)
+  assert set(choices.XSUM_SOURCES) == set(xsum.SOURCES)
+  assert logs.LOGGERS is choices.LOGGERS
 
 
 def test_float64_state_is_refused_with_the_reason():

@@ -221,8 +221,9 @@ def doc_block(language: str) -> str:
 
 
 def doc_entry() -> registry.Optimizer:
-  """The entry docs/adding-an-optimizer.md adds at the end of training/registry.py, run among
-  the registry's names; its ``register(...)`` call hands the entry back instead of keeping it."""
+  """The entry docs/adding-an-optimizer.md adds at the end of training/registry_recent.py, run
+  among the registry's names; its ``register(...)`` call hands the entry back instead of keeping
+  it."""
   entries = []
   exec(doc_block("python"), {**vars(registry), "register": entries.append})
   [entry] = entries

@@ -74,6 +74,51 @@ def test_every_shipped_config_parses(experiment):
         assert getattr(opt, name) is None, name
 
 
+def _mistyped(value, prefix: str = "") -> list[str]:
+  """The fields of the dataclass ``value`` (nested ones too) whose value is not of the type
+  their annotation names (``int | None``: an int or None; ``int | str``: either)."""
+  import types
+  import typing
+
+  wrong = []
+  hints = typing.get_type_hints(type(value))
+  for field in dataclasses.fields(value):
+    held, hint = getattr(value, field.name), hints[field.name]
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = tuple(typing.get_origin(k) or k for k in (typing.get_args(hint) if union else [hint]))
+    if dataclasses.is_dataclass(held):
+      wrong += _mistyped(held, f"{prefix}{field.name}.")
+    elif not isinstance(held, kinds):
+      wrong.append(f"{prefix}{field.name}={held!r} ({hint})")
+  return wrong
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    (),
+    ("experiment=xsum_t5_lora",),
+    ("experiment=demo_xsum", "model.dropout_rate=0"),
+    ("fisher_backward=null", "spectrum_every=null", "batchnorm=null", "grad_clip=1"),
+  ],
+)
+def test_every_field_holds_its_annotated_type(overrides):
+  """From_resolved types every field, nested ones too, by its annotation: an integer in the
+  YAML of a float field is a float (``model.dropout_rate=0``: 0.0)."""
+  assert _mistyped(typed(*overrides)) == []
+
+
+def test_a_config_without_a_required_key_is_refused_by_name():
+  resolved = OmegaConf.to_container(config(), resolve=True)
+  del resolved["fisher"]
+  with pytest.raises(KeyError, match="fisher"):
+    RunConfig.from_resolved(resolved)
+  del resolved["mesh"], resolved["deterministic"]  # absent from older configs: their defaults
+  resolved["fisher"] = "sampled"
+  rc = RunConfig.from_resolved(resolved)
+  assert rc.mesh == MeshConfig() and rc.deterministic is False
+
+
 def test_the_shipped_optimizers_parse_to_their_values():
   assert typed("optimizer=ginger").optimizer == OptimizerConfig(
     name="ginger",
@@ -183,6 +228,10 @@ AFTER_THE_CHECK = (
   "training/loop.py",
   "training/optimizers.py",
   "training/registry.py",
+  "training/registry_costs.py",
+  "training/registry_paper.py",
+  "training/registry_recent.py",
+  "training/registry_schema.py",
   "training/run_setup.py",
   "training/sharding.py",
   "training/steps.py",

@@ -12,6 +12,7 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from results import paper_tables, records, render, selection, tables
+from sweeps import arms as sweep_arms
 from sweeps import best_lr, gpu_pool
 from sweeps.expand import compose_job, expand, hydra_context, job_overrides
 
@@ -28,6 +29,29 @@ def cfg_dir(tmp_path_factory):
   for f in (out / "best_lr").glob("*.yaml"):
     f.unlink()
   return out
+
+
+def test_the_arm_files_are_what_arms_writes(tmp_path):
+  """configs/sweep/arm/ holds one file per line of sweeps/sweep_arms.py's ARMS, as it writes them;
+  a hand edit, a missing arm or a stray file is reported."""
+  assert sweep_arms.stale() == []
+  assert sorted(p.stem for p in sweep_arms.ARM_DIR.glob("*.yaml")) == sorted(sweep_arms.ARMS)
+  sweep_arms.write(tmp_path)
+  (tmp_path / "ginger_tau4.yaml").write_text("arm: ginger_tau4\n")
+  (tmp_path / "adam_tau4.yaml").write_text("arm: adam_tau4\n")
+  (tmp_path / "soap.yaml").unlink()
+  problems = "\n".join(sweep_arms.stale(tmp_path))
+  assert "ginger_tau4.yaml" in problems and "soap.yaml" in problems
+  assert "adam_tau4.yaml: no arm of ARMS" in problems
+
+
+def test_an_arm_sets_its_optimizer_and_settings():
+  text = sweep_arms.render("ginger_tau64", sweep_arms.arm("ginger", tau=64))
+  assert text.startswith("# @package _global_\n# Sweep arm: ginger with tau = 64 (see ginger")
+  assert text.endswith(
+    "defaults:\n  - /optimizer@default_hparams: ginger\n  - override /optimizer: ginger\n"
+    "arm: ginger_tau64\ntau: 64\n"
+  )
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@ without the key's name. :func:`check_config` collects every problem of a config 
 :class:`ConfigError` whose lines each name the key, the bad value and what is allowed, and logs a
 warning for each setting that the chosen optimizer ignores (``optimizer=adam tau=4``).
 
-It reads only the config: no JAX, no devices, no files, so it answers in milliseconds.
+The values each choice key accepts are training/choices.py's; the optimizers, the keys each
+reads and their checks are training/registry.py's. It reads only the config: no JAX, no devices,
+no files, so it answers in milliseconds.
 """
 
 from __future__ import annotations
@@ -21,26 +23,25 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from training import registry
+from training.choices import (
+  BATCHNORMS,
+  DISTRIBUTED,
+  FAMILIES,
+  FISHER_BACKWARDS,
+  FISHER_FORWARDS,
+  FISHERS,
+  IMAGE_DATASETS,
+  IMAGE_SOURCES,
+  LOGGERS,
+  PRECISIONS,
+  SCHEDULES,
+  WANDB_MODES,
+  XSUM_EVAL_SPLITS,
+  XSUM_SOURCES,
+)
 
 log = logging.getLogger("train")
 
-# What the rest of the framework accepts (kept here, not imported, so that checking a config
-# imports neither JAX nor the data loaders; tests/test_config_check.py checks they agree). The
-# optimizers, the keys each reads and their values are training/registry.py's.
-SCHEDULES = ("constant", "warmup_constant", "cosine")
-FISHERS = ("sampled", "empirical")
-FISHER_FORWARDS = ("eval", "shared")
-FISHER_BACKWARDS = ("auto", "batched", "sequential", "local")  # + ginger.fisher.BACKWARDS
-PRECISIONS = ("float32", "bfloat16")
-DISTRIBUTED = ("auto", True, False)
-LOGGERS = ("wandb", "none")
-WANDB_MODES = ("online", "offline", "disabled", "shared")
-FAMILIES = ("resnet", "t5")
-BATCHNORMS = ("sync", "per_device")  # models.tasks.BATCHNORMS
-IMAGE_DATASETS = ("cifar100", "cifar10", "digits")
-IMAGE_SOURCES = ("hf", "tfds", "local")
-XSUM_SOURCES = ("hf", "tfds", "local", "demo")
-XSUM_EVAL_SPLITS = ("validation", "test")
 SEED_LIMIT = 2**32  # jax.random.key keeps only the low 32 bits of larger seeds
 
 
@@ -383,9 +384,10 @@ def _check_model_and_data(c: _Checker) -> None:
       c.text("model.lora.targets")
       c.boolean("model.lora.train_1d")
   _check_batchnorm(c, family)
-  path = c.get("data.path")
-  if path is not _MISSING and path is not None and not isinstance(path, str):
-    c.bad("data.path", path, "a file or folder path, or null")
+  if c.get("data.path") is not _MISSING:
+    c.check(
+      "data.path", lambda v: v is None or isinstance(v, str), "a file or folder path, or null"
+    )
 
 
 def _check_batchnorm(c: _Checker, family: str | None) -> None:

@@ -52,7 +52,8 @@ GROUPS = {
   "experiment": "a paper experiment or a demo: model, data and training length together",
   "logger": "where metrics go besides the run dir's `metrics.jsonl` (`logger.*`)",
   "sweep": "the runs of a paper table or study, for `train.py -m` (sweeps/README.md)",
-  "sweep/arm": "one optimizer setting of a sweep (optimizer, tau, rho, block, curvature_every)",
+  "sweep/arm": "one optimizer setting of a sweep (optimizer, tau, rho, block, curvature_every), "
+  "written from sweeps/arms.py",
   "sweep/exp": "one experiment of a sweep at a scale (`<scale>/<experiment>`)",
   "sweep/common": "what every sweep includes: the `scale` knob, the tuned lr, the run-dir layout",
   "best_lr": "tuned learning rates, written by `python -m sweeps.best_lr` and loaded by sweep/exp",
@@ -136,10 +137,9 @@ SECTIONS = (
   ),
 )
 
-# What config_check accepts for the keys it checks by hand (not through one of its helpers).
+# What the mapping-valued keys config_check does not check as a whole hold (their entries it
+# checks one by one: model.lora.rank, ...).
 ALLOWED_ELSEWHERE = {
-  "curvature_every": "an integer >= 1 (QNG: 1 only) or null",
-  "data.path": "a file or folder path, or null",
   "model.size": "a mapping of T5Config fields (vocab_size, d_model, num_layers, ...)",
   "model.lora": "null or a mapping (rank, alpha, targets, train_1d)",
 }

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from training import run_record
+from training.choices import LOGGERS
 
 
 def _plain(value):
@@ -48,8 +49,8 @@ class MetricsLog:
     self.wall_offset = 0.0
     self.writer = jax.process_index() == 0
     self.wandb = None
-    if logger.name not in ("wandb", "none"):
-      raise ValueError(f"logger must be wandb or none, got {logger.name!r}.")
+    if logger.name not in LOGGERS:
+      raise ValueError(f"logger must be one of {LOGGERS}, got {logger.name!r}.")
     if not self.writer:
       return
     if resume_step is not None:

@@ -10,9 +10,8 @@ import optax
 
 import ginger
 from training import registry
+from training.choices import SCHEDULES
 from training.run_config import RunConfig
-
-SCHEDULES = ("constant", "warmup_constant", "cosine")
 
 
 def clip_bound(rc: RunConfig) -> float | None:

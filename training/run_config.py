@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -46,11 +47,46 @@ def _frozen(mapping: Mapping | None) -> Mapping[str, Any]:
   return types.MappingProxyType(dict(mapping or {}))
 
 
-def _fields(cls, mapping: Mapping | None) -> dict[str, Any]:
-  """The entries of ``mapping`` that name a field of the dataclass ``cls`` (a key no code
-  reads, which the check lets through, stays out)."""
-  names = {f.name for f in dataclasses.fields(cls)}
-  return {k: v for k, v in (mapping or {}).items() if k in names}
+def _optional(hint: Any) -> bool:
+  """Whether the annotation ``hint`` takes None (``int | None``)."""
+  return type(None) in typing.get_args(hint)
+
+
+def _typed(hint: Any, value: Any) -> Any:
+  """``value`` (not None) as the field annotated ``hint`` holds it: a number or a flag
+  converted (``seed``: int, ``lr``: float), a dataclass built from its mapping
+  (:func:`_build`), a mapping made read-only; a value of one of several types (``eval_every``:
+  int | str) and a string as given."""
+  kinds = [k for k in typing.get_args(hint) if k is not type(None)] if _optional(hint) else [hint]
+  if len(kinds) != 1:
+    return value
+  (kind,) = kinds
+  if dataclasses.is_dataclass(kind):
+    return _build(kind, value)
+  if typing.get_origin(kind) is Mapping:
+    return _frozen(value)
+  return kind(value) if kind in (int, float, bool) else value
+
+
+def _build(cls, mapping: Mapping | None, **given: Any):
+  """The dataclass ``cls`` from the entries of ``mapping`` that name its fields (a key no code
+  reads, which the check lets through, stays out), typed by the fields' annotations
+  (:func:`_typed`); ``given``: fields built elsewhere. A null or absent key takes the field's
+  default, the value a null stands for (``fisher_backward``: "auto"), or None where the field
+  allows it."""
+  hints = typing.get_type_hints(cls)
+  values = dict(given)
+  for field in dataclasses.fields(cls):
+    if field.name in given:
+      continue
+    value = (mapping or {}).get(field.name)
+    if value is not None:
+      values[field.name] = _typed(hints[field.name], value)
+    elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+      if not _optional(hints[field.name]):
+        raise KeyError(field.name)  # the check lets no config through without it
+      values[field.name] = None
+  return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +155,15 @@ class DataConfig:
   max_new_tokens: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
   """A run's checked configuration (:func:`parse`), by the names of configs/config.yaml.
 
   ``optimizer`` holds the optimizer's part, as its registry entry reads it: the paper's
   ``tau``, ``alpha``, ``gamma``, ``rho``, ``block``, and ``curvature_every``, ``passes``,
   ``state_dtype``, ``b1``... (:class:`training.registry.OptimizerConfig`); ``lr``, the schedule
-  and the d-pass's keys are the run's.
+  and the d-pass's keys are the run's. A field's default is the value a null (or a key older
+  configs lack) stands for.
   """
 
   name: str
@@ -148,16 +185,16 @@ class RunConfig:
   grad_clip: float | None  # the loss gradient's global-norm clip; None: none
   fisher: str  # the d-pass's labels: sampled | empirical
   fisher_forward: str  # eval | shared
-  fisher_backward: str  # auto | batched | sequential | local (with fisher_forward=shared)
+  fisher_backward: str = "auto"  # auto | batched | sequential | local (with fisher_forward=shared)
   fisher_batch: int | None  # the d-pass's examples, the batch's first; None: the whole batch
-  spectrum_every: int  # steps between logged spectra; 0: never
-  profile_steps: int  # steps traced by jax.profiler; 0: none
-  profile_start: int
-  batchnorm: str  # sync | per_device
-  distributed: str | bool  # auto | true | false
+  spectrum_every: int = 0  # steps between logged spectra; 0: never
+  profile_steps: int = 0  # steps traced by jax.profiler; 0: none
+  profile_start: int = 0
+  batchnorm: str = "sync"  # sync | per_device
+  distributed: str | bool = "auto"  # auto | true | false
   compilation_cache_dir: str | None
-  deterministic: bool  # XLA's run-to-run reproducible GPU mode (training/backend.py)
-  mesh: MeshConfig
+  deterministic: bool = False  # XLA's run-to-run reproducible GPU mode (training/backend.py)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   logger: LoggerConfig
   optimizer: OptimizerConfig
   model: ModelConfig
@@ -166,54 +203,10 @@ class RunConfig:
 
   @classmethod
   def from_resolved(cls, config: Mapping) -> RunConfig:
-    """The typed config of a resolved config (plain containers) that passed the check."""
-    c = dict(config)
-    model = c["model"]
-    return cls(
-      name=c["name"],
-      seed=int(c["seed"]),
-      epochs=int(c["epochs"]),
-      max_steps=c["max_steps"],
-      batch_size=int(c["batch_size"]),
-      eval_every=c["eval_every"],
-      eval_batch_size=int(c["eval_batch_size"]),
-      eval_examples=c.get("eval_examples"),
-      log_every=int(c["log_every"]),
-      checkpoint_every=int(c["checkpoint_every"]),
-      resume=bool(c["resume"]),
-      precision=c["precision"],
-      lr=float(c["lr"]),
-      schedule=c["schedule"],
-      warmup_epochs=float(c["warmup_epochs"]),
-      weight_decay=float(c["weight_decay"]),
-      grad_clip=None if c["grad_clip"] is None else float(c["grad_clip"]),
-      fisher=c["fisher"],
-      fisher_forward=c["fisher_forward"],
-      fisher_backward=c.get("fisher_backward") or "auto",
-      fisher_batch=c.get("fisher_batch"),
-      spectrum_every=int(c.get("spectrum_every") or 0),
-      profile_steps=int(c.get("profile_steps") or 0),
-      profile_start=int(c.get("profile_start") or 0),
-      batchnorm=c.get("batchnorm") or "sync",
-      distributed=c.get("distributed", "auto"),
-      compilation_cache_dir=c.get("compilation_cache_dir"),
-      deterministic=bool(c.get("deterministic", False)),
-      mesh=MeshConfig(**_fields(MeshConfig, c.get("mesh"))),
-      logger=LoggerConfig(**_fields(LoggerConfig, c["logger"])),
-      optimizer=optimizer_config(c),
-      model=ModelConfig(
-        **_fields(ModelConfig, model)
-        | {"size": _frozen(model.get("size")), "lora": _lora(model.get("lora"))}
-      ),
-      data=DataConfig(**_fields(DataConfig, c["data"])),
-      sweep=c.get("sweep"),
-    )
-
-
-def _lora(lora: Mapping | None) -> LoraConfig | None:
-  if not lora:
-    return None
-  return LoraConfig(int(lora["rank"]), float(lora["alpha"]), lora["targets"], lora["train_1d"])
+    """The typed config of a resolved config (plain containers) that passed the check: each
+    field from the key of its name (:func:`_build`), the optimizer's from the keys its
+    registry entry reads (:func:`training.registry.optimizer_config`)."""
+    return _build(cls, config, optimizer=optimizer_config(config))
 
 
 def parse(cfg: DictConfig, overrides: Iterable[str] | None = None) -> RunConfig:
