@@ -98,6 +98,7 @@ lint: $(STAMP)
 # YAML comments) and training/config_check.py (the allowed values); tests/test_configuration_doc.py
 # fails while the committed file differs.
 docs: $(STAMP)
+	$(PY) -m sweeps.arms --write
 	$(PY) -m training.config_doc --write
 
 # ------------------------------------------------------------------------------ paper sweeps

@@ -20,8 +20,8 @@ configs/best_lr/ and the arms its results are compared with. Everything else rea
 * ``training/run_record.py``: which hyperparameters are part of a run's identity (the
   paper-notation keys it reads, and its own keys where a run sets them away from its YAML) and
   its lr key (:func:`lr_key`);
-* ``training/config_doc.py``, ``results/tables.py``, ``results/plots.py``: names and order;
-  ``results/tables.py``'s comparisons and ``results/newcomers.py``: the arms each optimizer
+* ``training/config_doc.py``, ``results/``'s tables and plots: names and order;
+  ``results/comparisons.py`` and ``results/newcomers.py``: the arms each optimizer
   beyond the paper's is compared with (:attr:`Optimizer.compared_with`), its state bytes
   (:func:`state_bytes`) and update FLOPs.
 

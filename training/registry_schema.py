@@ -180,8 +180,8 @@ class Optimizer:
     refuses: the settings beyond its own keys it cannot run with (:data:`Refuse`); None: any.
     lr_key: its entry in configs/best_lr/ (:data:`LrKey`); None: its name.
     compared_with: the arms ``(optimizer, tau)`` its results are compared with, each as one
-      Holm family of its own over every optimizer compared with that arm (results/tables.py's
-      comparisons, results/newcomers.py); the paper's four optimizers have the paper's own
+      Holm family of its own over every optimizer compared with that arm (results/comparisons.py,
+      results/newcomers.py); the paper's four optimizers have the paper's own
       comparisons, every other one by default :data:`REFERENCE_ARMS`.
   """
 
