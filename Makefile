@@ -94,6 +94,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 
+# configs/sweep/arm/*.yaml from sweeps/arms.py (tests/test_sweeps.py fails while one is stale), and
 # docs/configuration.md, the reference of every config key, from configs/ (its defaults and
 # YAML comments) and training/config_check.py (the allowed values); tests/test_configuration_doc.py
 # fails while the committed file differs.
