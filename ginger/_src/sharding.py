@@ -31,6 +31,11 @@ Results equal the unsharded ones up to float summation order. Note that Ginger a
 rounding difference (sharded or not, CPU or GPU) by about ``sigma_max / gamma``: float32
 eigensolvers resolve ``sigma`` only to about ``eps * sigma_max``, and directions with ``sigma`` near
 ``gamma`` are weighted by ``sigma / (gamma + sigma)``.
+
+The end of this module runs Ginger's passes over a split ``U`` per device where XLA cannot
+partition them (the Pallas kernels): :func:`per_shard` and :func:`per_shard_sums` wrap a pass
+in ``shard_map`` with the ``PartitionSpec`` s its :class:`PassLayout` names, and add the
+passes' sums over the devices in one ``psum``.
 """
 
 from __future__ import annotations
