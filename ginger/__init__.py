@@ -28,15 +28,17 @@ are private and may change.
 """
 
 from ginger import fisher, sharding
-from ginger._src.ginger_transform import (
-  ScaleByGingerState,
+from ginger._src.ginger_state import (
   checkpoint_state,
   curvature_spectrum,
+  kappa_eps,
+  restore_checkpoint_state,
+)
+from ginger._src.ginger_transform import (
+  ScaleByGingerState,
   default_reorthonormalise_every,
   ginger,
-  kappa_eps,
   reorthonormalise,
-  restore_checkpoint_state,
   scale_by_ginger,
 )
 from ginger._src.qng_transform import ScaleByQNGState, qng, scale_by_qng

@@ -12,9 +12,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ginger", "data", "models", "training", "results", "sweeps", "bench")
-LONGEST_FUNCTION = 80  # lines, def to the end of its body, in training/ and results/
+LONGEST_FUNCTION = 80  # lines, def to the end of its body, in ginger/, training/ and results/
 LONGEST_LOOP = 450  # lines of training/loop.py
 LONGEST_RESULTS_FILE = 600  # lines of a module of results/
+LONGEST_FILE = 700  # lines of any module of the packages (tests and generated files aside)
 
 
 def _module_name(path: Path) -> str:
@@ -98,11 +99,11 @@ def test_run_record_readers_import_no_jax():
   assert done.returncode == 0, done.stderr[-2000:]
 
 
-def _long_functions(folder: Path) -> list[str]:
-  """The functions of ``folder``'s modules longer than LONGEST_FUNCTION lines, as
-  "file:line name (n lines)"."""
+def _long_functions(paths) -> list[str]:
+  """Functions (and methods) in ``paths`` longer than ``LONGEST_FUNCTION`` lines, def line to
+  the last line of the body, docstring included, as "file:line name (n lines)"."""
   long = []
-  for path in sorted(folder.glob("*.py")):
+  for path in sorted(paths):
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         lines = node.end_lineno - node.lineno + 1
@@ -114,11 +115,11 @@ def _long_functions(folder: Path) -> list[str]:
 def test_the_training_code_reads_in_one_sitting():
   loop = ROOT / "training" / "loop.py"
   assert len(loop.read_text().splitlines()) <= LONGEST_LOOP
-  long = _long_functions(ROOT / "training")
+  long = _long_functions((ROOT / "training").glob("*.py"))
   assert not long, long
 
 
-def test_the_results_code_reads_in_one_sitting(tmp_path):
+def test_the_results_code_reads_in_one_sitting():
   results = ROOT / "results"
   long_files = [
     f"{path.name} ({n} lines)"
@@ -126,8 +127,26 @@ def test_the_results_code_reads_in_one_sitting(tmp_path):
     if (n := len(path.read_text().splitlines())) > LONGEST_RESULTS_FILE
   ]
   assert not long_files, long_files
-  long = _long_functions(results)
+  long = _long_functions(results.glob("*.py"))
   assert not long, long
-  body = "".join(f"  x = {i}\n" for i in range(LONGEST_FUNCTION))
-  (tmp_path / "long.py").write_text(f"def long():\n{body}")
-  assert _long_functions(tmp_path) == ["long.py:1 long (81 lines)"]  # the check itself can fail
+
+
+def test_the_optimizer_reads_in_one_sitting():
+  long = _long_functions((ROOT / "ginger").rglob("*.py"))
+  assert not long, long
+
+
+def test_no_module_is_longer_than_a_sitting():
+  modules = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+  long = [
+    f"{p.relative_to(ROOT)} ({n} lines)"
+    for p in sorted(modules)
+    if (n := len(p.read_text().splitlines())) > LONGEST_FILE
+  ]
+  assert not long, long
+
+
+def test_the_length_checks_can_fail(tmp_path):
+  too_long = tmp_path / "too_long.py"
+  too_long.write_text("def f():\n" + "  pass\n" * LONGEST_FUNCTION)
+  assert _long_functions([too_long]) == [f"too_long.py:1 f ({LONGEST_FUNCTION + 1} lines)"]

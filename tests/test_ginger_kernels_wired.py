@@ -342,7 +342,7 @@ def test_config_passes_is_checked_up_front():
   check_config(_config(), overrides=())  # ginger.yaml: passes=auto
   check_config(_config("passes=pallas"), overrides=())
   check_config(_config("passes=pallas", "mesh.data=2", "mesh.shard_optimizer_state=false"), ())
-  # The kernels run per device on a split state (ginger._src.ginger_transform._per_shard).
+  # The kernels run per device on a split state (ginger._src.sharding.per_shard).
   check_config(_config("passes=pallas", "mesh.data=2"), overrides=())
   with pytest.raises(ConfigError, match=r"passes='triton': must be one of \['jnp', 'pallas'"):
     check_config(_config("passes=triton"), overrides=())

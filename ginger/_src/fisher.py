@@ -19,6 +19,7 @@ batch split over devices, each device's own shard in one backward pass (``jax.sh
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -294,41 +295,12 @@ def value_grad_and_fisher_per_device(
   sharded = {"batch": batch, "labels": labels}
   if mask is not None:
     sharded["mask"] = mask
-  whole = P()
   if given is None:
-    # The whole batch's logits shape, traced per device (the model may reduce over ``axis``).
-    shard_logits = lambda p, b, c: logits_fn(p, b, *c)[0] if has_aux else logits_fn(p, b, *c)
-    logits = jax.eval_shape(
-      jax.shard_map(
-        shard_logits,
-        mesh=mesh,
-        in_specs=(whole, P(axis), whole),
-        out_specs=P(axis),
-        check_vma=False,
-      ),
-      params,
-      batch,
-      tuple(constants),
-    )
-    dtype = jnp.promote_types(logits.dtype, jnp.float32)
-    sharded["noise"] = jax.random.gumbel(rng, logits.shape, dtype)
-
-  def per_device(params, constants, count, sharded):
-    labels = sharded["labels"]
-    (loss, aux), grads, fisher_grads = _pull_back_pair(
-      lambda p: logits_fn(p, sharded["batch"], *constants),
-      params,
-      labels,
-      sharded.get("mask"),
-      has_aux,
-      "batched",
-      given=labels if given is not None else None,
-      noise=sharded.get("noise"),
-      count=count,
-    )
-    loss, grads, fisher_grads = jax.lax.psum((loss, grads, fisher_grads), axis)
-    return (loss, jax.lax.pmean(aux, axis)), grads, fisher_grads
-
+    sharded["noise"] = _gumbel_noise(logits_fn, params, batch, constants, rng, mesh, axis, has_aux)
+  per_device = functools.partial(
+    _pull_back_on_device, logits_fn, has_aux, empirical=given is not None, axis=axis
+  )
+  whole = P()
   return jax.shard_map(
     per_device,
     mesh=mesh,
@@ -336,3 +308,45 @@ def value_grad_and_fisher_per_device(
     out_specs=whole,
     check_vma=False,
   )(params, tuple(constants), count, sharded)
+
+
+def _gumbel_noise(logits_fn, params, batch, constants, rng, mesh, axis, has_aux) -> jax.Array:
+  """Gumbel noise of the whole batch's logits' shape, drawn from ``rng`` as
+  ``jax.random.categorical`` draws it, to sample the Fisher labels with before the batch is
+  split. The shape is traced per device (the model may reduce over ``axis``)."""
+  shard_logits = lambda p, b, c: logits_fn(p, b, *c)[0] if has_aux else logits_fn(p, b, *c)
+  whole = P()
+  logits = jax.eval_shape(
+    jax.shard_map(
+      shard_logits,
+      mesh=mesh,
+      in_specs=(whole, P(axis), whole),
+      out_specs=P(axis),
+      check_vma=False,
+    ),
+    params,
+    batch,
+    tuple(constants),
+  )
+  dtype = jnp.promote_types(logits.dtype, jnp.float32)
+  return jax.random.gumbel(rng, logits.shape, dtype)
+
+
+def _pull_back_on_device(logits_fn, has_aux, params, constants, count, sharded, *, empirical, axis):
+  """Inside ``shard_map``: one device's loss, gradient and ``d`` from its shard ``sharded``
+  (:func:`_pull_back_pair`, batched, normalised by the whole batch's ``count``), summed over
+  ``axis``; ``aux`` averaged over it."""
+  labels = sharded["labels"]
+  (loss, aux), grads, fisher_grads = _pull_back_pair(
+    lambda p: logits_fn(p, sharded["batch"], *constants),
+    params,
+    labels,
+    sharded.get("mask"),
+    has_aux,
+    "batched",
+    given=labels if empirical else None,
+    noise=sharded.get("noise"),
+    count=count,
+  )
+  loss, grads, fisher_grads = jax.lax.psum((loss, grads, fisher_grads), axis)
+  return (loss, jax.lax.pmean(aux, axis)), grads, fisher_grads

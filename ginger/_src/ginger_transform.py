@@ -9,6 +9,14 @@ folds the sampled-Fisher vector ``d_t`` into the curvature::
 (Brand's rank-one eigen-update, O(d tau^2 + tau^3)), then returns ``G_t^{-1} g`` by the
 stable split of the Woodbury identity (O(d tau)). See docs/ginger-math.md for why this
 sigma-space form, and not the paper's inverse-space algorithm, is the one implemented.
+
+The file follows the step: :func:`scale_by_ginger` and its state (:func:`init_state`,
+:func:`update_state`); the curvature update of all buckets, :func:`brand_step`: pass 1
+projects ``d_t`` and ``g`` on ``U`` (:func:`_project`), pass 2 forms their residuals outside
+``span U`` (:func:`_residual`), Brand's small eigenproblem gives the new ``sigma`` and the
+rotation (:func:`_eigen_update`), pass 3 rotates ``U`` and writes ``G^{-1} g``
+(:func:`_rotate`); the periodic re-orthonormalisation (:func:`_basis_factors`,
+:func:`reorthonormalise`); and :func:`ginger`, the optimizer as the authors compose it.
 """
 
 from __future__ import annotations
@@ -22,11 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 from ginger._src import common, kernels, lowrank
 from ginger._src import sharding as gsharding
-from ginger._src.stacked import StackedBasis, StackedRows, StackedSigma, _Stacked
+from ginger._src.stacked import StackedBasis, StackedRows, StackedSigma
 
 
 class ScaleByGingerState(NamedTuple):
@@ -71,6 +78,61 @@ def default_reorthonormalise_every(state_dtype) -> int:
   return REORTHONORMALISE_EVERY_NARROW if narrow else REORTHONORMALISE_EVERY
 
 
+class GingerSettings(NamedTuple):
+  """The checked arguments of :func:`scale_by_ginger` (:func:`check_settings`), as its init and
+  update read them. ``in_update``: whether the step re-orthonormalises ``U`` itself (a
+  ``lax.cond`` every ``reorthonormalise_every`` updates) rather than leaving it to
+  :func:`reorthonormalise`."""
+
+  tau: int
+  alpha: float
+  gamma: float
+  block: str
+  state_dtype: Any
+  reorthonormalise_every: Any
+  in_update: bool
+  eigensolver: str
+  curvature_every: int
+  passes: str
+  sharding: gsharding.StateSharding | None
+  b1: float | None
+
+
+def check_settings(
+  tau, alpha, gamma, block, state_dtype, reorthonormalise_every, eigensolver, curvature_every,
+  passes, sharding, b1,
+) -> GingerSettings:  # fmt: skip
+  """:func:`scale_by_ginger`'s arguments checked (a ``ValueError`` naming a bad one), with the
+  defaults filled in."""
+  tau = common.check_tau(tau)
+  common.check_alpha(alpha)
+  common.check_b1(b1)
+  common.check_gamma(gamma)
+  common.check_block(block)
+  state_dtype = common.check_dtype(state_dtype)
+  common.check_eigensolver(eigensolver)
+  curvature_every = common.check_every("curvature_every", curvature_every)
+  common.check_passes(passes)
+  if reorthonormalise_every is None:
+    reorthonormalise_every = default_reorthonormalise_every(state_dtype)
+  # Traced under optax.inject_hyperparams (then >= 1 is the caller's to keep): the cond stays.
+  if isinstance(reorthonormalise_every, bool) or not isinstance(
+    reorthonormalise_every, (int, np.integer, jax.Array)
+  ):
+    raise ValueError(f"reorthonormalise_every must be an int, got {reorthonormalise_every!r}.")
+  every = common._concrete(reorthonormalise_every)
+  if every is not None and every < 0:
+    raise ValueError(
+      f"reorthonormalise_every must be >= 0 (0: only by reorthonormalise()) or None, got "
+      f"{reorthonormalise_every}."
+    )
+  in_update = every is None or every > 0
+  return GingerSettings(
+    tau, alpha, gamma, block, state_dtype, reorthonormalise_every, in_update, eigensolver,
+    curvature_every, passes, sharding, b1,
+  )  # fmt: skip
+
+
 def scale_by_ginger(
   tau: int,
   alpha: float = 0.99,
@@ -96,16 +158,11 @@ def scale_by_ginger(
     U diag(sigma) U^T <- top_k(alpha U diag(sigma) U^T + (1 - alpha) d_t d_t^T)
     g <- G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma
 
-  Brand's rank-one eigen-update costs ``O(d k^2 + k^3)``, the inverse ``O(d k)``: three passes
-  over ``U``, one kernel per bucket of equal-rank blocks (:mod:`ginger._src.kernels`). With ``b1``
-  the updates are first averaged, ``m_t = b1 m_{t-1} + (1 - b1) g_t``, and
-  ``G^{-1} m_t / (1 - b1^t)`` is returned. ``fisher_grads=None`` folds in the updates
-  themselves (the empirical Fisher) or, with ``curvature_every > 1``, leaves the curvature as
-  it is; which steps update it is static under ``jit``, so compile one step with and one
-  without ``fisher_grads``. ``reorthonormalise_every=0`` keeps the periodic Cholesky-QR of
-  ``U`` out of the step (a ``lax.cond``, which on a GPU stops the host until the device has
-  caught up) and leaves it to :func:`reorthonormalise`. XLA cannot partition a Pallas kernel:
-  with ``passes="pallas"`` on a state split over devices, pass ``sharding``.
+  in ``O(d k^2 + k^3)`` (Brand's rank-one eigen-update: three passes over ``U``). With ``b1``,
+  ``G^{-1} m_t / (1 - b1^t)`` of the average ``m_t = b1 m_{t-1} + (1 - b1) g_t`` is returned.
+  ``fisher_grads=None`` folds in the updates themselves (the empirical Fisher) or, with
+  ``curvature_every > 1``, leaves the curvature as it is (static under ``jit``: compile one
+  step with and one without ``fisher_grads``).
 
   Args:
     tau: rank of the curvature model, a Python int >= 1.
@@ -113,219 +170,256 @@ def scale_by_ginger(
     gamma: damping, > 0; ``G^{-1}`` scales directions outside ``span U`` by ``1 / gamma``.
     block: ``"per_tensor"`` (a model per leaf, the authors' code) or ``"global"`` (the paper).
     state_dtype: dtype of ``U``, ``sigma`` and ``mu``; the small algebra runs in >= float32.
-    reorthonormalise_every: curvature updates between re-orthonormalisations of ``U``; 0: never.
+    reorthonormalise_every: updates between re-orthonormalisations of ``U`` (a ``lax.cond``,
+      which on a GPU waits for the device); 0: only by :func:`reorthonormalise`.
     eigensolver: ``"secular"`` (``O(k^2)``) or ``"dense"`` (``eigh``) for Brand's core.
     curvature_every: steps between the caller's curvature updates, a static int; None: 1.
     passes: how the passes over ``U`` run: ``"jnp"``, ``"pallas"`` or ``"auto"``.
-    sharding: the :class:`ginger.sharding.StateSharding` of a state split over devices.
+    sharding: the :class:`ginger.sharding.StateSharding` of a state split over devices
+      (needed with ``passes="pallas"``: XLA cannot partition a Pallas kernel).
     b1: decay of the bias-corrected momentum kept in the state; None: no momentum.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
 
   Examples:
-    From a fresh state (``sigma = 0``), one step with ``d_t = g`` makes
-    ``G = gamma I + (1 - alpha) g g^T``, so ``G^{-1} g = g / (gamma + (1 - alpha) ||g||^2)``:
-    here per leaf, ``||g||^2`` = 6 for ``w`` and 2 for ``b``.
+    From a fresh state (``sigma = 0``), one step with ``d_t = g`` makes ``G = gamma I +
+    (1 - alpha) g g^T``, so ``G^{-1} g = g / (gamma + (1 - alpha) ||g||^2)``: per leaf,
+    ``||g||^2`` = 6 for ``w`` and 2 for ``b``.
 
     >>> import jax, jax.numpy as jnp
     >>> import ginger
     >>> params = {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)}
     >>> tx = ginger.scale_by_ginger(tau=2, alpha=0.5, gamma=1.0)
-    >>> state = tx.init(params)
     >>> grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
-    >>> updates, state = jax.jit(tx.update)(grads, state, fisher_grads=grads)
+    >>> updates, _ = jax.jit(tx.update)(grads, tx.init(params), fisher_grads=grads)
     >>> print(f"{float(updates['w'][0, 0]):.4f} {float(updates['b'][0]):.4f}")
     0.2500 0.5000
 
   References:
     Yongchang Hao, Yanshuai Cao and Lili Mou, `Ginger: An Efficient Curvature Approximation
-    with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_,
-    2024
+    with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_
   """
-  tau = common.check_tau(tau)
-  common.check_alpha(alpha)
-  common.check_b1(b1)
-  common.check_gamma(gamma)
-  common.check_block(block)
-  state_dtype = common.check_dtype(state_dtype)
-  common.check_eigensolver(eigensolver)
-  curvature_every = common.check_every("curvature_every", curvature_every)
-  common.check_passes(passes)
-  if reorthonormalise_every is None:
-    reorthonormalise_every = default_reorthonormalise_every(state_dtype)
-  # Traced under optax.inject_hyperparams (then >= 1 is the caller's to keep): the cond stays.
-  if isinstance(reorthonormalise_every, bool) or not isinstance(
-    reorthonormalise_every, (int, np.integer, jax.Array)
-  ):
-    raise ValueError(f"reorthonormalise_every must be an int, got {reorthonormalise_every!r}.")
-  every = common._concrete(reorthonormalise_every)
-  if every is not None and every < 0:
-    raise ValueError(
-      f"reorthonormalise_every must be >= 0 (0: only by reorthonormalise()) or None, got "
-      f"{reorthonormalise_every}."
+  settings = check_settings(
+    tau, alpha, gamma, block, state_dtype, reorthonormalise_every, eigensolver, curvature_every,
+    passes, sharding, b1,
+  )  # fmt: skip
+  init = functools.partial(init_state, settings=settings)
+  return optax.GradientTransformationExtraArgs(init, functools.partial(_update_fn, settings))
+
+
+def _update_fn(settings, updates, state, params=None, *, fisher_grads=None, **extra_args):
+  """``update`` of :func:`scale_by_ginger` built with ``settings``: :func:`update_state`."""
+  del params, extra_args
+  return update_state(updates, state, fisher_grads, settings)
+
+
+def _placeholder_state(s: GingerSettings) -> ScaleByGingerState:
+  """The state for ``optax.tree.map_params``' placeholder params: it looks for params-shaped
+  trees by initialising with one (as ``optax.masked``, Ginger detects it); the stacked ``U``,
+  ``sigma`` and momentum are no such tree, so each is one leaf here and ``map_params`` leaves
+  them to ``transform_non_params``."""
+  leaf = jnp.zeros([], s.state_dtype)
+  counter = jnp.zeros([], jnp.int32)
+  return ScaleByGingerState(
+    count=counter,
+    u=leaf,
+    sigma=leaf,
+    mu=None if s.b1 is None else leaf,
+    mu_count=None if s.b1 is None else counter,
+    skipped=counter,
+  )
+
+
+def init_state(params, settings: GingerSettings) -> ScaleByGingerState:
+  """``S_0 = 0``: each bucket's ``U`` an orthonormal basis (:func:`lowrank.init_basis`),
+  ``sigma = 0``, the momentum ``m_0 = 0`` (with ``b1``) and the counts 0."""
+  s = settings
+  if isinstance(params, common.params_placeholder_type()):
+    return _placeholder_state(s)
+  common.check_float_params(params)
+  vectors, treedef = common.flat_vectors(params, s.state_dtype)
+  layout = common.plan_layout([v.size for v in vectors], s.tau, s.block, treedef)
+  u = StackedBasis(
+    [lowrank.init_basis(len(b.members), b.rows, b.rank, s.state_dtype) for b in layout.buckets],
+    layout,
+  )
+  sigmas = [jnp.zeros((len(b.members), b.rank), s.state_dtype) for b in layout.buckets]
+  if s.block == "per_tensor":
+    sigma = StackedSigma(sigmas, layout)
+  else:
+    sigma = sigmas[0][0] if sigmas else jnp.zeros((0,), s.state_dtype)
+  mu = mu_count = None
+  if s.b1 is not None:
+    mu = StackedRows(
+      [jnp.zeros((len(b.members), b.rows), s.state_dtype) for b in layout.buckets], layout
     )
-  in_update = every is None or every > 0
+    mu_count = jnp.zeros([], jnp.int32)
+  return ScaleByGingerState(
+    count=jnp.zeros([], jnp.int32),
+    u=u,
+    sigma=sigma,
+    mu=mu,
+    mu_count=mu_count,
+    skipped=jnp.zeros([], jnp.int32),
+  )
 
-  def init_fn(params):
-    if isinstance(params, common.params_placeholder_type()):
-      # optax.tree.map_params looks for params-shaped trees by initialising with a placeholder
-      # (as optax.masked, Ginger detects it): the stacked U, sigma and momentum are no such
-      # tree, so each is one leaf here and map_params leaves them to transform_non_params.
-      leaf = jnp.zeros([], state_dtype)
-      counter = jnp.zeros([], jnp.int32)
-      return ScaleByGingerState(
-        count=counter,
-        u=leaf,
-        sigma=leaf,
-        mu=None if b1 is None else leaf,
-        mu_count=None if b1 is None else counter,
-        skipped=counter,
-      )
-    common.check_float_params(params)
-    vectors, treedef = common.flat_vectors(params, state_dtype)
-    layout = common.plan_layout([v.size for v in vectors], tau, block, treedef)
-    u = StackedBasis(
-      [lowrank.init_basis(len(b.members), b.rows, b.rank, state_dtype) for b in layout.buckets],
-      layout,
-    )
-    sigmas = [jnp.zeros((len(b.members), b.rank), state_dtype) for b in layout.buckets]
-    if block == "per_tensor":
-      sigma = StackedSigma(sigmas, layout)
-    else:
-      sigma = sigmas[0][0] if sigmas else jnp.zeros((0,), state_dtype)
-    mu = mu_count = None
-    if b1 is not None:
-      mu = StackedRows(
-        [jnp.zeros((len(b.members), b.rows), state_dtype) for b in layout.buckets], layout
-      )
-      mu_count = jnp.zeros([], jnp.int32)
-    return ScaleByGingerState(
-      count=jnp.zeros([], jnp.int32),
-      u=u,
-      sigma=sigma,
-      mu=mu,
-      mu_count=mu_count,
-      skipped=jnp.zeros([], jnp.int32),
-    )
 
-  def average(gs, state):
-    """The EMA of the stacked updates, ``m_t``, as the state's new ``mu``, and a function that
-    divides the preconditioned ``m_t`` by the bias correction ``1 - b1^t`` (``optax.ema(b1,
-    debias=True)``'s, after ``G^{-1}`` rather than before: ``G^{-1}`` is linear, and the
-    division then fuses into the per-leaf ops after the update instead of writing a corrected
-    copy of every bucket's ``m``); plus the new ``mu_count``. Without ``b1``: ``gs``, the
-    identity and the state's ``mu`` and ``mu_count``."""
-    if b1 is None:
-      return gs, lambda outs: outs, state.mu, state.mu_count
-    mu_count = optax.safe_increment(state.mu_count)
-    mu = [(1 - b1) * g + b1 * m for g, m in zip(gs, state.mu.stacks, strict=True)]
-    correction = 1 - b1**mu_count
+def update_state(updates, state: ScaleByGingerState, fisher_grads, settings: GingerSettings):
+  """One step of :func:`scale_by_ginger`: ``(G_t^{-1} g, new state)``.
 
-    def debias(outs):
-      return [out / correction.astype(out.dtype) for out in outs]
-
-    return mu, debias, StackedRows(mu, state.mu.layout), mu_count
-
-  def rows(xs, us):
-    """``xs`` (one array per bucket) pinned to the rows of ``us`` each device holds."""
-    if sharding is None:
-      return list(xs)
-    return [sharding.constrain(x, u.shape) for x, u in zip(xs, us, strict=True)]
-
-  def whole(xs):
-    """The update's stacks gathered on every device before its leaves are sliced out: sliced
-    from split stacks, a leaf ending inside a device's rows costs a collective-permute."""
-    return list(xs) if sharding is None else sharding.replicate(list(xs))
-
-  def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):
-    del params, extra_args
-    if sharding is not None:
-      # Whole on every device, as data parallelism makes gradients: then each device's rows
-      # of the stacked g and d are a local slice. Left free, XLA propagates the rows' split
-      # back into whatever produced them (e.g. the momentum) and gathers it to re-lay it out.
-      updates, fisher_grads = sharding.replicate((updates, fisher_grads))
-    layout = state.u.layout
-    us = list(state.u.stacks)
-    gs = rows(common.gather(layout, common.flat_vectors(updates, state_dtype)[0]), us)
-    gs, debias, mu, mu_count = average(gs, state)
-    impl = kernels.resolve_impl(passes, None)  # on the backend the step is traced for
-    if fisher_grads is None and curvature_every > 1:  # no curvature update this step
-      sigmas = _sigma_stacks(layout, state.sigma, block)
-      kw = dict(impl=impl[0], interpret=impl[1])
-      # U^T g of all buckets first, so that a split state adds them over devices at once.
-      ys = _per_shard_sums(
-        lambda u, g: (kernels.project(u, g, **kw),),
-        sharding,
-        impl[0],
-        list(zip(us, gs, strict=True)),
-        ("u", "rows"),
-        ("small",),
-      )
-      # Then the CGS2 coefficient of g's residual q1 = g - U y, and (q1 - U a) / gamma
-      # (kernels.complement_coefficient: no term of size |g| cancels).
-      second = _per_shard_sums(
-        lambda u, g, y: kernels.residual(u, g, y, **kw),
-        sharding,
-        impl[0],
-        [(u, g, y) for u, g, (y,) in zip(us, gs, ys, strict=True)],
-        ("u", "rows", "small"),
-        ("small", "rows"),
-      )
-      outs = [
-        _per_shard(
-          lambda u, q1, a: kernels.correct(u, q1, a, gamma, **kw),
-          sharding,
-          impl[0],
-          (u, q1, kernels.complement_coefficient(s, gamma, y, c)),
-          ("u", "rows", "small"),
-          "rows",
-        )
-        for u, s, (y,), (c, q1) in zip(us, sigmas, ys, second, strict=True)
-      ]
-      new_state = state._replace(mu=mu, mu_count=mu_count)
-      outs = debias(whole(outs))
-      return common.unflatten_like(common.scatter(layout, outs), updates), new_state
-    vs = rows(common.gather(layout, common.fisher_vectors(updates, fisher_grads, state_dtype)), us)
-    # A NaN or Inf in d_t alone (optax.apply_if_finite checks only g) would enter U and sigma
-    # for good: such a d_t enters as zero and the curvature is kept as it was (U by brand_step,
-    # in place: a select over U would hold a second U in the step).
-    finite = common.all_finite(vs)
-    vs = common.zero_unless(finite, vs)
-    sigmas = _sigma_stacks(layout, state.sigma, block)
-    count = optax.safe_increment(state.count)
-    if in_update:
-      # Only the small factors leave the cond, so skipping it copies nothing of U.
-      factors = jax.lax.cond(
-        count % reorthonormalise_every == 0,
-        _reorthonormalising_factors,
-        _identity_factors,
-        us,
-        sigmas,
-      )
-    else:  # the caller's reorthonormalise(): Q = I, known while tracing (no products with it)
-      factors = [
-        (None, sigma.astype(kernels.compute_dtype(u.dtype)))
-        for u, sigma in zip(us, sigmas, strict=True)
-      ]
-    new_us, outs, new_sigmas = brand_step(
-      us, factors, vs, gs, alpha, gamma, eigensolver, impl=impl[0], interpret=impl[1],
-      sharding=sharding, keep=~finite,
-    )  # fmt: skip
-    new_us, outs = rows(new_us, us), debias(whole(outs))
-    if block == "per_tensor":
-      sigma = StackedSigma(new_sigmas, layout)
-    else:
-      sigma = new_sigmas[0][0] if new_sigmas else state.sigma
-    # U' is U where d_t was skipped (brand_step's keep); the small parts are selected here.
-    count, sigma = common.keep_unless(finite, (count, sigma), (state.count, state.sigma))
-    skipped = state.skipped + (~finite).astype(jnp.int32)
-    new_state = ScaleByGingerState(
-      count, StackedBasis(new_us, layout), sigma, mu=mu, mu_count=mu_count, skipped=skipped
-    )
+  The updates ``g`` (with ``b1``: their average ``m_t``, :func:`_average`) and ``d_t`` are
+  gathered into the stacked layout of ``U``. Then ``d_t`` is folded into the curvature and
+  ``g`` preconditioned with the new model (:func:`brand_step`, on the basis re-orthonormalised
+  when due, :func:`_basis_factors`), or, on a step without ``fisher_grads`` when
+  ``curvature_every > 1``, preconditioned with the model as it is (:func:`_precondition`).
+  With ``b1`` the result is divided by ``1 - b1^t``.
+  """
+  s = settings
+  if s.sharding is not None:
+    # Whole on every device, as data parallelism makes gradients: then each device's rows
+    # of the stacked g and d are a local slice. Left free, XLA propagates the rows' split
+    # back into whatever produced them (e.g. the momentum) and gathers it to re-lay it out.
+    updates, fisher_grads = s.sharding.replicate((updates, fisher_grads))
+  layout = state.u.layout
+  us = list(state.u.stacks)
+  gs = common.gather(layout, common.flat_vectors(updates, s.state_dtype)[0])
+  gs, debias, mu, mu_count = _average(_on_rows(s.sharding, gs, us), state, s.b1)
+  # For the backend that jax.default_backend() names while the step is traced ("auto":
+  # "pallas" on a GPU); a step jitted for another backend names "jnp" or "pallas" instead.
+  impl = kernels.resolve_impl(s.passes, None)
+  if fisher_grads is None and s.curvature_every > 1:  # no curvature update this step
+    sigmas = _sigma_stacks(layout, state.sigma, s.block)
+    outs = _precondition(us, sigmas, gs, s.gamma, s.sharding, impl)
+    new_state = state._replace(mu=mu, mu_count=mu_count)
+    outs = debias(_whole(s.sharding, outs))
     return common.unflatten_like(common.scatter(layout, outs), updates), new_state
+  fisher = common.fisher_vectors(updates, fisher_grads, s.state_dtype)
+  vs = _on_rows(s.sharding, common.gather(layout, fisher), us)
+  # A NaN or Inf in d_t alone (optax.apply_if_finite checks only g) would enter U and sigma
+  # for good: such a d_t enters as zero and the curvature is kept as it was (U by brand_step,
+  # in place: a select over U would hold a second U in the step; the rest by _curvature_state).
+  finite = common.all_finite(vs)
+  vs = common.zero_unless(finite, vs)
+  sigmas = _sigma_stacks(layout, state.sigma, s.block)
+  count = optax.safe_increment(state.count)
+  factors = _basis_factors(us, sigmas, count, s)
+  new_us, outs, new_sigmas = brand_step(
+    us, factors, vs, gs, s.alpha, s.gamma, s.eigensolver, impl=impl[0], interpret=impl[1],
+    sharding=s.sharding, keep=~finite,
+  )  # fmt: skip
+  new_us, outs = _on_rows(s.sharding, new_us, us), debias(_whole(s.sharding, outs))
+  new_state = _curvature_state(state, new_us, new_sigmas, count, finite, s.block)
+  new_state = new_state._replace(mu=mu, mu_count=mu_count)
+  return common.unflatten_like(common.scatter(layout, outs), updates), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+def _curvature_state(state, new_us, new_sigmas, count, finite, block) -> ScaleByGingerState:
+  """The state after a curvature update: ``U'`` and the new ``sigma`` and count, or where
+  ``d_t`` was not ``finite`` the old count and ``sigma`` (``U'`` is then ``U`` already:
+  :func:`brand_step`'s ``keep``) and one more ``skipped``."""
+  layout = state.u.layout
+  if block == "per_tensor":
+    sigma = StackedSigma(new_sigmas, layout)
+  else:
+    sigma = new_sigmas[0][0] if new_sigmas else state.sigma
+  count, sigma = common.keep_unless(finite, (count, sigma), (state.count, state.sigma))
+  skipped = state.skipped + (~finite).astype(jnp.int32)
+  return ScaleByGingerState(
+    count, StackedBasis(new_us, layout), sigma, mu=state.mu, mu_count=state.mu_count,
+    skipped=skipped,
+  )  # fmt: skip
+
+
+def _average(gs, state: ScaleByGingerState, b1):
+  """The EMA of the stacked updates, ``m_t = b1 m_{t-1} + (1 - b1) g_t``, as the state's new
+  ``mu``, and a function that divides the preconditioned ``m_t`` by the bias correction
+  ``1 - b1^t`` (``optax.ema(b1, debias=True)``'s, after ``G^{-1}`` rather than before:
+  ``G^{-1}`` is linear, and the division then fuses into the per-leaf ops after the update
+  instead of writing a corrected copy of every bucket's ``m``); plus the new ``mu_count``.
+  Without ``b1``: ``gs``, the identity and the state's ``mu`` and ``mu_count``."""
+  if b1 is None:
+    return gs, lambda outs: outs, state.mu, state.mu_count
+  mu_count = optax.safe_increment(state.mu_count)
+  mu = [(1 - b1) * g + b1 * m for g, m in zip(gs, state.mu.stacks, strict=True)]
+  correction = 1 - b1**mu_count
+
+  def debias(outs):
+    return [out / correction.astype(out.dtype) for out in outs]
+
+  return mu, debias, StackedRows(mu, state.mu.layout), mu_count
+
+
+def _on_rows(sharding: gsharding.StateSharding | None, xs, us) -> list:
+  """``xs`` (one array per bucket) pinned to the rows of ``us`` each device holds."""
+  if sharding is None:
+    return list(xs)
+  return [sharding.constrain(x, u.shape) for x, u in zip(xs, us, strict=True)]
+
+
+def _whole(sharding: gsharding.StateSharding | None, xs) -> list:
+  """The update's stacks gathered on every device before its leaves are sliced out: sliced
+  from split stacks, a leaf ending inside a device's rows costs a collective-permute."""
+  return list(xs) if sharding is None else sharding.replicate(list(xs))
+
+
+def _basis_factors(us, sigmas, count, s: GingerSettings) -> list[tuple]:
+  """``(Q, sigma')`` per bucket, with which :func:`brand_step` works in the orthonormal basis
+  ``U Q``: the Cholesky-QR factors of ``U`` every ``reorthonormalise_every`` updates
+  (:func:`_reorthonormalising_factors`), ``(I, sigma)`` on the others; with
+  ``reorthonormalise_every=0`` (the caller's :func:`reorthonormalise`) ``Q = None``, ``I``
+  known while tracing, so that no product with it is formed. In the compute dtype."""
+  if not s.in_update:
+    return [
+      (None, sigma.astype(kernels.compute_dtype(u.dtype)))
+      for u, sigma in zip(us, sigmas, strict=True)
+    ]
+  # Only the small factors leave the cond, so skipping it copies nothing of U.
+  return jax.lax.cond(
+    count % s.reorthonormalise_every == 0,
+    _reorthonormalising_factors,
+    _identity_factors,
+    us,
+    sigmas,
+  )
+
+
+def _precondition(us, sigmas, gs, gamma, sharding, impl) -> list:
+  """``G^{-1} g`` per bucket with the curvature as it is, by the stable split of Woodbury::
+
+    G^{-1} g = (q + U (gamma / (gamma + sigma)) (y + c)) / gamma,   y = U^T g,
+    q1 = g - U y,   c = U^T q1,   q = q1 - U c
+
+  (CGS2: ``q``, the part of ``g`` outside ``span U``, is orthogonal to ``U`` to working
+  precision; :func:`kernels.complement_coefficient` forms the coefficient with no term of the
+  size of ``g`` cancelling). Three passes over ``U``, run per device on a split state as
+  :func:`brand_step`'s are."""
+  kw = dict(impl=impl[0], interpret=impl[1])
+  # U^T g of all buckets first, so that a split state adds them over devices at once.
+  ys = gsharding.per_shard_sums(
+    lambda u, g: (kernels.project(u, g, **kw),),
+    sharding,
+    impl[0],
+    list(zip(us, gs, strict=True)),
+    gsharding.PROJECT,
+  )
+  residuals = gsharding.per_shard_sums(
+    lambda u, g, y: kernels.residual(u, g, y, **kw),
+    sharding,
+    impl[0],
+    [(u, g, y) for u, g, (y,) in zip(us, gs, ys, strict=True)],
+    gsharding.RESIDUAL,
+  )
+  return [
+    gsharding.per_shard(
+      lambda u, q1, a: kernels.correct(u, q1, a, gamma, **kw),
+      sharding,
+      impl[0],
+      (u, q1, kernels.complement_coefficient(s, gamma, y, c)),
+      gsharding.CORRECT,
+    )
+    for u, s, (y,), (c, q1) in zip(us, sigmas, ys, residuals, strict=True)
+  ]
 
 
 def brand_step(
@@ -344,21 +438,28 @@ def brand_step(
 ):
   """One curvature update and preconditioning for every bucket.
 
-  ``factors[b] = (Q, sigma)``: the step works with the orthonormal basis ``U Q`` (``Q = I`` except
-  on re-orthonormalisation steps; ``Q`` None: ``I``, known while tracing), folded into the small
-  matrices so that ``U Q`` is never formed. Per bucket: pass 1 gives ``c = U^T v`` and ``y = U^T
-  g``; pass 2 the CGS2 correction ``c2 = U^T p1`` and norms, and ``p1`` itself; then, for all
-  blocks of one rank at once, Brand's core and its eigenpairs; pass 3 writes ``U' = [U p] V[:,
-  :k]`` (over ``U``) and ``G'^{-1} g``, where ``U'^T g = V[:, :k]^T [y; p^T g]`` needs no further
-  pass. Pass 3 reads pass 2's ``p1`` rather than recomputing it, so that it removes the rounding
-  that pass 2 measured from the very same ``p1`` (CGS2), whatever the compiler fuses. The passes
-  run with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see
+  With ``B = [U p]`` (``p`` the unit residual of ``v = d_t`` outside ``span U``) Brand's
+  update of ``S = U diag(sigma) U^T`` is::
+
+    alpha S + (1 - alpha) v v^T = B K B^T,   K = diag(alpha sigma, 0) + (1 - alpha) w w^T,
+    w = B^T v,   K = V diag(lambda) V^T,   U' = B V[:, :k],   sigma' = lambda[:k]
+
+  ``factors[b] = (Q, sigma)``: the step works with the orthonormal basis ``U Q`` (``Q = I``
+  except on re-orthonormalisation steps; ``Q`` None: ``I``, known while tracing), folded into
+  the small matrices so that ``U Q`` is never formed. Per bucket: pass 1 (:func:`_project`)
+  gives ``c = U^T v`` and ``y = U^T g``; pass 2 (:func:`_residual`) the CGS2 correction
+  ``c2 = U^T p1`` and norms, and ``p1`` itself; then, for all blocks of one rank at once,
+  Brand's core and its eigenpairs (:func:`_eigen_update`); pass 3 (:func:`_rotate`) writes
+  ``U' = [U p] V[:, :k]`` (over ``U``) and ``G'^{-1} g``, where ``U'^T g = V[:, :k]^T [y; p^T
+  g]`` needs no further pass. Pass 3 reads pass 2's ``p1`` rather than recomputing it, so that
+  it removes the rounding that pass 2 measured from the very same ``p1`` (CGS2), whatever the
+  compiler fuses. The passes run with ``impl`` (``"jnp"`` or ``"pallas"``, all three alike: see
   :mod:`ginger._src.kernels`), and so does the secular eigensolver's bisection
   (:mod:`ginger._src.secular`); ``sharding``: where the buckets are split over devices (None:
   nowhere). The jnp passes are then partitioned by XLA (pass 3 in blocks of each device's rows);
   the Pallas kernels, which XLA cannot partition, run per device under ``shard_map`` on its own
   rows, with the sums of passes 1 and 2 added over the devices, all buckets' in one all-reduce a
-  pass (:func:`_per_shard_sums`).
+  pass (:func:`ginger._src.sharding.per_shard_sums`).
   The passes return their sums in ``U``'s dtype; everything between them (``factors``
   included) runs in the compute dtype (:func:`ginger._src.kernels.compute_dtype`: float32 for a
   bf16 or float16 state, whose eigenproblems neither LAPACK nor the secular solver's bit
@@ -371,34 +472,58 @@ def brand_step(
   kw = dict(impl=impl, interpret=interpret)
   if not us:
     return [], [], []
-  state_dtype = us[0].dtype
-  compute = kernels.compute_dtype(state_dtype)
-  up = lambda *xs: [x.astype(compute) for x in xs]  # noqa: E731
-  qs = [q for q, _ in factors]
+  small = _project(us, vs, gs, factors, sharding, kw)
+  residuals = _residual(us, vs, gs, factors, small, sharding, kw)
+  coefs, new_sigmas = _eigen_update(us, factors, small, alpha, gamma, eigensolver, keep, kw)
+  new_us, outs = [], []
+  for u, (p1, q1), (co, first_block) in zip(us, residuals, coefs, strict=True):
+    smalls = [co[key] for key in ("a2", "inv_r", "rot", "b", "a", "beta")]
+    u_new, out = _rotate(u, p1, q1, smalls, gamma, first_block, sharding, kw)
+    new_us.append(u_new)
+    outs.append(out)
+  return new_us, outs, new_sigmas
 
-  first = _per_shard_sums(
+
+def _in_compute_dtype(u, *xs) -> list:
+  """``xs`` in the compute dtype of a state of ``u``'s dtype (:func:`kernels.compute_dtype`)."""
+  compute = kernels.compute_dtype(u.dtype)
+  return [x.astype(compute) for x in xs]
+
+
+def _project(us, vs, gs, factors, sharding, kw) -> list[dict]:
+  """Pass 1 of :func:`brand_step`: ``U^T v``, ``U^T g`` and ``l1 = ||v||`` per bucket, as
+  :func:`_before_residual`'s small quantities in the basis ``U Q``."""
+  projections = gsharding.per_shard_sums(
     functools.partial(kernels.project_pair, **kw),
     sharding,
-    impl,
+    kw["impl"],
     list(zip(us, vs, gs, strict=True)),
-    ("u", "rows", "rows"),
-    ("small", "small", "block"),
+    gsharding.PROJECT_PAIR,
   )
-  small = [_before_residual(*up(*sums), q) for sums, q in zip(first, qs, strict=True)]
-  second = _per_shard_sums(
+  return [
+    _before_residual(*_in_compute_dtype(us[0], *sums), q)
+    for sums, (q, _) in zip(projections, factors, strict=True)
+  ]
+
+
+def _residual(us, vs, gs, factors, small, sharding, kw) -> list[tuple]:
+  """Pass 2 of :func:`brand_step`: the residuals ``p1 = (v - U c) / l1`` and ``q1 = g - U y``
+  per bucket, and their sums, added to ``small`` (in the basis ``U Q``): the CGS2 corrections
+  ``c2 = U^T p1``, ``c3 = U^T q1`` and ``pp = ||p1||^2``, ``pq = p1 . q1``, ``vv = ||v / l1||^2``
+  (:func:`_after_residual` uses them)."""
+  sums = gsharding.per_shard_sums(
     functools.partial(kernels.residual_sums, with_p1=True, **kw),
     sharding,
-    impl,
+    kw["impl"],
     [
       (u, v, g, s["a1"].astype(u.dtype), s["inv_l1"].astype(u.dtype), s["ay"].astype(u.dtype))
       for u, v, g, s in zip(us, vs, gs, small, strict=True)
     ],
-    ("u", "rows", "rows", "small", "block", "small"),
-    ("small", "block", "block", "block", "small", "rows", "rows"),
+    gsharding.RESIDUAL_SUMS,
   )
-  residuals = [(p1, q1) for *_, p1, q1 in second]
-  for s, sums, (q, sigma) in zip(small, second, factors, strict=True):
-    c2u, pp, pq, vv, c3u = up(*sums[:5])
+  residuals = [(p1, q1) for *_, p1, q1 in sums]
+  for s, bucket_sums, (q, sigma) in zip(small, sums, factors, strict=True):
+    c2u, pp, pq, vv, c3u = _in_compute_dtype(us[0], *bucket_sums[:5])
     s.update(
       c2=_times(q, c2u, transpose=True),
       c3=_times(q, c3u, transpose=True),
@@ -407,9 +532,18 @@ def brand_step(
       vv=vv,
       sigma=sigma,
     )
-  # Brand's cores of all blocks of one rank share one batched solve. Pass 3 reads each
-  # bucket's coefficients from the joined arrays at the bucket's first block (``first``):
-  # slices of them would each be a small copy kernel on a GPU.
+  return residuals
+
+
+def _eigen_update(us, factors, small, alpha, gamma, eigensolver, keep, kw):
+  """Brand's small eigenproblem of every block, all blocks of one rank in one batched solve
+  (:func:`_after_residual`): per bucket, pass 3's coefficients as ``(the rank's joined
+  coefficients, the bucket's first block in them)`` (pass 3 reads them there: slices would
+  each be a small copy kernel on a GPU), and the new ``sigma``. Pass 3's operands and
+  ``sigma`` are rounded to the state's dtype. Where ``keep``, the rotation is ``I`` and the
+  new direction's weights 0, so that pass 3 writes ``U`` back as it was."""
+  state_dtype = us[0].dtype
+  qs = [q for q, _ in factors]
   by_rank: dict[int, list[int]] = defaultdict(list)
   for b, u in enumerate(us):
     by_rank[u.shape[-1]].append(b)
@@ -426,133 +560,29 @@ def brand_step(
       co["rot"] = jnp.where(keep, eye, co["rot"])
       co["b"] = jnp.where(keep, jnp.zeros((), co["b"].dtype), co["b"])
     starts = np.cumsum([0] + sizes[:-1]).tolist()
-    for b, first, sigma in zip(members, starts, jnp.split(co["sigma"], starts[1:]), strict=True):
-      coefs[b], new_sigmas[b] = (co, first), sigma
-  new_us, outs = [], []
-  for u, (p1, q1), (co, first) in zip(us, residuals, coefs, strict=True):
-    smalls = [co[key] for key in ("a2", "inv_r", "rot", "b", "a", "beta")]
-    u_new, out = _rotate(u, p1, q1, smalls, gamma, first, sharding, kw)
-    new_us.append(u_new)
-    outs.append(out)
-  return new_us, outs, new_sigmas
+    for b, first_block, sigma in zip(
+      members, starts, jnp.split(co["sigma"], starts[1:]), strict=True
+    ):
+      coefs[b], new_sigmas[b] = (co, first_block), sigma
+  return coefs, new_sigmas
 
 
-def _rotate(u, p1, q1, smalls, gamma, first, sharding, kw):
+def _rotate(u, p1, q1, smalls, gamma, first_block, sharding, kw):
   """Pass 3 of one bucket (:func:`ginger._src.kernels.rotate_from_residual`): ``smalls`` are
-  ``(a2, inv_r, rot, b, a, beta)``, joined over the buckets of one rank from ``first`` on. On a
-  split state the jnp pass rotates blocks of each device's rows; the kernel runs per device
-  (row-local: no collective) on the bucket's own slice of them."""
-  if not _shard_spec(sharding, kw["impl"], u):
+  ``(a2, inv_r, rot, b, a, beta)``, joined over the buckets of one rank from ``first_block``
+  on. Writes ``U' = U rot + p b^T`` (``p = (p1 - U a2) inv_r``) and ``(q1 - U a - p beta) /
+  gamma``. On a split state the jnp pass rotates blocks of each device's rows; the kernel runs
+  per device (row-local: no collective) on the bucket's own slice of them."""
+  if not gsharding.bucket_split(sharding, kw["impl"], u):
     return kernels.rotate_from_residual(
-      u, p1, q1, *smalls, gamma, first=first,
+      u, p1, q1, *smalls, gamma, first=first_block,
       row_shards=1 if sharding is None else sharding.row_shards(u.shape), **kw,
     )  # fmt: skip
-  mine = [x[first : first + u.shape[0]] for x in smalls]
+  mine = [x[first_block : first_block + u.shape[0]] for x in smalls]
   gamma = jnp.broadcast_to(jnp.asarray(gamma, u.dtype), u.shape[:1])
   rotate = functools.partial(kernels.rotate_from_residual, **kw)
-  kinds = ("u", "rows", "rows", "small", "block", "square", "small", "small", "block", "block")
-  return _per_shard(rotate, sharding, kw["impl"], (u, p1, q1, *mine, gamma), kinds, ("u", "rows"))
-
-
-def _shard_spec(sharding, impl: str, u) -> tuple:
-  """How bucket ``u`` is split where its passes run per device (the Pallas kernels, which
-  XLA cannot partition, on a split bucket), else ``()``: XLA partitions the jnp passes."""
-  if impl != "pallas" or sharding is None:
-    return ()
-  return tuple(sharding.spec(u.shape))
-
-
-def _per_shard(fn, sharding, impl, args, kinds, out_kinds):
-  """``fn(*args)`` for one bucket (``args[0]`` its ``U``, ``(members, rows, rank)``), run on
-  each device's shard of it under ``shard_map`` where its passes run per device
-  (:func:`_shard_spec`); else as it is. ``fn`` must be row-local (pass 3, the second half of
-  preconditioning): a pass that sums over the rows runs in :func:`_per_shard_sums`.
-  ``kinds`` and ``out_kinds`` name the operands' and results' layouts: ``"u"`` like ``U``,
-  ``"rows"`` ``(members, rows)``, ``"small"`` ``(members, rank)``, ``"square"`` ``(members,
-  rank, rank)``, ``"block"`` ``(members,)``: split as ``U``'s members and rows are."""
-  spec = _shard_spec(sharding, impl, args[0])
-  if not spec:
-    return fn(*args)
-  return jax.shard_map(
-    fn,
-    mesh=sharding.mesh,
-    in_specs=_specs(spec, kinds),
-    out_specs=_specs(spec, out_kinds),
-    check_vma=False,
-  )(*args)
-
-
-def _specs(spec, kinds):
-  """The ``PartitionSpec`` of each layout in ``kinds`` (one name or a tuple of them; see
-  :func:`_per_shard`) for a bucket split as ``spec`` (members, rows)."""
-  members, rows = spec[0], spec[1]
-  layouts = {
-    "u": P(members, rows, None),
-    "rows": P(members, rows),
-    "small": P(members, None),
-    "square": P(members, None, None),
-    "block": P(members),
-  }
-  return layouts[kinds] if isinstance(kinds, str) else tuple(layouts[n] for n in kinds)
-
-
-# Layouts of results that are sums over a bucket's rows (a pass's tau-vectors and norms).
-_SUMS = ("small", "square", "block")
-
-
-def _per_shard_sums(fn, sharding, impl, bucket_args, kinds, out_kinds) -> list:
-  """``[fn(*args) for args in bucket_args]`` for a pass whose results of layouts ``_SUMS`` are
-  sums over the rows, as :func:`_per_shard` runs it per bucket, but the buckets whose passes
-  run per device all in one ``shard_map``, their sums added over the devices in one ``psum``
-  (per mesh axis and dtype) instead of one per bucket and sum: XLA's combiner merges only some
-  of those, and each all-reduce is a latency-bound collective. Under ``shard_map``
-  ``fn`` gives each device's partial sums over its own rows; ``kinds``, ``out_kinds``: the
-  layouts, as for :func:`_per_shard`."""
-  outs: list = [None] * len(bucket_args)
-  split = []
-  for b, args in enumerate(bucket_args):
-    spec = _shard_spec(sharding, impl, args[0])
-    if spec:
-      split.append((b, spec))
-    else:
-      outs[b] = fn(*args)
-  if not split:
-    return outs
-  axes = [spec[1] for _, spec in split]
-
-  def per_device(*per_bucket):
-    return _summed_over_devices([fn(*args) for args in per_bucket], axes, out_kinds)
-
-  mapped = jax.shard_map(
-    per_device,
-    mesh=sharding.mesh,
-    in_specs=tuple(_specs(spec, kinds) for _, spec in split),
-    out_specs=[_specs(spec, out_kinds) for _, spec in split],
-    check_vma=False,
-  )(*(tuple(bucket_args[b]) for b, _ in split))
-  for (b, _), out in zip(split, mapped, strict=True):
-    outs[b] = out
-  return outs
-
-
-def _summed_over_devices(results, axes, out_kinds) -> list[tuple]:
-  """Inside ``shard_map``: each bucket's ``results`` with those of layouts ``_SUMS`` added
-  over its rows' mesh axis (``axes``; None: its rows are all here), joined into one vector per
-  (axis, dtype) for one ``psum``."""
-  results = [list(r) for r in results]
-  groups: dict = defaultdict(list)
-  for b, axis in enumerate(axes):
-    if axis is not None:
-      for i, kind in enumerate(out_kinds):
-        if kind in _SUMS:
-          groups[axis, results[b][i].dtype].append((b, i))
-  for (axis, _), where in groups.items():
-    parts = [results[b][i] for b, i in where]
-    total = jax.lax.psum(jnp.concatenate([x.ravel() for x in parts]), axis)
-    cuts = np.cumsum([x.size for x in parts])[:-1].tolist()
-    for (b, i), x, y in zip(where, parts, jnp.split(total, cuts), strict=True):
-      results[b][i] = y.reshape(x.shape)
-  return [tuple(r) for r in results]
+  args = (u, p1, q1, *mine, gamma)
+  return gsharding.per_shard(rotate, sharding, kw["impl"], args, gsharding.ROTATE)
 
 
 def _times(q, x, transpose=False):
@@ -706,126 +736,6 @@ def reorthonormalise(
   return jax.tree.map(one, opt_state, is_leaf=lambda x: isinstance(x, ScaleByGingerState))
 
 
-def curvature_spectrum(opt_state) -> dict[str, jax.Array]:
-  """The curvature eigenvalues ``sigma`` (descending) of every Ginger block in ``opt_state``.
-
-  ``opt_state`` is any optimizer state that contains :class:`ScaleByGingerState` s, at any
-  depth (:func:`ginger`, ``optax.chain``, ``optax.inject_hyperparams``, ``optax.masked``...).
-  Keys are parameter paths (``jax.tree_util.keystr``, e.g. ``"['conv1']['kernel']"``) for
-  ``block="per_tensor"`` and ``"global"`` for ``block="global"`` (or params that are one
-  array, where both are one block); with several Ginger states
-  (e.g. under ``optax.multi_transform``) each key is prefixed by the state's index,
-  ``"0:['w']"``. Empty when there is no Ginger state. Pure: usable under ``jax.jit``.
-  """
-  states = [
-    s
-    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByGingerState))
-    if isinstance(s, ScaleByGingerState)
-  ]
-  out = {}
-  for n, state in enumerate(states):
-    prefix = f"{n}:" if len(states) > 1 else ""
-    sigmas = state.sigma.tree() if isinstance(state.sigma, StackedSigma) else state.sigma
-    if jax.tree_util.treedef_is_leaf(jax.tree.structure(sigmas)):
-      out[prefix + "global"] = sigmas  # one block (also per-tensor over one array)
-    else:
-      for path, sigma in jax.tree_util.tree_leaves_with_path(sigmas):
-        out[prefix + jax.tree_util.keystr(path)] = sigma
-  return out
-
-
-def kappa_eps(opt_state, gamma: float) -> dict[str, Any]:
-  """``kappa eps = sigma_max * eps / gamma`` of every Ginger block in ``opt_state``: its
-  curvature-to-damping ratio ``kappa`` times the machine epsilon ``eps`` of the state's dtype.
-
-  Below 1, the direction computed from a state of that dtype is within its error bound
-  (docs/ginger-math.md, section 6); above 1 the bound's term ``eps theta kappa`` (``theta``: the
-  part of the gradient outside ``span U`` when the step starts) exceeds 1, and a gradient far
-  from ``span U`` can get a direction of no accuracy. The remedies: a larger ``gamma`` (at least
-  ``sigma_max * eps``) or a wider ``state_dtype``. Keys as :func:`curvature_spectrum`'s; a block
-  with no curvature yet (``sigma = 0``) gives 0. ``gamma`` is the one the state was updated with
-  (the state does not keep it). Pure: usable under ``jax.jit``, and on a state fetched to the
-  host (numpy in, numpy out).
-  """
-  out = {}
-  for key, sigma in curvature_spectrum(opt_state).items():
-    if not np.size(sigma):
-      continue
-    eps = float(jnp.finfo(sigma.dtype).eps)
-    out[key] = sigma.max() * (eps / gamma)
-  return out
-
-
-def _is_stacked(x) -> bool:
-  return isinstance(x, StackedBasis | StackedSigma)
-
-
-def checkpoint_state(opt_state):
-  """``opt_state`` in a saving layout that does not depend on how Ginger buckets its bases.
-
-  Ginger's bases live stacked in buckets (:class:`StackedBasis`) planned for speed from a
-  tuning constant (``common.BUCKET_OVERHEAD``); saved as they are, a checkpoint would fit
-  only the plan it was written with. Here every basis becomes its per-leaf view
-  ``u.tree()`` (a pytree like the params of ``(leaf.size, rank)`` arrays; for
-  ``block="global"`` each leaf's rows of the one block), Ginger's momentum
-  (:class:`StackedRows`) its ``(leaf.size,)`` vectors and the per-tensor ``sigma``
-  (:class:`StackedSigma`) its ``(rank,)`` vectors, which depend only on the params' shapes,
-  ``tau`` and ``block``. Everything else is returned as is, so this can be applied
-  to any optimizer state (or a whole training state) before saving::
-
-      save(checkpoint_state(state))
-      state = restore_checkpoint_state(restore(like=checkpoint_state(like)), like)
-
-  The per-leaf view of device arrays is a copy of ``U`` (made only when saving); of host
-  (numpy) stacks it is made of views, which is how the training loop saves without a device
-  copy (``training/checkpoints.py``).
-  """
-  return jax.tree.map(lambda x: x.tree() if _is_stacked(x) else x, opt_state, is_leaf=_is_stacked)
-
-
-def restore_checkpoint_state(saved, like):
-  """Inverse of :func:`checkpoint_state`: ``saved`` back in the stacked layout of ``like``
-  (a freshly initialised state of the same optimizer, whatever its bucketing). Raises
-  ``ValueError`` where a saved basis, momentum or ``sigma`` does not fit ``like`` (a state of
-  other params, ``tau`` or ``block``), naming it."""
-
-  def restack(path, template, value):
-    if not _is_stacked(template):
-      return value
-    if type(value) is type(template) and value.layout == template.layout:
-      return value  # stacked in the template's plan already: as it is, no copy
-    if _is_stacked(value):  # stacked otherwise: only one plan fits the template's shapes
-      value = value.tree()
-    _check_fits(jax.tree_util.keystr(path), template, value)
-    # One program: op by op, every leaf's padding, concatenation and stacking would compile
-    # and dispatch programs of their own (hundreds for a ResNet: seconds at every resume).
-    return jax.jit(type(template).from_tree, static_argnums=1)(value, template.layout)
-
-  return jax.tree_util.tree_map_with_path(restack, like, saved, is_leaf=_is_stacked)
-
-
-def _check_fits(name: str, template: _Stacked, tree) -> None:
-  """``tree`` (per leaf, as :func:`checkpoint_state` saves it) has ``template``'s leaves."""
-  layout = template.layout
-  why = "a checkpoint of other params, tau or block"
-  if jax.tree.structure(tree) != layout.treedef:
-    raise ValueError(
-      f"{name}: saved for params structured {jax.tree.structure(tree)}, this optimizer's "
-      f"state for {layout.treedef} ({why})."
-    )
-  # The template's own per-leaf view, as shapes (its stacks may be abstract).
-  view = jax.eval_shape(lambda stacks: type(template)(stacks, layout).tree(), template.stacks)
-  for (where, leaf), like in zip(
-    jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(view), strict=True
-  ):
-    expected = tuple(like.shape)
-    if tuple(jnp.shape(leaf)) != expected:
-      raise ValueError(
-        f"{name}{jax.tree_util.keystr(where)}: saved {tuple(jnp.shape(leaf))}, this "
-        f"optimizer's state has {expected} ({why})."
-      )
-
-
 def ginger(
   learning_rate: optax.ScalarOrSchedule,
   tau: int = 4,
@@ -845,34 +755,25 @@ def ginger(
   r"""The Ginger optimizer as the authors compose it.
 
   A bias-corrected momentum, preconditioned by :func:`scale_by_ginger`, optionally clipped
-  element-wise, scaled by the learning rate::
+  element-wise, scaled by the learning rate (:func:`clip_and_scale`)::
 
     m_t = b1 m_{t-1} + (1 - b1) g_t
     u_t = clip(G_t^{-1} m_t / (1 - b1^t), -rho, rho)
     params <- params - lr_t u_t
 
-  ``G_t`` is updated first with ``fisher_grads`` (``d_t``, from
-  :func:`ginger.fisher.value_grad_and_fisher`) as in :func:`scale_by_ginger`; without it the
-  raw gradient is used (the empirical Fisher), or, with ``curvature_every > 1``, the curvature
-  is left as it is. The defaults ``tau=4``, ``alpha=0.99``, ``gamma=1e-5``, ``b1=0.9`` are the
-  paper's and the authors'; the authors also clip with ``rho=1``, off here by default (with
-  ``rho=1`` on ResNet-18 the clip changes about a fifth of the entries: it bounds the large
-  ones, see results/REPRODUCTION.md).
+  ``G_t`` is first updated with ``fisher_grads`` (``d_t``, from
+  :func:`ginger.fisher.value_grad_and_fisher`) as in :func:`scale_by_ginger`. The defaults
+  ``tau=4``, ``alpha=0.99``, ``gamma=1e-5``, ``b1=0.9`` are the paper's and the authors'; the
+  authors also clip with ``rho=1``, off here by default (with ``rho=1`` on ResNet-18 the clip
+  changes about a fifth of the entries: it bounds the large ones, see results/REPRODUCTION.md).
 
   Args:
     learning_rate: a scalar or an optax schedule.
-    tau: rank of the curvature model (:func:`scale_by_ginger`).
-    alpha: EMA decay of the curvature, in (0, 1).
-    gamma: damping, > 0.
+    tau, alpha, gamma, block: the curvature model's, as in :func:`scale_by_ginger`.
     b1: decay of the momentum, kept in Ginger's state, in [0, 1).
     rho: if set, each update entry is clipped to ``[-rho, rho]`` before the learning rate.
-    block: ``"per_tensor"`` or ``"global"`` (:func:`scale_by_ginger`).
-    state_dtype: dtype of the curvature state and the momentum (:func:`scale_by_ginger`).
-    reorthonormalise_every: as in :func:`scale_by_ginger`.
-    eigensolver: as in :func:`scale_by_ginger`.
-    curvature_every: as in :func:`scale_by_ginger`.
-    passes: as in :func:`scale_by_ginger`.
-    sharding: as in :func:`scale_by_ginger`.
+    state_dtype, reorthonormalise_every, eigensolver, curvature_every, passes, sharding: as in
+      :func:`scale_by_ginger`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`; its ``update`` takes ``fisher_grads``.
@@ -899,28 +800,27 @@ def ginger(
     True
 
   References:
-    Yongchang Hao, Yanshuai Cao and Lili Mou, `Ginger: An Efficient Curvature Approximation
-    with Linear Complexity for General Neural Networks <https://arxiv.org/abs/2402.03295>`_,
-    2024
+    As :func:`scale_by_ginger`.
   """
   every = common.check_every("curvature_every", curvature_every)
   common.check_rho(rho)
-  chain = optax.chain(
-    scale_by_ginger(
-      tau,
-      alpha,
-      gamma,
-      block,
-      state_dtype=state_dtype,
-      reorthonormalise_every=reorthonormalise_every,
-      eigensolver=eigensolver,
-      curvature_every=curvature_every,
-      passes=passes,
-      sharding=sharding,
-      b1=b1,  # the momentum, kept stacked as U is (optax.ema's arithmetic)
-    ),
-    optax.clip(rho) if rho is not None else optax.identity(),
-    optax.scale_by_learning_rate(learning_rate),
-  )
+  preconditioner = scale_by_ginger(
+    tau, alpha, gamma, block, state_dtype=state_dtype,
+    reorthonormalise_every=reorthonormalise_every, eigensolver=eigensolver,
+    curvature_every=curvature_every, passes=passes, sharding=sharding,
+    b1=b1,  # the momentum, kept stacked as U is (optax.ema's arithmetic)
+  )  # fmt: skip
+  chain = optax.chain(preconditioner, *clip_and_scale(learning_rate, rho))
   # With curvature_every > 1 a missing d_t means "no curvature update", not the gradient.
   return common.default_fisher_to_gradient(chain) if every == 1 else chain
+
+
+def clip_and_scale(
+  learning_rate: optax.ScalarOrSchedule, rho: float | None
+) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
+  """The last two links of :func:`ginger`'s chain: ``u <- clip(u, -rho, rho)`` element-wise
+  (``optax.clip``; the identity without ``rho``), then ``u <- -lr_t u``
+  (``optax.scale_by_learning_rate``). Two links, not a chain of them: the optimizer state
+  keeps one entry per link, as checkpoints hold it."""
+  clip = optax.clip(rho) if rho is not None else optax.identity()
+  return clip, optax.scale_by_learning_rate(learning_rate)

@@ -26,6 +26,7 @@ huge or tiny ``d_t`` neither overflow nor divide by zero.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import chex
@@ -111,79 +112,117 @@ def scale_by_qng(
   common.check_alpha(alpha)
   common.check_block(block)
   state_dtype = common.check_dtype(state_dtype)
-
-  def init_fn(params):
-    common.check_float_params(params)
-    vectors, treedef = common.flat_vectors(params, state_dtype)
-    qhat = jax.tree.unflatten(treedef, [jnp.zeros((v.size, tau), state_dtype) for v in vectors])
-    n_blocks = len(common.blocks_of(len(vectors), block))
-    return ScaleByQNGState(
-      count=jnp.zeros([], jnp.int32),
-      qhat=qhat,
-      kappa=jnp.zeros((n_blocks, tau), state_dtype),
-      scale=jnp.ones((n_blocks, tau), state_dtype),
-      skipped=jnp.zeros([], jnp.int32),
-    )
+  init_fn = functools.partial(init_qng_state, tau=tau, block=block, state_dtype=state_dtype)
 
   def update_fn(updates, state, params=None, *, fisher_grads=None, **extra_args):
     del params, extra_args
-    gs, _ = common.flat_vectors(updates, state_dtype)
-    vs = common.fisher_vectors(updates, fisher_grads, state_dtype)
-    # A NaN or Inf in d_t alone (optax.apply_if_finite checks only g) would enter the factors
-    # for good: such a d_t enters as zero (a factor sqrt(alpha) I) and the state is kept.
-    finite = common.all_finite(vs)
-    vs = common.zero_unless(finite, vs)
-    qs, q_def = jax.tree.flatten(state.qhat)
-    slot = state.count % tau
-    count = optax.safe_increment(state.count)
-    sqrt_a = jnp.sqrt(jnp.asarray(alpha, state_dtype))
-    out, q_flat = [None] * len(gs), [None] * len(gs)
-    new_kappa, new_scale = [], []
-    for b, idx in enumerate(common.blocks_of(len(gs), block)):
-      pieces, g, v = [qs[i] for i in idx], [gs[i] for i in idx], [vs[i] for i in idx]
-      kappa, scale = state.kappa[b], state.scale[b]
-      # Pass 1 (reads Q): Q^T Q, Q^T d, Q^T g.
-      gram, q_d, q_g = _project(pieces, v, g)
-      # q_t = A_t^{-1} d_t = c (d - Q T Q^T d)  (pass 2, writes q_t into the oldest slot).
-      t_old = _wy_factor(gram, kappa, _newest_first(state.count, tau))
-      coef = lowrank.small_matvec(t_old, q_d)
-      c_old = jnp.prod(scale)
-      q = [c_old * (x - _cols(p, coef)) for x, p in zip(v, pieces, strict=True)]
-      n = lowrank.norm(q)
-      safe_n = jnp.where(n > 0, n, 1.0)
-      a = jnp.hypot(sqrt_a, jnp.sqrt(1.0 - jnp.asarray(alpha, state_dtype)) * n)
-      # kappa = 1 - sqrt(alpha)/a, written without cancellation for small ||q||.
-      kappa_t = (((1.0 - alpha) * n / a) * (n / (a + sqrt_a))).astype(state_dtype)
-      qhat = [jnp.where(n > 0, x / safe_n, 0.0) for x in q]
-      pieces = [p.at[:, slot].set(h) for p, h in zip(pieces, qhat, strict=True)]
-      # The new factor's row of Q^T Q and entry of Q^T g, from pass-1 sums (no extra pass):
-      # Q^T q_t = c (Q^T d - (Q^T Q) T Q^T d).
-      q_q = jnp.where(n > 0, c_old * (q_d - lowrank.small_matvec(gram, coef)) / safe_n, 0.0)
-      q_q = q_q.at[slot].set(jnp.where(n > 0, 1.0, 0.0))
-      gram = gram.at[slot, :].set(q_q).at[:, slot].set(q_q)
-      q_g = q_g.at[slot].set(lowrank.dot(qhat, g))
-      kappa = kappa.at[slot].set(kappa_t)
-      scale = scale.at[slot].set(1.0 / sqrt_a)
-      # G^{-1} g = A^{-T} A^{-1} g = c^2 (g - Q (T + T^T - T^T Q^T Q T) Q^T g)  (pass 3).
-      t_new = _wy_factor(gram, kappa, _newest_first(count, tau))
-      inner = t_new + t_new.T - _mm(t_new.T, _mm(gram, t_new))
-      coef = lowrank.small_matvec(inner, q_g)
-      c_new = jnp.prod(scale)
-      for i, p, x in zip(idx, pieces, g, strict=True):
-        q_flat[i], out[i] = p, c_new * c_new * (x - _cols(p, coef))
-      new_kappa.append(kappa)
-      new_scale.append(scale)
-    new_state = ScaleByQNGState(
-      count=count,
-      qhat=jax.tree.unflatten(q_def, q_flat),
-      kappa=jnp.stack(new_kappa) if new_kappa else state.kappa,
-      scale=jnp.stack(new_scale) if new_scale else state.scale,
-    )
-    kept = common.keep_unless(finite, new_state[:4], state[:4])
-    new_state = ScaleByQNGState(*kept, skipped=state.skipped + (~finite).astype(jnp.int32))
-    return common.unflatten_like(out, updates), new_state
+    return update_qng_state(updates, state, fisher_grads, tau, alpha, block, state_dtype)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def init_qng_state(params, *, tau: int, block: str, state_dtype) -> ScaleByQNGState:
+  """``A_1 = I``: every slot empty (``qhat = 0``, ``kappa = 0``, ``scale = 1``), count 0."""
+  common.check_float_params(params)
+  vectors, treedef = common.flat_vectors(params, state_dtype)
+  qhat = jax.tree.unflatten(treedef, [jnp.zeros((v.size, tau), state_dtype) for v in vectors])
+  n_blocks = len(common.blocks_of(len(vectors), block))
+  return ScaleByQNGState(
+    count=jnp.zeros([], jnp.int32),
+    qhat=qhat,
+    kappa=jnp.zeros((n_blocks, tau), state_dtype),
+    scale=jnp.ones((n_blocks, tau), state_dtype),
+    skipped=jnp.zeros([], jnp.int32),
+  )
+
+
+def update_qng_state(updates, state, fisher_grads, tau, alpha, block, state_dtype):
+  """One step of :func:`scale_by_qng`: per block, the new factor ``K_t`` from ``d_t``
+  (:func:`_new_factor`), then ``G_t^{-1} g`` (:func:`_precondition`); ``(G_t^{-1} g, new
+  state)``. The factor goes into slot ``count % tau``, over the oldest one."""
+  gs, _ = common.flat_vectors(updates, state_dtype)
+  vs = common.fisher_vectors(updates, fisher_grads, state_dtype)
+  # A NaN or Inf in d_t alone (optax.apply_if_finite checks only g) would enter the factors
+  # for good: such a d_t enters as zero (a factor sqrt(alpha) I) and the state is kept.
+  finite = common.all_finite(vs)
+  vs = common.zero_unless(finite, vs)
+  qs, q_def = jax.tree.flatten(state.qhat)
+  slot = state.count % tau
+  count = optax.safe_increment(state.count)
+  sqrt_a = jnp.sqrt(jnp.asarray(alpha, state_dtype))
+  out, q_flat = [None] * len(gs), [None] * len(gs)
+  new_kappa, new_scale = [], []
+  for b, idx in enumerate(common.blocks_of(len(gs), block)):
+    pieces, g, v = [qs[i] for i in idx], [gs[i] for i in idx], [vs[i] for i in idx]
+    factors = _Factors(pieces, state.kappa[b], state.scale[b])
+    # Pass 1 (reads Q): Q^T Q, Q^T d, Q^T g.
+    gram, q_d, q_g = _project(pieces, v, g)
+    factors, gram, q_g = _new_factor(
+      factors, gram, q_d, q_g, v, g, state.count, slot, alpha, sqrt_a, state_dtype
+    )
+    for i, p, x in zip(idx, factors.qhat, _precondition(factors, gram, q_g, g, count), strict=True):
+      q_flat[i], out[i] = p, x
+    new_kappa.append(factors.kappa)
+    new_scale.append(factors.scale)
+  new_state = ScaleByQNGState(
+    count=count,
+    qhat=jax.tree.unflatten(q_def, q_flat),
+    kappa=jnp.stack(new_kappa) if new_kappa else state.kappa,
+    scale=jnp.stack(new_scale) if new_scale else state.scale,
+  )
+  kept = common.keep_unless(finite, new_state[:4], state[:4])
+  new_state = ScaleByQNGState(*kept, skipped=state.skipped + (~finite).astype(jnp.int32))
+  return common.unflatten_like(out, updates), new_state
+
+
+class _Factors(NamedTuple):
+  """One block's ``tau`` factors ``H_j = I - kappa_j qhat_j qhat_j^T``: ``qhat`` as the
+  block's row pieces ``(leaf.size, tau)``, ``kappa`` and ``scale`` (``1/sqrt(alpha)`` per
+  filled slot) ``(tau,)``."""
+
+  qhat: list
+  kappa: jax.Array
+  scale: jax.Array
+
+
+def _new_factor(factors, gram, q_d, q_g, v, g, old_count, slot, alpha, sqrt_a, state_dtype):
+  """``K_t`` from ``d_t = v`` written into ``slot``: ``q_t = A_t^{-1} d_t = c (d - Q T Q^T d)``
+  (pass 2, with the factors before it: ``old_count`` of them), ``qhat = q_t / ||q_t||`` and
+  ``kappa = 1 - sqrt(alpha) / a``, ``a = sqrt(alpha + (1 - alpha) ||q_t||^2``. Returns the
+  new factors and ``Q^T Q``, ``Q^T g`` with the new factor's row and entry, both from pass 1's
+  sums: ``Q^T q_t = c (Q^T d - (Q^T Q) T Q^T d)``, no extra pass over ``Q``."""
+  pieces, kappa, scale = factors
+  tau = kappa.shape[0]
+  t_old = _wy_factor(gram, kappa, _newest_first(old_count, tau))
+  coef = lowrank.small_matvec(t_old, q_d)
+  c_old = jnp.prod(scale)
+  q = [c_old * (x - _cols(p, coef)) for x, p in zip(v, pieces, strict=True)]
+  n = lowrank.norm(q)
+  safe_n = jnp.where(n > 0, n, 1.0)
+  a = jnp.hypot(sqrt_a, jnp.sqrt(1.0 - jnp.asarray(alpha, state_dtype)) * n)
+  # kappa = 1 - sqrt(alpha)/a, written without cancellation for small ||q||.
+  kappa_t = (((1.0 - alpha) * n / a) * (n / (a + sqrt_a))).astype(state_dtype)
+  qhat = [jnp.where(n > 0, x / safe_n, 0.0) for x in q]
+  pieces = [p.at[:, slot].set(h) for p, h in zip(pieces, qhat, strict=True)]
+  q_q = jnp.where(n > 0, c_old * (q_d - lowrank.small_matvec(gram, coef)) / safe_n, 0.0)
+  q_q = q_q.at[slot].set(jnp.where(n > 0, 1.0, 0.0))
+  gram = gram.at[slot, :].set(q_q).at[:, slot].set(q_q)
+  q_g = q_g.at[slot].set(lowrank.dot(qhat, g))
+  kappa = kappa.at[slot].set(kappa_t)
+  scale = scale.at[slot].set(1.0 / sqrt_a)
+  return _Factors(pieces, kappa, scale), gram, q_g
+
+
+def _precondition(factors, gram, q_g, g, count) -> list:
+  """``G^{-1} g = A^{-T} A^{-1} g = c^2 (g - Q (T + T^T - T^T Q^T Q T) Q^T g)`` (pass 3) with
+  the ``count`` factors taken, ``T`` their compact WY factor (:func:`_wy_factor`) and ``c``
+  the product of their scales; per row piece of the block."""
+  pieces, kappa, scale = factors
+  t_new = _wy_factor(gram, kappa, _newest_first(count, kappa.shape[0]))
+  inner = t_new + t_new.T - _mm(t_new.T, _mm(gram, t_new))
+  coef = lowrank.small_matvec(inner, q_g)
+  c_new = jnp.prod(scale)
+  return [c_new * c_new * (x - _cols(p, coef)) for p, x in zip(pieces, g, strict=True)]
 
 
 def _project(pieces, v, g):

@@ -48,6 +48,7 @@ those bits. Deflation, the choice of origin and the eigenvectors are shared jnp 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,10 @@ def eigh_diag_plus_rank_one(
 ) -> tuple[jax.Array, jax.Array]:
   """Eigenpairs of ``diag(d) + rho z z^T`` (``rho > 0``), batched over leading axes.
 
+  The steps of the module docstring: ``z`` normalised and poles near zero snapped to it
+  (:func:`_normalised`), ``d`` sorted, deflation (:func:`_deflate`), the roots of the secular
+  equation by bisection (:func:`_roots`), Lowner's eigenvectors (:func:`_eigenvectors`).
+
   Args:
     d: ``(..., n)`` diagonal, any order.
     z: ``(..., n)`` rank-one vector (any scale; ``rho ||z||^2`` must be finite).
@@ -81,25 +86,46 @@ def eigh_diag_plus_rank_one(
   """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
-  dtype = d.dtype
-  n = d.shape[-1]
-  # Normalise z: rho ||z||^2 becomes rho, and z^2 never overflows.
-  z_norm = jnp.sqrt(jnp.sum(jnp.square(z / _safe_max_abs(z)[..., None]), -1)) * _safe_max_abs(z)
-  rho = jnp.asarray(rho, dtype) * jnp.square(z_norm)
-  z = z / jnp.where(z_norm > 0, z_norm, 1.0)[..., None]
-  # Poles nearer zero than this are zero (see the module docstring, step 1): beyond it two
-  # distinct floats are at least four normal numbers apart, so every gap's middle is normal.
-  finfo = jnp.finfo(dtype)
-  scale = jnp.maximum(jnp.max(jnp.abs(d), -1), rho)
-  snap = jnp.maximum(jnp.sqrt(finfo.tiny) * scale, 8 * finfo.tiny / finfo.eps)
-  d = jnp.where(jnp.abs(d) < snap[..., None], 0.0, d).astype(dtype)
-
+  d, z, rho, scale = _normalised(d, z, rho)
   # Ascending order; ``perm[j]`` is the input index of sorted entry j.
   perm = jnp.argsort(d, axis=-1, stable=True)
   d = jnp.take_along_axis(d, perm, -1)
   z = jnp.take_along_axis(z, perm, -1)
+  house, z, active = _deflate(d, z, rho, scale)
+  index = jnp.arange(d.shape[-1])
+  roots = _roots(d, z, active, rho, index, impl, interpret)
+  vecs = _eigenvectors(d, z, active, rho, index, roots, house)
+  # Back to the input's coordinates (rows), eigenvalues descending (columns).
+  rows = jnp.argsort(perm, axis=-1)
+  vecs = jnp.take_along_axis(vecs, rows[..., :, None], -2)
+  order = jnp.argsort(-roots.w, axis=-1, stable=True)
+  w = jnp.take_along_axis(roots.w, order, -1)
+  vecs = jnp.take_along_axis(vecs, order[..., None, :], -1)
+  return w, vecs
 
-  # 1. Deflation: one Householder reflection per group of equal d, then tiny z to zero.
+
+def _normalised(d, z, rho):
+  """``(d, z / ||z||, rho ||z||^2, scale)`` with ``scale = max(|d|_max, rho ||z||^2)``, the
+  matrix's, and the poles ``|d_j| < max(sqrt(tiny) scale, 8 tiny / eps)`` set to zero (see the
+  module docstring, step 1): beyond it two distinct floats are at least four normal numbers
+  apart, so every gap's middle is normal. ``z^2`` never overflows."""
+  dtype = d.dtype
+  z_norm = jnp.sqrt(jnp.sum(jnp.square(z / _safe_max_abs(z)[..., None]), -1)) * _safe_max_abs(z)
+  rho = jnp.asarray(rho, dtype) * jnp.square(z_norm)
+  z = z / jnp.where(z_norm > 0, z_norm, 1.0)[..., None]
+  finfo = jnp.finfo(dtype)
+  scale = jnp.maximum(jnp.max(jnp.abs(d), -1), rho)
+  snap = jnp.maximum(jnp.sqrt(finfo.tiny) * scale, 8 * finfo.tiny / finfo.eps)
+  d = jnp.where(jnp.abs(d) < snap[..., None], 0.0, d).astype(dtype)
+  return d, z, rho, scale
+
+
+def _deflate(d, z, rho, scale):
+  """Step 1 on sorted ``d``: one Householder reflection ``H`` per group of equal ``d`` (which
+  leaves ``D`` unchanged and moves the group's part of ``z`` onto its last member), then every
+  ``rho |z_j| <= sqrt(tiny) scale`` to zero. Returns ``(H, z, active)``, ``active``: the
+  entries with ``z_j != 0``; the others are exact eigenpairs ``(d_j, e_j)``."""
+  dtype, n = d.dtype, d.shape[-1]
   same = d[..., :, None] == d[..., None, :]  # ties are contiguous after sorting
   last = jnp.concatenate([d[..., 1:] != d[..., :-1], jnp.ones_like(d[..., :1], bool)], -1)
   group_norm = jnp.sqrt(
@@ -119,12 +145,30 @@ def eigh_diag_plus_rank_one(
   # Only couplings below sqrt(tiny) of the matrix's scale are dropped (their squares would
   # underflow); the bisection needs no wider deflation, and LAPACK's 8 eps ||M|| tolerance
   # would cost the smallest kept eigenvectors accuracy (eps ||M|| / gap).
-  tol = jnp.sqrt(finfo.tiny) * scale
+  tol = jnp.sqrt(jnp.finfo(dtype).tiny) * scale
   active = rho[..., None] * jnp.abs(z) > tol[..., None]
   z = jnp.where(active, z, 0.0)
+  return house, z, active
 
-  # 2. Roots. next_[i]: the next active pole above i; the top active root has none.
-  index = jnp.arange(n)
+
+class _Roots(NamedTuple):
+  """The eigenvalues ``w = d_K + s t`` of the active entries (``d_j`` elsewhere), each from
+  its nearer pole ``origin_d = d_K`` by ``shift = s t``; ``d_next`` and ``has_next``: the next
+  active pole above each (the top active root has none)."""
+
+  w: jax.Array
+  origin_d: jax.Array
+  shift: jax.Array
+  d_next: jax.Array
+  has_next: jax.Array
+
+
+def _roots(d, z, active, rho, index, impl, interpret) -> _Roots:
+  """Step 2: the roots of ``f(lambda) = 1/rho + sum_j z_j^2 / (d_j - lambda)``, one in each
+  gap between consecutive active poles and one in ``(d_top, d_top + rho ||z||^2]``, each by
+  bisection on the bits of ``t`` from the pole nearer to it (``bisect_jnp`` or
+  ``bisect_pallas``, as ``impl`` says)."""
+  dtype = d.dtype
   above = active[..., None, :] & (index[None, :] > index[:, None])
   has_next = jnp.any(above, -1)
   next_ = jnp.argmax(above, -1)
@@ -132,7 +176,6 @@ def eigh_diag_plus_rank_one(
   z2 = jnp.where(active, z * z, 0.0)
   half = jnp.where(has_next, 0.5 * (d_next - d), rho[..., None] * jnp.sum(z2, -1, keepdims=True))
   inv_rho = 1.0 / rho[..., None]
-
   # The nearer pole is the origin: the left one if f at the gap's middle is positive.
   f_half = _secular(d[..., :, None], z2[..., :, None], active[..., :, None], inv_rho, d, half)
   left = ~has_next | (f_half > 0)
@@ -149,15 +192,22 @@ def eigh_diag_plus_rank_one(
   t = jax.lax.bitcast_convert_type(jnp.maximum(hi, floor), dtype)
   shift = sign * t
   w = jnp.where(active, origin_d + shift, d)
+  return _Roots(w, origin_d, shift, d_next, has_next)
 
-  # 3. Eigenvectors of the active part from Lowner's zhat.
+
+def _eigenvectors(d, z, active, rho, index, roots: _Roots, house):
+  """Step 3: the eigenvectors ``H (zhat_j / (d_j - lambda_i))_j`` (normalised) of the active
+  part, ``zhat`` by Lowner's formula ``zhat_j^2 = prod_i (lambda_i - d_j) / (rho prod_{i != j}
+  (d_i - d_j))`` from the computed roots (Gu-Eisenstat: numerically orthogonal), ``e_j`` for
+  the deflated entries; in the sorted coordinates."""
+  dtype, n = d.dtype, d.shape[-1]
   pair = active[..., :, None] & active[..., None, :]  # (j, i)
-  delta = (d[..., :, None] - origin_d[..., None, :]) - shift[..., None, :]  # d_j - lambda_i
+  delta = (d[..., :, None] - roots.origin_d[..., None, :]) - roots.shift[..., None, :]
   lower = index[None, :] < index[:, None]  # i < j
   denominator = jnp.where(
-    lower, d[..., None, :] - d[..., :, None], d_next[..., None, :] - d[..., :, None]
+    lower, d[..., None, :] - d[..., :, None], roots.d_next[..., None, :] - d[..., :, None]
   )
-  is_top = active & ~has_next
+  is_top = active & ~roots.has_next
   ratio = jnp.where(
     pair & ~(is_top[..., None, :] & ~lower), -delta / jnp.where(pair, denominator, 1.0), 1.0
   )
@@ -168,15 +218,7 @@ def eigh_diag_plus_rank_one(
   vecs = jnp.where(pair, zhat[..., :, None] / jnp.where(pair, delta, 1.0), 0.0)
   vecs = vecs / _column_norm(vecs)[..., None, :]
   vecs = jnp.where(active[..., None, :], vecs, jnp.eye(n, dtype=dtype))
-  vecs = jnp.matmul(house, vecs, precision=HIGHEST)
-
-  # Back to the input's coordinates (rows), eigenvalues descending (columns).
-  rows = jnp.argsort(perm, axis=-1)
-  vecs = jnp.take_along_axis(vecs, rows[..., :, None], -2)
-  order = jnp.argsort(-w, axis=-1, stable=True)
-  w = jnp.take_along_axis(w, order, -1)
-  vecs = jnp.take_along_axis(vecs, order[..., None, :], -1)
-  return w, vecs
+  return jnp.matmul(house, vecs, precision=HIGHEST)
 
 
 # ---- step 2: the bisection, as jnp (reference) and as one Pallas kernel -----------------------

@@ -31,15 +31,23 @@ Results equal the unsharded ones up to float summation order. Note that Ginger a
 rounding difference (sharded or not, CPU or GPU) by about ``sigma_max / gamma``: float32
 eigensolvers resolve ``sigma`` only to about ``eps * sigma_max``, and directions with ``sigma`` near
 ``gamma`` are weighted by ``sigma / (gamma + sigma)``.
+
+The end of this module runs Ginger's passes over a split ``U`` per device where XLA cannot
+partition them (the Pallas kernels): :func:`per_shard` and :func:`per_shard_sums` wrap a pass
+in ``shard_map`` with the ``PartitionSpec`` s its :class:`PassLayout` names, and add the
+passes' sums over the devices in one ``psum``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -223,3 +231,154 @@ class StateSharding:
   def constrain(self, x: jax.Array, basis_shape: Sequence[int]) -> jax.Array:
     """``x`` pinned as :meth:`row_sharding` says."""
     return jax.lax.with_sharding_constraint(x, self.row_sharding(x.shape, basis_shape))
+
+
+# ---- passes over a bucket that run per device -------------------------------------------------
+#
+# XLA partitions the jnp passes over a split ``U`` itself; a Pallas kernel it cannot partition,
+# so on a split bucket the kernels run under ``shard_map``, each device on its own rows. What
+# follows says how each operand and result of a pass is split there: by the axes of its
+# bucket's ``U``, ``(members, rows, rank)``, that it keeps.
+
+U = "u"  # (members, rows, rank): U itself
+ROWS = "rows"  # (members, rows): g, d, the residuals p1 and q1, the update
+SMALL = "small"  # (members, rank): tau-vectors, e.g. U^T g
+SQUARE = "square"  # (members, rank, rank): the rotation of U
+BLOCK = "block"  # (members,): one number per block, e.g. a norm or gamma
+# Results of these layouts are sums over the rows: under shard_map each device has its share.
+SUMS = (SMALL, SQUARE, BLOCK)
+
+
+class PassLayout(NamedTuple):
+  """The layouts (:data:`U`, :data:`ROWS`, :data:`SMALL`, :data:`SQUARE`, :data:`BLOCK`) of
+  a pass's operands and results, in the order of its signature and its return value; a single
+  layout as ``results`` for a pass that returns one array. Build with :meth:`of`, which names
+  every entry."""
+
+  operands: tuple[str, ...]
+  results: tuple[str, ...] | str
+
+  @classmethod
+  def of(cls, results: dict[str, str] | str, **operands: str) -> PassLayout:
+    """``PassLayout.of(dict(result=LAYOUT, ...), operand=LAYOUT, ...)``."""
+    return cls(
+      tuple(operands.values()), results if isinstance(results, str) else tuple(results.values())
+    )
+
+
+# The passes of ginger._src.kernels, as Ginger's step calls them.
+PROJECT_PAIR = PassLayout.of(dict(c=SMALL, y=SMALL, l1=BLOCK), u=U, v=ROWS, g=ROWS)
+RESIDUAL_SUMS = PassLayout.of(
+  dict(c2=SMALL, pp=BLOCK, pq=BLOCK, vv=BLOCK, c3=SMALL, p1=ROWS, q1=ROWS),
+  u=U, v=ROWS, g=ROWS, a=SMALL, inv_l1=BLOCK, ay=SMALL,
+)  # fmt: skip
+ROTATE = PassLayout.of(
+  dict(u_new=U, out=ROWS),
+  u=U, p1=ROWS, q=ROWS, a2=SMALL, inv_r=BLOCK, rot=SQUARE, b=SMALL, a=SMALL, beta=BLOCK,
+  gamma=BLOCK,
+)  # fmt: skip
+PROJECT = PassLayout.of(dict(y=SMALL), u=U, g=ROWS)
+RESIDUAL = PassLayout.of(dict(c=SMALL, q1=ROWS), u=U, g=ROWS, y=SMALL)
+CORRECT = PassLayout.of(ROWS, u=U, q=ROWS, a=SMALL)
+
+
+def bucket_split(sharding: StateSharding | None, impl: str, u) -> tuple:
+  """How bucket ``u`` is split where its passes run per device (the Pallas kernels on a state
+  split over devices), as its ``PartitionSpec``'s entries; else ``()``: XLA partitions the jnp
+  passes, and an unsplit state has nothing to split."""
+  if impl != "pallas" or sharding is None:
+    return ()
+  return tuple(sharding.spec(u.shape))
+
+
+def layout_specs(split: tuple, layouts: tuple[str, ...] | str):
+  """The ``PartitionSpec`` of each of ``layouts`` (one, or a tuple of them) for a bucket whose
+  ``U`` is split as ``split`` (:func:`bucket_split`) along its members and rows."""
+  members, rows = split[0], split[1]
+  specs = {
+    U: PartitionSpec(members, rows, None),
+    ROWS: PartitionSpec(members, rows),
+    SMALL: PartitionSpec(members, None),
+    SQUARE: PartitionSpec(members, None, None),
+    BLOCK: PartitionSpec(members),
+  }
+  return specs[layouts] if isinstance(layouts, str) else tuple(specs[n] for n in layouts)
+
+
+def per_shard(
+  fn: Callable, sharding: StateSharding | None, impl: str, args: Sequence, layout: PassLayout
+):
+  """``fn(*args)`` for one bucket (``args[0]`` its ``U``), run on each device's rows of it
+  under ``shard_map`` where its passes run per device (:func:`bucket_split`); else as it is.
+  ``fn`` must be row-local (pass 3, the second half of preconditioning): a pass that sums over
+  the rows runs in :func:`per_shard_sums`. ``layout``: its operands' and results' layouts."""
+  split = bucket_split(sharding, impl, args[0])
+  if not split:
+    return fn(*args)
+  return jax.shard_map(
+    fn,
+    mesh=sharding.mesh,
+    in_specs=layout_specs(split, layout.operands),
+    out_specs=layout_specs(split, layout.results),
+    check_vma=False,
+  )(*args)
+
+
+def per_shard_sums(
+  fn: Callable,
+  sharding: StateSharding | None,
+  impl: str,
+  bucket_args: Sequence[Sequence],
+  layout: PassLayout,
+) -> list:
+  """``[fn(*args) for args in bucket_args]`` for a pass whose results of layouts :data:`SUMS`
+  are sums over the rows, as :func:`per_shard` runs it per bucket, but the buckets whose passes
+  run per device all in one ``shard_map``, their sums added over the devices in one ``psum``
+  (per mesh axis and dtype) instead of one per bucket and sum: XLA's combiner merges only some
+  of those, and each all-reduce is a latency-bound collective. Under ``shard_map`` ``fn`` gives
+  each device's partial sums over its own rows."""
+  outs: list = [None] * len(bucket_args)
+  split = []
+  for b, args in enumerate(bucket_args):
+    spec = bucket_split(sharding, impl, args[0])
+    if spec:
+      split.append((b, spec))
+    else:
+      outs[b] = fn(*args)
+  if not split:
+    return outs
+  axes = [spec[1] for _, spec in split]
+
+  def per_device(*per_bucket):
+    return _summed_over_devices([fn(*args) for args in per_bucket], axes, layout.results)
+
+  mapped = jax.shard_map(
+    per_device,
+    mesh=sharding.mesh,
+    in_specs=tuple(layout_specs(spec, layout.operands) for _, spec in split),
+    out_specs=[layout_specs(spec, layout.results) for _, spec in split],
+    check_vma=False,
+  )(*(tuple(bucket_args[b]) for b, _ in split))
+  for (b, _), out in zip(split, mapped, strict=True):
+    outs[b] = out
+  return outs
+
+
+def _summed_over_devices(results, axes, result_layouts) -> list[tuple]:
+  """Inside ``shard_map``: each bucket's ``results`` with those of layouts :data:`SUMS` added
+  over its rows' mesh axis (``axes``; None: its rows are all here), joined into one vector per
+  (axis, dtype) for one ``psum``."""
+  results = [list(r) for r in results]
+  groups: dict = defaultdict(list)
+  for b, axis in enumerate(axes):
+    if axis is not None:
+      for i, kind in enumerate(result_layouts):
+        if kind in SUMS:
+          groups[axis, results[b][i].dtype].append((b, i))
+  for (axis, _), where in groups.items():
+    parts = [results[b][i] for b, i in where]
+    total = jax.lax.psum(jnp.concatenate([x.ravel() for x in parts]), axis)
+    cuts = np.cumsum([x.size for x in parts])[:-1].tolist()
+    for (b, i), x, y in zip(where, parts, jnp.split(total, cuts), strict=True):
+      results[b][i] = y.reshape(x.shape)
+  return [tuple(r) for r in results]
