@@ -119,6 +119,25 @@ def test_pass_three_in_sixteen_lanes_matches_reference():
     assert_close(name, x, got[name], ref[name])
 
 
+def test_correct_matches_reference():
+  """``correct``, precondition's last pass, on its own: ``(q - U a) / gamma``, each entry a sum
+  of ``k`` products, a subtraction and a division (``N = k + 3``), over rows not a multiple of
+  the tile and several tiles a program."""
+  m, n, k = 2, 45, 5
+  x = random_inputs(4, m, n, k)
+  args = lambda x: (x["u"], x["g"], x["z"], x["gamma"])  # noqa: E731
+  pallas = dict(impl="pallas", interpret=True, tile=16, steps=2)
+  ref, got = jax.jit(
+    lambda x: (kernels.correct(*args(x), impl="jnp"), kernels.correct(*args(x), **pallas))
+  )(x)
+  f = {key: np.abs(np.asarray(x[key], np.float64)) for key in ("u", "g", "z", "gamma")}
+  a = (f["g"] + np.einsum("mnk,mk->mn", f["u"], f["z"])) / f["gamma"][:, None]
+  assert got.shape == ref.shape == (m, n) and got.dtype == ref.dtype
+  assert np.all(
+    np.abs(np.asarray(got, np.float64) - np.asarray(ref)) <= 2 * gamma_n(k + 3, jnp.float32) * a
+  )
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", ["jnp", "pallas"])
 def test_precondition_from_its_first_half(impl, dtype):
