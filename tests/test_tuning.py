@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from bench.kernels_check import PASSES, ROTATE_KEYS, call, random_inputs
-from ginger._src import kernels, lowrank, pallas_passes, tuning
+from ginger._src import common, kernels, lowrank, pallas_passes, tuning
 from ginger._src.tuning import DEFAULT, Tuning
 
 
@@ -34,6 +34,8 @@ def test_tuning_is_frozen_and_hashable():
     ("steps", 0, "steps must be an int >= 1, got 0"),
     ("num_stages", 0, "num_stages must be an int >= 1, got 0"),
     ("jnp_row_blocks", "yes", "jnp_row_blocks must be None, True or False, got 'yes'"),
+    ("solo_buckets", 1, "solo_buckets must be None, True or False, got 1"),
+    ("bucket_overhead", -1, "bucket_overhead must be an int >= 0, got -1"),
   ],
 )
 def test_bad_tuning_is_refused_when_made(field, value, message):
@@ -49,6 +51,16 @@ def test_a_pass_refuses_what_is_not_a_tuning():
 
 def _rotate(x, tuning):
   return kernels.rotate_from_residual(*(x[q] for q in ROTATE_KEYS), impl="jnp", tuning=tuning)
+
+
+def test_the_bucket_plan_follows_the_tuning():
+  """One bucket per rank at a large ``bucket_overhead``, one per size at 0; blocks of at least
+  ``solo_rows`` rows alone where ``solo_buckets`` says."""
+  count = lambda **kw: len(common.plan_layout(SIZES, 2, "per_tensor", None, Tuning(**kw)).buckets)  # noqa: E731
+  assert count(bucket_overhead=10**12, solo_buckets=False) == 1
+  assert count(bucket_overhead=0, solo_buckets=False) == 6  # the distinct sizes
+  assert count(bucket_overhead=10**12, solo_buckets=True) == 1 + 3
+  assert count(bucket_overhead=10**12, solo_buckets=True, solo_rows=64) == 1 + 5
 
 
 def test_another_tuning_is_another_program_that_follows_it():
@@ -86,7 +98,14 @@ def _perturbed(value):
   if isinstance(value, dict):
     return {k: 2 * v for k, v in value.items()} or {8: 16, 16: 16, 32: 16}
   if isinstance(value, Tuning):
-    return Tuning(tile_rows={16: 16, 32: 16}, min_padded_rank=8, steps=2, jnp_row_blocks=True)
+    return Tuning(
+      tile_rows={16: 16, 32: 16},
+      min_padded_rank=8,
+      steps=2,
+      jnp_row_blocks=True,
+      bucket_overhead=0,
+      solo_buckets=False,
+    )
   return value
 
 
@@ -99,19 +118,28 @@ def _all_passes(x):
   )
 
 
+# Blocks below and above the CPU's solo rows, of sizes the bucket plan merges or not.
+SIZES = [3, 5, 64, 100, 1 << 15, 1 << 15, 1 << 16]
+
+
+def _plans():
+  return [common.plan_layout(SIZES, tau, "per_tensor", None) for tau in (2, 8)]
+
+
 def test_no_pass_reads_a_module_global_when_traced(monkeypatch):
-  """Every module global of the passes' modules that a knob could be (numbers, flags,
-  mappings, tunings) set to another value changes nothing of the traced passes (the jnp and
-  the Pallas ones): tracing reads only its arguments."""
+  """Every module global of the passes' modules and of the bucket plan's that a knob could be
+  (numbers, flags, mappings, tunings) set to another value changes nothing of the traced
+  passes (the jnp and the Pallas ones) nor of the plan: they read only their arguments."""
   x = random_inputs(2, 2, 1100, 8)  # rows for more than one tile of every tiling
   # A new function each time: jax caches what it traced by function.
-  before = str(jax.make_jaxpr(lambda x: _all_passes(x))(x))
+  before = str(jax.make_jaxpr(lambda x: _all_passes(x))(x)), _plans()
   changed = []
-  for module in (kernels, lowrank, pallas_passes, tuning):
+  for module in (kernels, lowrank, pallas_passes, tuning, common):
     for name, value in vars(module).items():
       if name.startswith("__") or _perturbed(value) is value:
         continue
       monkeypatch.setattr(module, name, _perturbed(value))
       changed.append(f"{module.__name__}.{name}")
   assert "ginger._src.kernels.DEFAULT" in changed
-  assert str(jax.make_jaxpr(lambda x: _all_passes(x))(x)) == before, changed
+  after = str(jax.make_jaxpr(lambda x: _all_passes(x))(x)), _plans()
+  assert after == before, changed

@@ -66,6 +66,20 @@ class Tuning:
   * ``row_block_elements``: a ``U`` of more elements than this is rotated in blocks of about
     this many, in at most ``max_row_blocks`` blocks (each a loop iteration: a few kernel
     launches on a GPU).
+
+  Buckets (how the blocks' bases are stacked, :func:`ginger._src.common.plan_layout`, read when
+  the state is initialised; a checkpoint does not depend on them):
+
+  * ``bucket_overhead``: the fixed per-step cost of one bucket (a few kernel launches) in
+    padded row-entries (rows x (rank + 2): ``U`` plus the vectors). Blocks of different sizes
+    share a bucket while the padding that adds costs less than this; the default, 2^21, gave
+    ResNet-18 the fastest update on an H200 (docs/benchmarks.md, "How many buckets").
+  * ``solo_buckets``: whether per-tensor blocks of at least ``solo_rows`` rows get a bucket of
+    their own (no padding, no stacking): None off GPUs only, True always, False never.
+    Stacking is what makes a GPU step a few launches per bucket; on the CPU a bucket costs a
+    few thunks, but a stacked bucket copies every step's ``v`` and ``g`` into ``(members,
+    rows)`` arrays, while a bucket of one block reads them where they are (a reshape), which
+    makes the CPU step faster.
   """
 
   tile_rows: tuple[tuple[int, int], ...] = ((16, 512), (32, 64))
@@ -80,6 +94,9 @@ class Tuning:
   jnp_row_blocks: bool | None = None
   row_block_elements: int = 1 << 24
   max_row_blocks: int = 16
+  bucket_overhead: int = 1 << 21
+  solo_buckets: bool | None = None
+  solo_rows: int = 1 << 15
 
   def __post_init__(self):
     for name in ("tile_rows", "rotate_tile_rows"):
@@ -89,11 +106,17 @@ class Tuning:
         raise ValueError(f"{name} must be a power of two >= 4, got {getattr(self, name)!r}.")
     for name in ("tile_elements", "max_tile_rows", "steps", "num_warps", "row_block_elements"):
       _positive(name, getattr(self, name))
-    _positive("max_row_blocks", self.max_row_blocks)
+    for name in ("max_row_blocks", "solo_rows"):
+      _positive(name, getattr(self, name))
     if self.num_stages is not None:
       _positive("num_stages", self.num_stages)
-    if self.jnp_row_blocks not in (None, True, False):
-      raise ValueError(f"jnp_row_blocks must be None, True or False, got {self.jnp_row_blocks!r}.")
+    if isinstance(self.bucket_overhead, bool) or not isinstance(self.bucket_overhead, int):
+      raise ValueError(f"bucket_overhead must be an int >= 0, got {self.bucket_overhead!r}.")
+    if self.bucket_overhead < 0:
+      raise ValueError(f"bucket_overhead must be an int >= 0, got {self.bucket_overhead!r}.")
+    for name in ("jnp_row_blocks", "solo_buckets"):
+      if not (getattr(self, name) is None or isinstance(getattr(self, name), bool)):
+        raise ValueError(f"{name} must be None, True or False, got {getattr(self, name)!r}.")
 
   def rows_per_tile(self, kp: int, rotate: bool) -> int:
     """Rows of one tile of ``U`` at padded rank ``kp`` (pass 3's if ``rotate``)."""
