@@ -70,6 +70,13 @@ def check_gamma(gamma) -> None:
     raise ValueError(f"gamma must be a finite number > 0 (the damping), got {value}.")
 
 
+def check_tuning(tuning) -> None:
+  """The passes' and the bucket plan's knobs: a :class:`ginger._src.tuning.Tuning` (whose own
+  fields are checked when it is made)."""
+  if not isinstance(tuning, Tuning):
+    raise ValueError(f"tuning must be a ginger._src.tuning.Tuning, got {tuning!r}.")
+
+
 def check_block(block: str) -> str:
   if block not in BLOCKS:
     raise ValueError(f"block must be one of {BLOCKS}, got {block!r}.")
@@ -292,6 +299,7 @@ def plan_layout(
   largest member; off GPUs (``tuning.solo_buckets``) blocks of at least ``tuning.solo_rows``
   rows are one bucket each instead, after the others, in leaf order.
   """
+  check_tuning(tuning)
   sizes = tuple(int(n) for n in sizes)
   if block == "global":
     if not sizes:
