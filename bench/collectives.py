@@ -122,9 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       train = [
         sys.executable,
         "-c",
-        "import functools, runpy, sys; import ginger._src.ginger_transform as g; "
-        "from ginger._src.tuning import Tuning; "
-        "g.scale_by_ginger = functools.partial(g.scale_by_ginger, "
+        "import functools, runpy, sys; import ginger; from ginger._src.tuning import Tuning; "
+        "ginger.ginger = functools.partial(ginger.ginger, "
         "tuning=Tuning(jnp_row_blocks=True, solo_buckets=False)); "
         "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')",
       ]

@@ -23,7 +23,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import ginger
-from ginger._src import ginger_transform
 from ginger._src.tuning import Tuning
 from models.tasks import build_task
 from training import logs, run_record, sharding
@@ -101,11 +100,10 @@ ACROSS_PLANS_SLOW = pytest.mark.slow
 
 
 def _plan_buckets(patch, overhead: int) -> None:
-  """Within ``patch``, Ginger as the loop builds it plans its buckets with ``overhead``
-  (``Tuning.bucket_overhead``), and as on every backend (no solo buckets)."""
+  """Within ``patch``, Ginger as the loop builds it (``ginger.ginger``) plans its buckets with
+  ``overhead`` (``Tuning.bucket_overhead``), and as on every backend (no solo buckets)."""
   tuning = Tuning(bucket_overhead=overhead, solo_buckets=False)
-  build = functools.partial(ginger_transform.scale_by_ginger, tuning=tuning)
-  patch.setattr(ginger_transform, "scale_by_ginger", build)
+  patch.setattr(ginger, "ginger", functools.partial(ginger.ginger, tuning=tuning))
 
 
 @pytest.fixture(scope="module")
