@@ -15,10 +15,9 @@ the step, not its timing: which collectives sit on the critical path is for a pr
 With ``--cpu`` the same SPMD partitioning runs on simulated CPU devices (XLA_FLAGS
 ``--xla_force_host_platform_device_count``), so the count can be read on a machine with no GPU;
 GPU backends may combine small collectives differently. ``--row-blocks`` traces Ginger's jnp
-rotation of ``U`` in row blocks as on GPUs (``ginger._src.kernels.JNP_ROW_BLOCKS = True``; the CPU
-rotates it in one piece) and stacks its bases as on GPUs (``ginger._src.common.SOLO_BUCKETS =
-False``; the CPU gives each large block a bucket of its own), so that the CPU run partitions
-the step a GPU runs.
+rotation of ``U`` in row blocks as on GPUs and stacks its bases as on GPUs (Ginger given
+``Tuning(jnp_row_blocks=True, solo_buckets=False)``; the CPU rotates ``U`` in one piece and gives
+each large block a bucket of its own), so that the CPU run partitions the step a GPU runs.
 """
 
 from __future__ import annotations
@@ -123,8 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       train = [
         sys.executable,
         "-c",
-        "import runpy, sys; import ginger._src.common as c, ginger._src.kernels as k; "
-        "k.JNP_ROW_BLOCKS, c.SOLO_BUCKETS = True, False; "
+        "import functools, runpy, sys; import ginger; from ginger._src.tuning import Tuning; "
+        "ginger.ginger = functools.partial(ginger.ginger, "
+        "tuning=Tuning(jnp_row_blocks=True, solo_buckets=False)); "
         "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')",
       ]
     command = [

@@ -39,7 +39,7 @@ from training import backend
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ("kernels", "update", "bf16", "steps")
-# The bfloat16 case: Ginger's in-span test (ginger._src.ginger_transform._after_residual)
+# The bfloat16 case: Ginger's in-span test (ginger._src.brand._after_residual)
 # counts a curvature direction v in span(U) when its residual is below 32 eps ||v||: a quarter
 # of ||v|| for bfloat16 (eps 2^-7). The inputs' parts outside span are well above that.
 IN_SPAN_EPS = 32

@@ -5,17 +5,18 @@
     python -m bench.kernel_tiling --taus 8 --min-padded-ranks 8 16  # rank 8 in 8 or 16 lanes
     python -m bench.kernel_tiling --taus 32 --tile-rows 64 --steps 1 --rotate-tile-rows 0 128
 
-The kernels of :mod:`ginger._src.kernels` stream each program's rows as ``STEPS`` tiles of
-``tile x kp`` elements of ``U`` (``tile = min(MAX_TILE_ROWS, TILE_ELEMENTS / kp)``, ``kp``
-the rank padded to a power of two >= ``MIN_PADDED_RANK``; ``TILE_ROWS[kp]`` where given;
-pass 3 pads to ``ROTATE_MIN_PADDED_RANK`` and takes ``ROTATE_TILE_ROWS[kp]`` where given) with
-``NUM_WARPS`` warps and ``NUM_STAGES`` Triton pipelining stages. This times the whole update
+The kernels of :mod:`ginger._src.pallas_passes` stream each program's rows as ``steps`` tiles
+of ``tile x kp`` elements of ``U`` (``tile = min(max_tile_rows, tile_elements / kp)``, ``kp``
+the rank padded to a power of two >= ``min_padded_rank``; ``tile_rows[kp]`` where given; pass
+3 pads to ``rotate_min_padded_rank`` and takes ``rotate_tile_rows[kp]`` where given) with
+``num_warps`` warps and ``num_stages`` Triton pipelining stages: the fields of
+:class:`ginger._src.tuning.Tuning`. This times the whole update
 (``bench.optimizer_step.time_update``: ``tx.update`` + ``optax.apply_updates`` in a jitted
 ``lax.scan``, median of repeats) for ``block=per_tensor`` in two rounds: (1) lanes
-(``MIN_PADDED_RANK``, ``--min-padded-ranks``) x tile rows (``--tile-rows``) x pass 3's tile
+(``min_padded_rank``, ``--min-padded-ranks``) x tile rows (``--tile-rows``) x pass 3's tile
 rows (``--rotate-tile-rows``, 0: the other passes') x steps (``--steps``) at the default warps
-and stages; (2) the best of round 1 x warps x stages (``--no-round-two`` skips it). The module
-constants are set before each configuration is traced; every row is its own compiled program.
+and stages; (2) the best of round 1 x warps x stages (``--no-round-two`` skips it). Each
+configuration is a ``Tuning`` given to the optimizer; every row is its own compiled program.
 A row that fails to compile (e.g. Triton out of registers or shared memory) says so and the
 sweep goes on.
 """
@@ -32,7 +33,8 @@ import optax
 
 import ginger
 from bench.optimizer_step import resnet18_shapes, time_update
-from ginger._src import kernels
+from ginger._src import pallas_passes
+from ginger._src.tuning import DEFAULT, Tuning
 
 TILE_ROWS = (64, 128, 256, 512, 1024)
 STEPS = (1, 2, 4, 8)
@@ -49,33 +51,27 @@ def _setting(
   stages: int | None,
   tau: int,
 ):
-  kp = max(lanes, kernels._pow2(tau))  # the padded rank at MIN_PADDED_RANK = lanes
-  rotate_kp = kernels.tiling(1, tau, rotate=True)[2]  # pass 3's (its lanes are not swept)
-  return {
-    "MIN_PADDED_RANK": lanes,
-    "TILE_ROWS": {},
-    "ROTATE_TILE_ROWS": {rotate_kp: rotate_rows} if rotate_rows else {},
-    "TILE_ELEMENTS": tile_rows * kp,
-    "MAX_TILE_ROWS": tile_rows,
-    "STEPS": steps,
-    "NUM_WARPS": warps,
-    "NUM_STAGES": stages,
-  }
+  kp = max(lanes, pallas_passes._pow2(tau))  # the padded rank at min_padded_rank = lanes
+  rotate_kp = pallas_passes.tiling(1, tau, rotate=True)[2]  # pass 3's (its lanes are not swept)
+  return Tuning(
+    min_padded_rank=lanes,
+    tile_rows={},
+    rotate_tile_rows={rotate_kp: rotate_rows} if rotate_rows else {},
+    tile_elements=tile_rows * kp,
+    max_tile_rows=tile_rows,
+    steps=steps,
+    num_warps=warps,
+    num_stages=stages,
+  )
 
 
-def _time(tau: int, setting: dict, shapes, scan: int, repeats: int) -> float | None:
-  saved = {key: getattr(kernels, key) for key in setting}
+def _time(tau: int, tuning: Tuning, shapes, scan: int, repeats: int) -> float | None:
   try:
-    for key, value in setting.items():
-      setattr(kernels, key, value)
-    tx = ginger.ginger(1e-3, tau=tau, block="per_tensor", passes="pallas")
+    tx = ginger.ginger(1e-3, tau=tau, block="per_tensor", passes="pallas", tuning=tuning)
     return time_update(tx, shapes, scan, repeats)[0]
   except Exception as e:  # noqa: BLE001 (a tiling Triton cannot compile: report, go on)
-    print(f"  ({setting}: {type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
+    print(f"  ({tuning}: {type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
     return None
-  finally:
-    for key, value in saved.items():
-      setattr(kernels, key, value)
 
 
 def _sweep(tau: int, args, shapes, adam: float) -> None:
@@ -90,7 +86,7 @@ def _sweep(tau: int, args, shapes, adam: float) -> None:
 
   grid = (args.min_padded_ranks, args.tile_rows, args.rotate_tile_rows, args.steps)
   for lane, tile_rows, rotate_rows, steps in itertools.product(*grid):
-    run(1, lane, tile_rows, rotate_rows, steps, kernels.NUM_WARPS, kernels.NUM_STAGES)
+    run(1, lane, tile_rows, rotate_rows, steps, DEFAULT.num_warps, DEFAULT.num_stages)
   timed = {k: v for k, v in results.items() if v is not None}
   if not timed or args.no_round_two:
     return
@@ -109,7 +105,7 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--taus", nargs="+", type=int, default=[8, 32])
   parser.add_argument(
-    "--min-padded-ranks", nargs="+", type=int, default=[16], help="MIN_PADDED_RANK values"
+    "--min-padded-ranks", nargs="+", type=int, default=[16], help="min_padded_rank values"
   )
   parser.add_argument("--tile-rows", nargs="+", type=int, default=list(TILE_ROWS))
   parser.add_argument(
@@ -117,7 +113,7 @@ def main(argv=None) -> None:
     nargs="+",
     type=int,
     default=[0],
-    help="pass 3's rows per tile (ROTATE_TILE_ROWS; 0: the other passes')",
+    help="pass 3's rows per tile (rotate_tile_rows; 0: the other passes')",
   )
   parser.add_argument("--steps", nargs="+", type=int, default=list(STEPS))
   parser.add_argument("--no-round-two", action="store_true", help="skip warps x stages")
@@ -130,12 +126,7 @@ def main(argv=None) -> None:
   print(
     f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC device={device.device_kind} "
     f"jax={jax.__version__}; ResNet-18 shapes, block=per_tensor, passes=pallas; "
-    f"adam {adam * 1e3:.3f} ms/update; defaults TILE_ROWS={kernels.TILE_ROWS} "
-    f"TILE_ELEMENTS={kernels.TILE_ELEMENTS} "
-    f"MAX_TILE_ROWS={kernels.MAX_TILE_ROWS} STEPS={kernels.STEPS} NUM_WARPS={kernels.NUM_WARPS} "
-    f"NUM_STAGES={kernels.NUM_STAGES} MIN_PADDED_RANK={kernels.MIN_PADDED_RANK} "
-    f"ROTATE_MIN_PADDED_RANK={kernels.ROTATE_MIN_PADDED_RANK} "
-    f"ROTATE_TILE_ROWS={kernels.ROTATE_TILE_ROWS}"
+    f"adam {adam * 1e3:.3f} ms/update; defaults {DEFAULT}"
   )
   print(
     "| tau | round | lanes | tile rows | pass 3 tile rows | steps | warps | stages | ms/update "

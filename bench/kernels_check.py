@@ -1,4 +1,4 @@
-"""Each Pallas kernel of ginger._src.kernels compiled for the GPU against the jnp reference.
+"""Each Pallas kernel of ginger._src.pallas_passes compiled for the GPU against the jnp reference.
 
     python -m bench.kernels_check                       # GPU: ResNet-18 shapes, tau 8 and 32
     python -m bench.kernels_check --taus 8 --blocks global
@@ -36,6 +36,7 @@ import numpy as np
 
 import ginger
 from ginger._src import common, kernels
+from ginger._src.tuning import DEFAULT, Tuning
 
 PASSES = (
   "project",
@@ -229,19 +230,16 @@ def check_shape(m, n, k, interpret: bool, seed: int = 0) -> list[dict]:
 
 def step_memory(rows: int, tau: int, passes: str) -> tuple[float, float]:
   """``(temporary bytes, bytes of U)`` of the compiled Ginger update with the state donated.
-  The jnp rotation is traced with its row blocks (:data:`ginger._src.kernels.JNP_ROW_BLOCKS`), as
-  on a GPU, also where it runs: the CPU rotates ``U`` in one piece, which is faster there but
-  holds a second ``U`` by design, so only the GPU's form has the bound below."""
-  tx = ginger.scale_by_ginger(tau, block="global", passes=passes)
+  The jnp rotation is traced with its row blocks (``Tuning(jnp_row_blocks=True)``), as on a
+  GPU, also where it runs: the CPU rotates ``U`` in one piece, which is faster there but holds a
+  second ``U`` by design, so only the GPU's form has the bound below."""
+  tuning = Tuning(jnp_row_blocks=True)
+  tx = ginger.scale_by_ginger(tau, block="global", passes=passes, tuning=tuning)
   params = {"w": jax.ShapeDtypeStruct((rows,), jnp.float32)}
   state = jax.eval_shape(tx.init, params)
 
   def step(state, g, d):
-    forced, kernels.JNP_ROW_BLOCKS = kernels.JNP_ROW_BLOCKS, True
-    try:
-      return tx.update(g, state, fisher_grads=d)
-    finally:
-      kernels.JNP_ROW_BLOCKS = forced
+    return tx.update(g, state, fisher_grads=d)
 
   compiled = jax.jit(step, donate_argnums=(0,)).lower(state, params, params).compile()
   return float(compiled.memory_analysis().temp_size_in_bytes), rows * min(tau, rows) * 4.0
@@ -250,12 +248,12 @@ def step_memory(rows: int, tau: int, passes: str) -> tuple[float, float]:
 def memory_bound(rows: int, u_bytes: float, passes: str) -> float:
   """Most temporary bytes the step may hold: a few ``(d,)`` float32 vectors (``g``, ``d``,
   ``p1``, the output), plus, for jnp, two row blocks of the rotation (a block of ``U'`` and its
-  slice of ``U``; one block, a copy of ``U``, while ``U`` has at most ``ROW_BLOCK_ELEMENTS``).
+  slice of ``U``; one block, a copy of ``U``, while ``U`` has at most ``row_block_elements``).
   The pallas kernel writes ``U'`` over ``U``: nothing of ``U``'s size."""
   vectors = 4 * rows * 4.0
   if passes == "pallas":
     return vectors
-  block = kernels.ROW_BLOCK_ELEMENTS * 4.0
+  block = DEFAULT.row_block_elements * 4.0
   return vectors + (u_bytes if u_bytes <= block else 2 * block)
 
 

@@ -31,7 +31,7 @@ is a lower bound of a lower bound.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import datetime
 import functools
 import math
@@ -44,6 +44,7 @@ import optax
 
 import ginger
 from ginger._src import common
+from ginger._src.tuning import DEFAULT, Tuning
 
 # Data-sheet peak HBM bandwidth (bytes/s) by device-kind substring (SXM parts).
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -87,10 +88,12 @@ def make_optimizer(
   state_dtype="float32",
   reorthonormalise_every: int | None = None,
   curvature_every: int = 1,
+  tuning: Tuning = DEFAULT,
 ):
   """``name`` is an optimizer, or ``ginger/<eigensolver>`` for a non-default Ginger solver;
   ``passes``, ``state_dtype`` (of ``U``, sigma and the momentum), ``reorthonormalise_every``
-  (None: the library's default, in the update) and ``curvature_every`` are Ginger's."""
+  (None: the library's default, in the update), ``curvature_every`` and ``tuning`` (its
+  bucket plan) are Ginger's."""
   if name == "adam":
     return optax.adam(1e-3)
   if name == "momentum":
@@ -107,25 +110,21 @@ def make_optimizer(
     state_dtype=state_dtype,
     reorthonormalise_every=reorthonormalise_every,
     curvature_every=curvature_every,
+    tuning=tuning,
   )
 
 
-@contextlib.contextmanager
-def bucket_plan(solo_rows: int, overhead: int):
-  """Ginger's bucket plan while the state is initialised: with ``solo_rows`` > 0, per-tensor
-  blocks of >= ``solo_rows`` rows planned as buckets of their own (``common.SOLO_BUCKETS``,
-  ``SOLO_ROWS``); with ``overhead`` > 0, ``common.BUCKET_OVERHEAD = overhead`` (the modelled
-  cost of a bucket: a larger one merges more block sizes into fewer, more padded buckets).
-  0: the library's."""
-  saved = common.SOLO_BUCKETS, common.SOLO_ROWS, common.BUCKET_OVERHEAD
+def bucket_plan(solo_rows: int, overhead: int) -> Tuning:
+  """Ginger's bucket plan: with ``solo_rows`` > 0, per-tensor blocks of >= ``solo_rows`` rows
+  planned as buckets of their own (``Tuning.solo_buckets``, ``solo_rows``); with ``overhead``
+  > 0, ``Tuning.bucket_overhead = overhead`` (the modelled cost of a bucket: a larger one
+  merges more block sizes into fewer, more padded buckets). 0: the library's."""
+  tuning = DEFAULT
   if solo_rows:
-    common.SOLO_BUCKETS, common.SOLO_ROWS = True, solo_rows
+    tuning = dataclasses.replace(tuning, solo_buckets=True, solo_rows=solo_rows)
   if overhead:
-    common.BUCKET_OVERHEAD = overhead
-  try:
-    yield
-  finally:
-    common.SOLO_BUCKETS, common.SOLO_ROWS, common.BUCKET_OVERHEAD = saved
+    tuning = dataclasses.replace(tuning, bucket_overhead=overhead)
+  return tuning
 
 
 def time_update(
@@ -254,7 +253,7 @@ def main(argv=None) -> None:
     default=[0],
     metavar="N",
     help="Ginger's bucket plan (column 'block'): 0, the library's; N, every per-tensor block "
-    "of >= N rows a bucket of its own (common.SOLO_BUCKETS, SOLO_ROWS = N): its g and d are "
+    "of >= N rows a bucket of its own (Tuning.solo_buckets, solo_rows = N): its g and d are "
     "read where they are instead of copied into a stack",
   )
   parser.add_argument(
@@ -264,7 +263,7 @@ def main(argv=None) -> None:
     default=[0],
     metavar="N",
     help="Ginger's bucket plan (column 'block', with the number of buckets): 0, the library's "
-    "(common.BUCKET_OVERHEAD); N, that modelled cost of a bucket in padded row-entries: a "
+    "(Tuning.bucket_overhead); N, that modelled cost of a bucket in padded row-entries: a "
     "larger N, fewer and more padded buckets (fewer kernels to launch and compile)",
   )
   parser.add_argument(
@@ -327,25 +326,27 @@ def main(argv=None) -> None:
       ]
     adam_s = None
     for name, tau, block, passes, state, solo, overhead in configs:
-      with bucket_plan(solo, overhead):
-        if name.startswith("ginger"):
-          buckets = len(common.plan_layout(sizes, tau, block, None).buckets)
-        seconds, compile_s, report = time_update(
-          make_optimizer(
-            name,
-            tau,
-            block,
-            passes or "jnp",
-            state or "float32",
-            args.reorthonormalise_every,
-            args.curvature_every,
-          ),
-          shapes,
-          args.scan,
-          args.repeats,
-          args.kernels if name.startswith("ginger") else 0,
-          curvature=args.curvature_every == 1 or not name.startswith("ginger"),
-        )
+      tuning = bucket_plan(solo, overhead)
+      if name.startswith("ginger"):
+        buckets = len(common.plan_layout(sizes, tau, block, None, tuning).buckets)
+      optimizer = make_optimizer(
+        name,
+        tau,
+        block,
+        passes or "jnp",
+        state or "float32",
+        args.reorthonormalise_every,
+        args.curvature_every,
+        tuning,
+      )
+      seconds, compile_s, report = time_update(
+        optimizer,
+        shapes,
+        args.scan,
+        args.repeats,
+        args.kernels if name.startswith("ginger") else 0,
+        curvature=args.curvature_every == 1 or not name.startswith("ginger"),
+      )
       if name.startswith("ginger") and block == "per_tensor":
         plan = (f" solo>={solo}" if solo else "") + (f" overhead={overhead}" if overhead else "")
         block = f"{block}{plan} ({buckets} buckets)"

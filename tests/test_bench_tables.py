@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import pytest
 
 from bench import checkpoint_stall, kernel_tiling, scaling, train_step
-from ginger._src import kernels
 
 SUMMARY = {
   "step_time_s": 0.01,
@@ -52,23 +51,23 @@ def test_scaling_rows_match_the_header(monkeypatch, capsys):
   _check(capsys.readouterr().out, expect_rows=6)
 
 
-def test_kernel_tiling_sweeps_pass_three_tiles_and_restores_the_defaults(monkeypatch, capsys):
-  """--rotate-tile-rows: each row sets pass 3's tile (0: the other passes'), one compiled
-  update a row; the module's constants are as before afterwards."""
+def test_kernel_tiling_sweeps_pass_three_tiles(monkeypatch, capsys):
+  """--rotate-tile-rows: each row's optimizer gets pass 3's tile in its tuning (0: the other
+  passes'), one compiled update a row."""
   seen = []
+  optimizer = kernel_tiling.ginger.ginger
 
-  def fake_time(tx, shapes, scan, repeats):
-    seen.append((dict(kernels.ROTATE_TILE_ROWS), kernels.MAX_TILE_ROWS))
-    return (1e-3 * len(seen), 0.0, "")
+  def spy(*args, tuning, **kw):
+    seen.append((dict(tuning.rotate_tile_rows), tuning.max_tile_rows))
+    return optimizer(*args, tuning=tuning, **kw)
 
-  monkeypatch.setattr(kernel_tiling, "time_update", fake_time)
+  monkeypatch.setattr(kernel_tiling.ginger, "ginger", spy)
+  monkeypatch.setattr(kernel_tiling, "time_update", lambda *a: (1e-3 * (1 + len(seen)), 0.0, ""))
   monkeypatch.setattr(kernel_tiling, "resnet18_shapes", lambda: [(8, 4)])
-  before = (dict(kernels.ROTATE_TILE_ROWS), dict(kernels.TILE_ROWS), kernels.MAX_TILE_ROWS)
   argv = ["--taus", "32", "--tile-rows", "64", "--rotate-tile-rows", "0", "128", "--steps", "1"]
   kernel_tiling.main([*argv, "--no-round-two"])
-  # Adam first, then the two rows: pass 3 on the other passes' 64 rows, then on 128.
-  assert seen[1:] == [({}, 64), ({32: 128}, 64)]
-  assert before == (dict(kernels.ROTATE_TILE_ROWS), dict(kernels.TILE_ROWS), kernels.MAX_TILE_ROWS)
+  # The two rows: pass 3 on the other passes' 64 rows, then on 128.
+  assert seen == [({}, 64), ({32: 128}, 64)]
   _check(capsys.readouterr().out, expect_rows=2)
 
 
@@ -261,8 +260,9 @@ def test_optimizer_step_rows_match_the_header_with_state_dtypes(monkeypatch, cap
   built = []
 
   def fake_make(
-    name, tau, block, passes="jnp", state_dtype="float32", reorthonormalise_every=None, every=1
-  ):
+    name, tau, block, passes="jnp", state_dtype="float32", reorthonormalise_every=None, every=1,
+    tuning=None,
+  ):  # fmt: skip
     built.append((name, state_dtype))
     return name
 
@@ -292,19 +292,17 @@ def _buckets_while_timing(monkeypatch, optimizer_step) -> list:
 
 def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypatch, capsys):
   """--solo-rows N: each Ginger row is timed with blocks of >= N rows in buckets of their own
-  (the plan is read when the state is built, inside time_update), labelled in the block
-  column; 0 is the library's plan; the module's plan is restored after each row."""
+  (the plan is made when the state is built, inside time_update), labelled in the block
+  column; 0 is the library's plan."""
   from bench import optimizer_step
   from ginger._src import common
 
   seen = _buckets_while_timing(monkeypatch, optimizer_step)
   monkeypatch.setitem(optimizer_step.SIZES, "tiny", lambda: [(64, 4), (64, 4), (3,)])
-  before = common.SOLO_BUCKETS, common.SOLO_ROWS
   optimizer_step.main(
     ["--sizes", "tiny", "--optimizers", "ginger", "--taus", "2", "--blocks", "per_tensor"]
     + ["--solo-rows", "0", "100", "--reorthonormalise-every", "0"]
   )
-  assert (common.SOLO_BUCKETS, common.SOLO_ROWS) == before
   out = capsys.readouterr().out
   _check(out, expect_rows=3)
   assert "| per_tensor solo>=100 (3 buckets) |" in out
@@ -313,21 +311,19 @@ def test_optimizer_step_solo_rows_plans_large_blocks_alone_while_timing(monkeypa
 
 
 def test_optimizer_step_bucket_overhead_plans_fewer_buckets_while_timing(monkeypatch, capsys):
-  """--bucket-overhead N: each Ginger row is timed with common.BUCKET_OVERHEAD = N (a larger
-  one merges more block sizes into fewer, more padded buckets), labelled with it and the
-  number of buckets in the block column; 0 is the library's; restored after each row."""
+  """--bucket-overhead N: each Ginger row is timed with ``Tuning.bucket_overhead = N`` (a
+  larger one merges more block sizes into fewer, more padded buckets), labelled with it and
+  the number of buckets in the block column; 0 is the library's. The blocks here are below
+  ``solo_rows``: the CPU plans them as a GPU does."""
   from bench import optimizer_step
   from ginger._src import common
 
   seen = _buckets_while_timing(monkeypatch, optimizer_step)
-  monkeypatch.setattr(common, "SOLO_BUCKETS", False)
   monkeypatch.setitem(optimizer_step.SIZES, "tiny", lambda: [(1 << 12,), (3,), (5,), (7,)])
-  before = common.BUCKET_OVERHEAD
   optimizer_step.main(
     ["--sizes", "tiny", "--optimizers", "ginger", "--taus", "2", "--blocks", "per_tensor"]
     + ["--bucket-overhead", "0", "1", str(1 << 30), "--reorthonormalise-every", "0"]
   )
-  assert common.BUCKET_OVERHEAD == before
   out = capsys.readouterr().out
   _check(out, expect_rows=4)
   library = len(common.plan_layout([4096, 3, 5, 7], 2, "per_tensor", None).buckets)

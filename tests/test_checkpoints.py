@@ -4,6 +4,7 @@ does not fit the state, the metrics log truncated to the checkpoint, and the bat
 epoch."""
 
 import collections
+import functools
 import gc
 import json
 import logging
@@ -22,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import ginger
-from ginger._src import common
+from ginger._src.tuning import Tuning
 from models.tasks import build_task
 from training import logs, run_record, sharding
 from training import loop as train
@@ -30,7 +31,7 @@ from training.checkpoints import Checkpointer, CheckpointError
 from training.errors import Interrupted, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
-FEW = 10**9  # BUCKET_OVERHEAD giving one bucket per rank (the demo ResNet: one bucket)
+FEW = 10**9  # bucket_overhead giving one bucket per rank (the demo ResNet: one bucket)
 MANY = 0  # one bucket per distinct leaf size (the demo ResNet: 17 buckets)
 
 
@@ -98,6 +99,13 @@ def _steps(setup, state, start: int, stop: int):
 ACROSS_PLANS_SLOW = pytest.mark.slow
 
 
+def _plan_buckets(patch, overhead: int) -> None:
+  """Within ``patch``, Ginger as the loop builds it (``ginger.ginger``) plans its buckets with
+  ``overhead`` (``Tuning.bucket_overhead``), and as on every backend (no solo buckets)."""
+  tuning = Tuning(bucket_overhead=overhead, solo_buckets=False)
+  patch.setattr(ginger, "ginger", functools.partial(ginger.ginger, tuning=tuning))
+
+
 @pytest.fixture(scope="module")
 def across_plans(tmp_path_factory):
   """A demo Ginger run preempted at step 2 under one bucket plan and resumed under another,
@@ -106,8 +114,7 @@ def across_plans(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("plans")
   out = {"new": tmp / "new"}
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(common, "BUCKET_OVERHEAD", FEW)
-    patch.setattr(common, "SOLO_BUCKETS", False)  # the plans of every backend
+    _plan_buckets(patch, FEW)
     with pytest.raises(Interrupted, match="stopped by SIGTERM at step 2 of 4"):
       train.train(config(*RUN), out["new"], stop=lambda s: signal.SIGTERM if s == 2 else None)
     few = train.build(config(*RUN))
@@ -115,8 +122,7 @@ def across_plans(tmp_path_factory):
     out["at_2"], _ = _steps(few, few.state, 0, 2)
     out["few_restored"] = Checkpointer(out["new"]).restore(few.state, 2)
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(common, "BUCKET_OVERHEAD", MANY)
-    patch.setattr(common, "SOLO_BUCKETS", False)  # the plans of every backend
+    _plan_buckets(patch, MANY)
     many = train.build(config(*RUN))
     out["many"] = many
     moved = sharding.put(

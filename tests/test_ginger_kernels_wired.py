@@ -38,6 +38,7 @@ from reference import (
 
 import ginger
 from ginger._src import kernels, secular
+from ginger._src.tuning import DEFAULT, Tuning
 
 SHAPES = {"w": (19, 3), "b": (7,), "tiny": (2,)}  # 57 rows: several 16-row tiles, a masked tail
 
@@ -47,7 +48,7 @@ def _blocks(n_leaves, block):
 
 
 @functools.cache
-def _update(tau, block, passes, curvature_every, dtype):
+def _update(tau, block, passes, curvature_every, dtype, tuning=DEFAULT):
   tx = ginger.scale_by_ginger(
     tau,
     0.9,
@@ -57,15 +58,16 @@ def _update(tau, block, passes, curvature_every, dtype):
     reorthonormalise_every=3,  # every third step also runs the re-orthonormalising factors
     curvature_every=curvature_every,
     passes=passes,
+    tuning=tuning,
   )
   return tx, jax.jit(tx.update), jax.jit(lambda g, s: tx.update(g, s))
 
 
-def _float64_trajectory(tau, block, passes, curvature_every, steps, seed=0):
+def _float64_trajectory(tau, block, passes, curvature_every, steps, seed=0, tuning=DEFAULT):
   """Outputs of ``steps`` updates (float64 state), and the dense reference's directions."""
   rng = np.random.default_rng(seed)
   params = {k: jnp.zeros(s, jnp.float64) for k, s in SHAPES.items()}
-  tx, with_d, without_d = _update(tau, block, passes, curvature_every, "float64")
+  tx, with_d, without_d = _update(tau, block, passes, curvature_every, "float64", tuning)
   state = tx.init(params)
   blocks = _blocks(len(SHAPES), block)
   dense = [np.zeros((len(v),) * 2) for v in block_vectors(jax.tree.leaves(params), blocks)]
@@ -186,9 +188,9 @@ def test_auto_is_jnp_off_gpu():
 BIG = 1 << 22
 
 
-def _compiled_step(tau, block, passes, rows, platforms=None):
+def _compiled_step(tau, block, passes, rows, platforms=None, tuning=DEFAULT):
   """The jitted update (state donated) lowered for ``rows`` parameters; nothing allocated."""
-  tx = ginger.scale_by_ginger(tau, block=block, passes=passes)
+  tx = ginger.scale_by_ginger(tau, block=block, passes=passes, tuning=tuning)
   params = {"w": jax.ShapeDtypeStruct((rows,), jnp.float32)}
   state = jax.eval_shape(tx.init, params)
 
@@ -203,39 +205,38 @@ def _compiled_step(tau, block, passes, rows, platforms=None):
 
 
 @pytest.mark.parametrize("block", [pytest.param("per_tensor", marks=pytest.mark.slow), "global"])
-def test_jnp_rotation_keeps_no_second_u(block, monkeypatch):
+def test_jnp_rotation_keeps_no_second_u(block):
   """The compiled step's temporary memory (XLA's buffer assignment, not a timing) stays well
   below one U: the rotation runs in row blocks written back into the donated U (the path of
   GPUs, forced here on the CPU). Before this, the same step held a whole second U
   (``temp_size_in_bytes`` 537 MB at this size; now 153). With one leaf both blocks are one
   block of the same rows: ``[global]`` in `make test`, ``[per_tensor]`` slow."""
-  monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", True)
   u_bytes = BIG * 32 * 4
-  compiled = _compiled_step(32, block, "jnp", BIG).compile()
+  compiled = _compiled_step(32, block, "jnp", BIG, tuning=Tuning(jnp_row_blocks=True)).compile()
   memory = compiled.memory_analysis()
   assert memory.alias_size_in_bytes >= u_bytes  # the state is donated: U' is U's buffer
-  # A row block of U' and the block's slice of U (ROW_BLOCK_ELEMENTS each) plus a few O(d)
+  # A row block of U' and the block's slice of U (row_block_elements each) plus a few O(d)
   # vectors (g, d, p1, the output...: 16 MiB each at this size), far from U's 512 MiB.
-  block_bytes = 2 * kernels.ROW_BLOCK_ELEMENTS * 4 + 4 * BIG * 4
+  block_bytes = 2 * DEFAULT.row_block_elements * 4 + 4 * BIG * 4
   assert memory.temp_size_in_bytes <= block_bytes < u_bytes / 2, memory
 
 
-def _loops(rows):
+def _loops(rows, tuning=DEFAULT):
   """Loops in the lowered jnp step (per_tensor, tau 8, ``rows`` parameters)."""
-  return _compiled_step(8, "per_tensor", "jnp", rows).as_text().count("stablehlo.while")
+  text = _compiled_step(8, "per_tensor", "jnp", rows, tuning=tuning).as_text()
+  return text.count("stablehlo.while")
 
 
 def test_jnp_row_blocks_where(monkeypatch):
-  """The jnp rotation of a U of more than ROW_BLOCK_ELEMENTS runs in row blocks (one more
+  """The jnp rotation of a U of more than ``row_block_elements`` runs in row blocks (one more
   loop in the step than a U of one block has: the eigensolver's) on GPUs and wherever
-  ``JNP_ROW_BLOCKS`` forces them, and in one piece on the CPU by default."""
-  big = kernels.ROW_BLOCK_ELEMENTS // 8 * 3  # U: 3 ROW_BLOCK_ELEMENTS at tau 8
+  ``jnp_row_blocks`` forces them, and in one piece on the CPU by default."""
+  big = DEFAULT.row_block_elements // 8 * 3  # U: 3 row_block_elements at tau 8
   one_piece = _loops(4096)
   assert _loops(big) == one_piece
-  monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", True)
-  assert _loops(4096) == one_piece
-  assert _loops(big) == one_piece + 1
-  monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", None)
+  forced = Tuning(jnp_row_blocks=True)
+  assert _loops(4096, forced) == one_piece
+  assert _loops(big, forced) == one_piece + 1
   monkeypatch.setattr(kernels, "_on_gpu", lambda: True)  # traced as on a GPU
   assert _loops(big) == one_piece + 1
 
@@ -289,18 +290,13 @@ def test_pallas_passes_run_the_bisection_kernel(monkeypatch):
     assert calls == expected, (passes, eigensolver)
 
 
-def test_row_blocks_change_no_update(x64, monkeypatch):
+def test_row_blocks_change_no_update(x64):
   """The jnp rotation in row blocks (forced here on tiny U) gives the same updates as the
   rotation in one piece, to float64 rounding (rows are independent; only fused multiply-adds
   may round differently), over a trajectory with re-orthonormalising steps."""
   whole, refs, _ = _float64_trajectory(8, "global", "jnp", 1, 10)
-  monkeypatch.setattr(kernels, "JNP_ROW_BLOCKS", True)  # as on GPUs
-  monkeypatch.setattr(kernels, "ROW_BLOCK_ELEMENTS", 40)  # 57 x 8 U: 12 blocks of 5 rows
-  _update.cache_clear()
-  try:
-    blocked, _, _ = _float64_trajectory(8, "global", "jnp", 1, 10)
-  finally:
-    _update.cache_clear()
+  blocks = Tuning(jnp_row_blocks=True, row_block_elements=40)  # 57 x 8 U: 12 blocks of 5 rows
+  blocked, _, _ = _float64_trajectory(8, "global", "jnp", 1, 10, tuning=blocks)
   for t, (a, b, ref) in enumerate(zip(blocked, whole, refs, strict=True)):
     assert np.max(np.abs(a - b)) <= 2e-8 * np.max(np.abs(ref)), t
 

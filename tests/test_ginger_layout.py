@@ -14,15 +14,15 @@ from reference import ginger_direction, ginger_step
 import ginger
 from ginger import StackedBasis, StackedSigma
 from ginger._src import common, lowrank
+from ginger._src.tuning import DEFAULT, Tuning
 
 RESNET_LIKE = [64, 64, 100, 128, 1728, 8192, 36864, 36864, 147456, 589824, 2359296]
 
 
 @pytest.mark.parametrize("solo", [False, True])
 @pytest.mark.parametrize("tau", [1, 8, 32])
-def test_plan_covers_every_leaf_once(tau, solo, monkeypatch):
-  monkeypatch.setattr(common, "SOLO_BUCKETS", solo)
-  layout = common.plan_layout(RESNET_LIKE, tau, "per_tensor", None)
+def test_plan_covers_every_leaf_once(tau, solo):
+  layout = common.plan_layout(RESNET_LIKE, tau, "per_tensor", None, Tuning(solo_buckets=solo))
   seen = []
   for bucket in layout.buckets:
     for pieces in bucket.members:
@@ -35,26 +35,24 @@ def test_plan_covers_every_leaf_once(tau, solo, monkeypatch):
   saved = len(set(RESNET_LIKE)) - len(layout.buckets)
   assert saved > 0
   padding = sum(b.rows * len(b.members) for b in layout.buckets) - sum(RESNET_LIKE)
-  assert padding * (min(tau, 64) + 2) <= saved * common.BUCKET_OVERHEAD
+  assert padding * (min(tau, 64) + 2) <= saved * DEFAULT.bucket_overhead
 
 
-def test_large_blocks_get_a_bucket_each_off_gpus(monkeypatch):
-  """The CPU plan (SOLO_BUCKETS, None off GPUs): every block of at least SOLO_ROWS rows is a
-  bucket of its own, unpadded, even beside blocks of its size (stacking would copy its v and g
-  every step); smaller blocks are planned as on GPUs. The global block is one bucket anyway."""
-  monkeypatch.setattr(common, "SOLO_BUCKETS", None)
+def test_large_blocks_get_a_bucket_each_off_gpus():
+  """The CPU plan (``solo_buckets``, None off GPUs): every block of at least ``solo_rows`` rows
+  is a bucket of its own, unpadded, even beside blocks of its size (stacking would copy its v
+  and g every step); smaller blocks are planned as on GPUs. The global block is one bucket
+  anyway."""
   assert jax.default_backend() != "gpu"  # the tests run on the CPU
   layout = common.plan_layout(RESNET_LIKE, 8, "per_tensor", None)
-  large = [i for i, n in enumerate(RESNET_LIKE) if n >= common.SOLO_ROWS]
+  large = [i for i, n in enumerate(RESNET_LIKE) if n >= DEFAULT.solo_rows]
   assert len(large) == 5  # two blocks of 36864 among them
   solo = [b for b in layout.buckets if len(b.members) == 1 and b.members[0][0][0] in large]
   assert [b.members[0][0][0] for b in solo] == large
   assert all(b.rows == RESNET_LIKE[b.members[0][0][0]] and b.rank == 8 for b in solo)
-  monkeypatch.setattr(common, "SOLO_BUCKETS", False)
-  small = [n for n in RESNET_LIKE if n < common.SOLO_ROWS]
-  stacked = common.plan_layout(small, 8, "per_tensor", None)
+  small = [n for n in RESNET_LIKE if n < DEFAULT.solo_rows]
+  stacked = common.plan_layout(small, 8, "per_tensor", None, Tuning(solo_buckets=False))
   assert [b.rows for b in layout.buckets if b not in solo] == [b.rows for b in stacked.buckets]
-  monkeypatch.setattr(common, "SOLO_BUCKETS", None)
   assert len(common.plan_layout(RESNET_LIKE, 8, "global", None).buckets) == 1
 
 
@@ -65,11 +63,9 @@ def test_global_plan_is_one_block_of_consecutive_rows():
   assert bucket.members == (((0, 0), (1, 3), (2, 8)),)
 
 
-def test_size_runs_trade_padding_against_buckets(monkeypatch):
-  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 0)
-  assert common._size_runs([10, 20], [1, 1], 4) == [{10}, {20}]  # padding only costs
-  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 10**9)
-  assert common._size_runs([10, 20], [1, 1], 4) == [{10, 20}]  # launches only cost
+def test_size_runs_trade_padding_against_buckets():
+  assert common._size_runs([10, 20], [1, 1], 4, 0) == [{10}, {20}]  # padding only costs
+  assert common._size_runs([10, 20], [1, 1], 4, 10**9) == [{10, 20}]  # launches only cost
 
 
 def test_stacked_basis_reads_like_per_leaf_state():
@@ -103,14 +99,16 @@ def test_stacked_basis_reads_like_per_leaf_state():
     np.testing.assert_array_equal(x, y)
 
 
-def test_buckets_and_padding_change_no_result(x64, monkeypatch):
+def test_buckets_and_padding_change_no_result(x64):
   """Leaves of different sizes stacked into one zero-padded bucket give exactly what each
   leaf gives alone."""
-  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 10**9)  # force one bucket per rank
+  one_per_rank = Tuning(bucket_overhead=10**9)
   rng = np.random.default_rng(0)
   shapes = {"a": (5, 3), "b": (11,), "c": (2, 2, 2), "d": (9,)}
   params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
-  tx = ginger.scale_by_ginger(3, 0.9, 1e-2, state_dtype="float64", reorthonormalise_every=4)
+  tx = ginger.scale_by_ginger(
+    3, 0.9, 1e-2, state_dtype="float64", reorthonormalise_every=4, tuning=one_per_rank
+  )
   state = tx.init(params)
   assert len(jax.tree.leaves(state.u)) == 1 and jax.tree.leaves(state.u)[0].shape == (4, 15, 3)
   alone = {k: (tx.init({k: p}), tx) for k, p in params.items()}
@@ -207,21 +205,28 @@ def test_empty_params():
     assert out == {} and int(state.count) == 1
 
 
-def test_checkpoint_does_not_depend_on_the_bucketing(x64, monkeypatch, tmp_path):
-  """A state saved under one bucket plan (``BUCKET_OVERHEAD``, a speed knob) restores into
+def test_checkpoint_does_not_depend_on_the_bucketing(x64, tmp_path):
+  """A state saved under one bucket plan (``bucket_overhead``, a speed knob) restores into
   another and continues exactly as the uninterrupted run."""
   import orbax.checkpoint as ocp
 
   rng = np.random.default_rng(2)
   shapes = {"a": (5, 3), "b": (11,), "c": (2, 2, 2), "d": (9,), "e": (2,)}
   params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
-  tx = ginger.ginger(0.1, tau=3, alpha=0.9, gamma=1e-2, state_dtype="float64")
+  plan = lambda overhead: ginger.ginger(  # noqa: E731
+    0.1,
+    tau=3,
+    alpha=0.9,
+    gamma=1e-2,
+    state_dtype="float64",
+    tuning=Tuning(bucket_overhead=overhead),
+  )
+  tx = plan(10**9)  # one bucket per rank
   update = jax.jit(tx.update)
   batches = [
     tuple({k: jnp.asarray(rng.normal(size=s)) for k, s in shapes.items()} for _ in range(2))
     for _ in range(6)
   ]
-  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 10**9)  # one bucket per rank
   state = tx.init(params)
   for g, d in batches[:3]:
     _, state = update(g, state, params, fisher_grads=d)
@@ -233,8 +238,7 @@ def test_checkpoint_does_not_depend_on_the_bucketing(x64, monkeypatch, tmp_path)
     out, state = update(g, state, params, fisher_grads=d)
     expected.append(out)
 
-  monkeypatch.setattr(common, "BUCKET_OVERHEAD", 0)  # one bucket per size
-  like = tx.init(params)
+  like = plan(0).init(params)  # one bucket per size
   old, new = (
     [x.u.layout for x in jax.tree.leaves(s, is_leaf=_is_state) if _is_state(x)]
     for s in (state, like)

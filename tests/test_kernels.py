@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from bench.kernels_check import PASSES, ROTATE_KEYS, bounds, call, gamma_n, random_inputs
-from ginger._src import kernels
+from ginger._src import kernels, lowrank
+from ginger._src.tuning import DEFAULT, Tuning
 
 
 def assert_close(name: str, x: dict, got, want, dtype=jnp.float32, extra: int = 0):
@@ -41,12 +42,13 @@ def assert_close(name: str, x: dict, got, want, dtype=jnp.float32, extra: int = 
     )
 
 
-def both(x: dict, tile: int, steps: int):
-  """Every pass, jnp and interpreted Pallas, in one jitted function (one compilation)."""
+def both(x: dict, tile: int, steps: int, tuning: Tuning = DEFAULT):
+  """Every pass, jnp and interpreted Pallas (under ``tuning``), in one jitted function (one
+  compilation)."""
 
   def run(x):
     ref = {name: call(name, x, impl="jnp") for name in PASSES}
-    kw = dict(impl="pallas", interpret=True, tile=tile, steps=steps)
+    kw = dict(impl="pallas", interpret=True, tile=tile, steps=steps, tuning=tuning)
     return ref, {name: call(name, x, **kw) for name in PASSES}
 
   return jax.jit(run)(x)
@@ -72,33 +74,31 @@ def test_passes_match_reference(m, n, k, steps, seed):
 
 
 @pytest.mark.parametrize("k", [3, 8])
-def test_eight_lane_padding_matches_reference(monkeypatch, k):
-  """MIN_PADDED_RANK=8: passes 1 and 2 at ranks up to 8 in 8 lanes (3: masked lanes; 8: all of
+def test_eight_lane_padding_matches_reference(k):
+  """min_padded_rank=8: passes 1 and 2 at ranks up to 8 in 8 lanes (3: masked lanes; 8: all of
   them), as pass 3 by default; rank 9 still pads to 16 (the dot)."""
-  monkeypatch.setattr(kernels, "MIN_PADDED_RANK", 8)
-  assert kernels.tiling(rows=100, rank=k, tile=16)[2] == 8
-  assert kernels.tiling(rows=100, rank=9, tile=16)[2] == 16
+  tuning = Tuning(min_padded_rank=8)
+  assert kernels.tiling(rows=100, rank=k, tile=16, tuning=tuning)[2] == 8
+  assert kernels.tiling(rows=100, rank=9, tile=16, tuning=tuning)[2] == 16
   x = random_inputs(k, 2, 45, k)
-  ref, got = both(x, tile=16, steps=2)
+  ref, got = both(x, tile=16, steps=2, tuning=tuning)
   for name in PASSES:
     assert_close(name, x, got[name], ref[name])
-  for name in ("MIN_PADDED_RANK", "ROTATE_MIN_PADDED_RANK"):
-    monkeypatch.setattr(kernels, name, 12)
+  for name in ("min_padded_rank", "rotate_min_padded_rank"):
     with pytest.raises(ValueError, match=f"{name} must be a power of two >= 4, got 12"):
-      kernels.tiling(rows=100, rank=k)
-    monkeypatch.setattr(kernels, name, 8)
+      Tuning(**{name: 12})
 
 
-def _pass_three_jaxpr(k: int) -> str:
+def _pass_three_jaxpr(k: int, tuning: Tuning = DEFAULT) -> str:
   x = random_inputs(0, 1, 40, k)
   args = [x[n] for n in ROTATE_KEYS]
-  fn = lambda *a: kernels.rotate_from_residual(*a, impl="pallas", interpret=True, tile=16)  # noqa: E731
-  return str(jax.make_jaxpr(fn)(*args))
+  kw = dict(impl="pallas", interpret=True, tile=16, tuning=tuning)
+  return str(jax.make_jaxpr(lambda *a: kernels.rotate_from_residual(*a, **kw))(*args))
 
 
 @pytest.mark.parametrize("k", [3, 8])
 def test_pass_three_rotates_column_by_column_at_low_rank(k):
-  """Ranks up to 8: pass 3 in 8 lanes (ROTATE_MIN_PADDED_RANK), ``U rot`` as k column-times-row
+  """Ranks up to 8: pass 3 in 8 lanes (``rotate_min_padded_rank``), ``U rot`` as k column-times-row
   multiply-adds, no dot (a Triton dot made the rotation of the largest ResNet-18 bucket twice as
   slow on an H200); rank 9 pads to 16 lanes and keeps the dot. Their values: the property test
   above (ranks 1..33)."""
@@ -109,14 +109,33 @@ def test_pass_three_rotates_column_by_column_at_low_rank(k):
   assert "dot_general" in _pass_three_jaxpr(9)
 
 
-def test_pass_three_in_sixteen_lanes_matches_reference(monkeypatch):
-  """ROTATE_MIN_PADDED_RANK=16 (the layout before): rank 8 in 16 lanes, the rotation one dot."""
-  monkeypatch.setattr(kernels, "ROTATE_MIN_PADDED_RANK", 16)
-  assert "dot_general" in _pass_three_jaxpr(8)
+def test_pass_three_in_sixteen_lanes_matches_reference():
+  """rotate_min_padded_rank=16: rank 8 in 16 lanes, the rotation one dot."""
+  tuning = Tuning(rotate_min_padded_rank=16)
+  assert "dot_general" in _pass_three_jaxpr(8, tuning)
   x = random_inputs(5, 2, 45, 8)
-  ref, got = both(x, tile=16, steps=2)
+  ref, got = both(x, tile=16, steps=2, tuning=tuning)
   for name in PASSES:
     assert_close(name, x, got[name], ref[name])
+
+
+def test_correct_matches_reference():
+  """``correct``, precondition's last pass, on its own: ``(q - U a) / gamma``, each entry a sum
+  of ``k`` products, a subtraction and a division (``N = k + 3``), over rows not a multiple of
+  the tile and several tiles a program."""
+  m, n, k = 2, 45, 5
+  x = random_inputs(4, m, n, k)
+  args = lambda x: (x["u"], x["g"], x["z"], x["gamma"])  # noqa: E731
+  pallas = dict(impl="pallas", interpret=True, tile=16, steps=2)
+  ref, got = jax.jit(
+    lambda x: (kernels.correct(*args(x), impl="jnp"), kernels.correct(*args(x), **pallas))
+  )(x)
+  f = {key: np.abs(np.asarray(x[key], np.float64)) for key in ("u", "g", "z", "gamma")}
+  a = (f["g"] + np.einsum("mnk,mk->mn", f["u"], f["z"])) / f["gamma"][:, None]
+  assert got.shape == ref.shape == (m, n) and got.dtype == ref.dtype
+  assert np.all(
+    np.abs(np.asarray(got, np.float64) - np.asarray(ref)) <= 2 * gamma_n(k + 3, jnp.float32) * a
+  )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -284,7 +303,7 @@ def test_jnp_rotation_in_row_blocks(m, n, k, rows):
   @jax.jit
   def run(x):
     blocked = kernels.rotate_from_residual(*(x[q] for q in keys), impl="jnp", rows_per_block=rows)
-    return blocked, kernels._rotate_from_residual_jnp(*(x[q] for q in keys))
+    return blocked, lowrank.rotate_from_residual(*(x[q] for q in keys))
 
   blocked, whole = run(x)
   assert_close("rotate_from_residual", x, blocked, whole)
@@ -328,12 +347,15 @@ def test_rotation_reads_joined_small_operands_at_first(impl):
 
 
 def test_row_block_sizes():
-  """Up to ROW_BLOCK_ELEMENTS one block; beyond, blocks of about that size, at most
-  MAX_ROW_BLOCKS of them."""
-  big = kernels.ROW_BLOCK_ELEMENTS
+  """Up to ``row_block_elements`` one block; beyond, blocks of about that size, at most
+  ``max_row_blocks`` of them."""
+  big = DEFAULT.row_block_elements
   assert kernels.row_block((1, big // 8, 8)) == big // 8
   assert kernels.row_block((2, big // 8, 8)) == big // 16
-  assert kernels.row_block((1, 1000 * big, 1)) == -(-1000 * big // kernels.MAX_ROW_BLOCKS)
+  assert kernels.row_block((1, 1000 * big, 1)) == -(-1000 * big // DEFAULT.max_row_blocks)
+  small = Tuning(row_block_elements=64, max_row_blocks=3)
+  assert kernels.row_block((1, 16, 8), tuning=small) == 8
+  assert kernels.row_block((1, 1000, 8), tuning=small) == 334
 
 
 def test_bad_arguments():
@@ -414,12 +436,12 @@ def test_lowers_to_triton(monkeypatch, m, n, k, dtype, lanes):
   8 lanes (no dot in the rotation)."""
   lowering, verified = _triton_lowering()
   monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", verified)
-  monkeypatch.setattr(kernels, "MIN_PADDED_RANK", lanes)
   x = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)), random_inputs(0, m, n, k)
   )
   for name in PASSES:
-    fn = jax.jit(functools.partial(call, name, impl="pallas", interpret=False))
+    kw = dict(impl="pallas", interpret=False, tuning=Tuning(min_padded_rank=lanes))
+    fn = jax.jit(functools.partial(call, name, **kw))
     with abstract_h200():
       text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     calls = text.count("__gpu$xla.gpu.triton")

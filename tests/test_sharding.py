@@ -717,12 +717,12 @@ def _state_bytes(opt_state) -> dict[str, int]:
 def _injected(bug: str | None, mesh):
   """Within the block, ``bug`` (a name of ``BUGS``) is in the library code it lives in."""
   from ginger import fisher
-  from ginger._src import kernels
+  from ginger._src import lowrank
 
   where = {
     "local_loss_mean": (fisher, "cross_entropy", _local_loss_mean),
-    # Ginger's passes call kernels._row_sums (lowrank.row_sums is the reference's and QNG's)
-    "state_sums_without_all_reduce": (kernels, "_row_sums", _row_sums_without_all_reduce),
+    # Ginger's jnp passes call lowrank.backend_row_sums (lowrank.row_sums is QNG's)
+    "state_sums_without_all_reduce": (lowrank, "backend_row_sums", _row_sums_without_all_reduce),
   }
   if bug not in where:
     yield

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ginger
 from bench.collectives import collectives
 from ginger.sharding import StateSharding
+from ginger._src.tuning import Tuning
 
 mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 # Three blocks of 73728 rows and one of 64000 (one bucket padded to 73728 rows, each device
@@ -35,9 +36,9 @@ batches = [(like(), jax.tree.map(lambda x: 1e-2 * x, like())) for _ in range(3)]
 split = StateSharding(mesh, "data", min_size=1 << 14)
 whole = NamedSharding(mesh, P())
 out = {"param_bytes": sum(x.nbytes for x in jax.tree.leaves(params))}
-# GPUs stack equal-size blocks into one bucket (common.SOLO_BUCKETS, read at init; the CPU
+# GPUs stack equal-size blocks into one bucket (Tuning.solo_buckets, read at init; the CPU
 # gives each of these blocks a bucket of its own: "pinned_solo") and rotate U in row blocks
-# (kernels.JNP_ROW_BLOCKS, read when traced); forced here, with blocks small enough that this
+# (Tuning.jnp_row_blocks); forced here, with blocks small enough that this
 # U (3 x 73728 x 4 = 884736 elements) has several per device, or with blocks that split the
 # whole U (2 blocks) but hold a device's quarter in one.
 variants = {"pinned": (None, 1 << 16, False), "pinned_row_blocks": (True, 1 << 16, False),
@@ -45,9 +46,8 @@ variants = {"pinned": (None, 1 << 16, False), "pinned_row_blocks": (True, 1 << 1
             "pinned_solo": (None, 1 << 16, True)}
 for name in json.loads(sys.argv[1]):
   blocks, elements, solo = variants[name]
-  ginger._src.kernels.JNP_ROW_BLOCKS, ginger._src.kernels.ROW_BLOCK_ELEMENTS = blocks, elements
-  ginger._src.common.SOLO_BUCKETS = solo
-  tx = ginger.ginger(1e-3, tau=4, gamma=1e-2, sharding=split)
+  tuning = Tuning(jnp_row_blocks=blocks, row_block_elements=elements, solo_buckets=solo)
+  tx = ginger.ginger(1e-3, tau=4, gamma=1e-2, sharding=split, tuning=tuning)
   state = tx.init(params)
   shardings = split.shardings(state)
 

@@ -1,7 +1,7 @@
 """Orbax checkpoints of the whole training state, so a killed run continues bit-for-bit.
 
 **Layout.** Ginger keeps its bases ``U`` stacked in buckets, planned for speed from a tuning
-constant (``BUCKET_OVERHEAD`` in ``ginger/_src/common.py``). A checkpoint holds the state as
+(``Tuning.bucket_overhead`` in ``ginger/_src/tuning.py``). A checkpoint holds the state as
 :func:`ginger.checkpoint_state` gives it instead: each basis as a pytree like the params of
 ``(leaf.size, rank)`` arrays, which depends only on the model, ``tau`` and ``block``. So a
 checkpoint restores, exactly, whatever the bucket plan of the code that reads it, and

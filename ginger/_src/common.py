@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ginger._src.tuning import DEFAULT, Tuning
+
 BLOCKS = ("per_tensor", "global")
 EIGENSOLVERS = ("secular", "dense")
 # How the passes over U run (ginger._src.kernels): "auto" is "pallas" on GPUs, "jnp" elsewhere.
@@ -66,6 +68,13 @@ def check_gamma(gamma) -> None:
   value = _concrete(gamma)
   if value is not None and not (value > 0.0 and math.isfinite(value)):
     raise ValueError(f"gamma must be a finite number > 0 (the damping), got {value}.")
+
+
+def check_tuning(tuning) -> None:
+  """The passes' and the bucket plan's knobs: a :class:`ginger._src.tuning.Tuning` (whose own
+  fields are checked when it is made)."""
+  if not isinstance(tuning, Tuning):
+    raise ValueError(f"tuning must be a ginger._src.tuning.Tuning, got {tuning!r}.")
 
 
 def check_block(block: str) -> str:
@@ -244,21 +253,8 @@ def updates_in_their_dtype(
 # costs a few kernel launches each, and a model has 60-130 leaves, so blocks of one rank are
 # stacked into *buckets*: arrays of shape (members, rows, rank), padded with zero rows to the
 # largest member. Zero rows are exact: they add nothing to U^T U or U^T x, their p and update
-# rows stay zero, so padding changes no result.
-
-# Fixed per-step cost of one bucket (a few kernel launches) in padded row-entries
-# (rows x (rank + 2): U plus the vectors). Merging sizes into one bucket pays off while the
-# padding it adds costs less than this.
-BUCKET_OVERHEAD = 1 << 21
-# Whether per-tensor blocks of at least SOLO_ROWS rows get a bucket of their own (shape
-# (1, size, rank): no padding, no stacking), read when the state is initialised: None off GPUs
-# only, True always, False never. Stacking is what makes a GPU step a few launches per bucket;
-# on the CPU a bucket costs a few thunks, but a stacked bucket copies every step's v and g into
-# (members, rows) arrays (XLA:CPU even writes each of them twice, once for the vector-matrix
-# products and once for the row fusions), while a bucket of one block reads them where they are
-# (a reshape), which makes the CPU step faster.
-SOLO_BUCKETS: bool | None = None
-SOLO_ROWS = 1 << 15
+# rows stay zero, so padding changes no result. How blocks are grouped is a speed knob of
+# ginger._src.tuning.Tuning (bucket_overhead, solo_buckets, solo_rows).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,15 +288,18 @@ class Layout:
     raise KeyError(leaf)
 
 
-def plan_layout(sizes: Sequence[int], tau: int, block: str, treedef) -> Layout:
+def plan_layout(
+  sizes: Sequence[int], tau: int, block: str, treedef, tuning: Tuning = DEFAULT
+) -> Layout:
   """Buckets for the blocks of ``block`` mode over leaves of the given sizes.
 
   ``"global"``: one bucket holding one block, all leaves stacked row after row.
   ``"per_tensor"``: blocks of equal rank ``min(tau, size)`` are split into runs of similar
-  size (see :func:`_size_runs`), each run one bucket padded to its largest member; off GPUs
-  (:data:`SOLO_BUCKETS`) blocks of at least :data:`SOLO_ROWS` rows are one bucket each
-  instead, after the others, in leaf order.
+  size (see :func:`_size_runs`, ``tuning.bucket_overhead``), each run one bucket padded to its
+  largest member; off GPUs (``tuning.solo_buckets``) blocks of at least ``tuning.solo_rows``
+  rows are one bucket each instead, after the others, in leaf order.
   """
+  check_tuning(tuning)
   sizes = tuple(int(n) for n in sizes)
   if block == "global":
     if not sizes:
@@ -309,39 +308,41 @@ def plan_layout(sizes: Sequence[int], tau: int, block: str, treedef) -> Layout:
     member = tuple(zip(range(len(sizes)), offsets, strict=True))
     total = sum(sizes)
     return Layout(treedef, sizes, (Bucket(total, min(tau, total), (member,)),))
-  solo = _solo_buckets()
+  solo = _solo_buckets(tuning)
   by_rank: dict[int, list[int]] = {}
   for i, n in enumerate(sizes):
-    if not (solo and n >= SOLO_ROWS):
+    if not (solo and n >= tuning.solo_rows):
       by_rank.setdefault(min(tau, n), []).append(i)
   buckets = []
   for rank, leaves in sorted(by_rank.items()):
     counts = collections.Counter(sizes[i] for i in leaves)
     distinct = sorted(counts)
-    for run in _size_runs(distinct, [counts[n] for n in distinct], rank):
+    for run in _size_runs(distinct, [counts[n] for n in distinct], rank, tuning.bucket_overhead):
       members = tuple(((i, 0),) for i in leaves if sizes[i] in run)
       buckets.append(Bucket(max(run), rank, members))
   if solo:
-    buckets += [Bucket(n, min(tau, n), (((i, 0),),)) for i, n in enumerate(sizes) if n >= SOLO_ROWS]
+    solos = [(i, n) for i, n in enumerate(sizes) if n >= tuning.solo_rows]
+    buckets += [Bucket(n, min(tau, n), (((i, 0),),)) for i, n in solos]
   return Layout(treedef, sizes, tuple(buckets))
 
 
-def _solo_buckets() -> bool:
-  """Whether large per-tensor blocks get a bucket each (:data:`SOLO_BUCKETS`, when planned)."""
-  if SOLO_BUCKETS is None:
+def _solo_buckets(tuning: Tuning) -> bool:
+  """Whether large per-tensor blocks get a bucket each (``tuning.solo_buckets``; None: off
+  GPUs)."""
+  if tuning.solo_buckets is None:
     return jax.default_backend() != "gpu"
-  return bool(SOLO_BUCKETS)
+  return tuning.solo_buckets
 
 
-def _size_runs(distinct: list[int], counts: list[int], rank: int) -> list[set[int]]:
+def _size_runs(distinct: list[int], counts: list[int], rank: int, overhead: int) -> list[set[int]]:
   """Splits ascending distinct sizes into runs minimising the modelled per-step cost
-  ``sum over runs of (BUCKET_OVERHEAD + members * largest size * (rank + 2))`` (exact DP)."""
+  ``sum over runs of (overhead + members * largest size * (rank + 2))`` (exact DP)."""
   best = [0.0] + [math.inf] * len(distinct)
   start = [0] * (len(distinct) + 1)
   for end in range(1, len(distinct) + 1):
     for first in range(end):
       padded = sum(counts[first:end]) * distinct[end - 1] * (rank + 2)
-      cost = best[first] + BUCKET_OVERHEAD + padded
+      cost = best[first] + overhead + padded
       if cost < best[end]:
         best[end], start[end] = cost, first
   runs, end = [], len(distinct)

@@ -77,8 +77,8 @@ def checkpoint_state(opt_state):
   """``opt_state`` in a saving layout that does not depend on how Ginger buckets its bases.
 
   Ginger's bases live stacked in buckets (:class:`StackedBasis`) planned for speed from a
-  tuning constant (``common.BUCKET_OVERHEAD``); saved as they are, a checkpoint would fit
-  only the plan it was written with. Here every basis becomes its per-leaf view
+  tuning (``Tuning.bucket_overhead``, :mod:`ginger._src.tuning`); saved as they are, a
+  checkpoint would fit only the plan it was written with. Here every basis becomes its per-leaf view
   ``u.tree()`` (a pytree like the params of ``(leaf.size, rank)`` arrays; for
   ``block="global"`` each leaf's rows of the one block), Ginger's momentum
   (:class:`StackedRows`) its ``(leaf.size,)`` vectors and the per-tensor ``sigma``

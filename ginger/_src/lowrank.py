@@ -7,24 +7,30 @@ padding and stay zero); vectors of those blocks are ``(m, n)`` and per-block sma
 ``sigma >= 0`` sorted descending; see docs/ginger-math.md.
 
 One Brand eigen-update plus preconditioning is written as three passes over ``U``
-(:func:`project_pair`, :func:`residual_sums`, :func:`rotate_and_precondition`): two reads and
-one read-and-write. Everything else works on ``(k+1) x (k+1)`` matrices. The row-wise
-products are written as ``k`` multiply-adds (:func:`rowdot`, :func:`rowmatmul`) instead of
-dots so that XLA can fuse them into the pass that needs them, and so that no float32 product
-of ``U`` runs in TF32 on GPUs (a dot's default precision there), which would break
-``U^T U = I``. XLA does not fuse all of it on a GPU, so Ginger's step runs these passes
-through :mod:`ginger._src.kernels`, which holds the same formulas (``passes="jnp"``) next to fused
-Pallas kernels (``passes="pallas"``).
+(:func:`project_pair`, :func:`residual_sums`, :func:`rotate_from_residual`): two reads and one
+read-and-write. Everything else works on ``(k+1) x (k+1)`` matrices. The passes here are the
+reference (``passes="jnp"``, and the CPU path); :mod:`ginger._src.pallas_passes` writes each
+as one fused Pallas kernel (``passes="pallas"``), and :mod:`ginger._src.kernels` checks the
+operands and runs one or the other. The row-wise products are written as ``k`` multiply-adds
+(:func:`rowdot`, :func:`rowmatmul`) instead of dots so that XLA can fuse them into the pass
+that needs them, and so that no float32 product of ``U`` runs in TF32 on GPUs (a dot's default
+precision there), which would break ``U^T U = I``.
+
+Pass 3 is row-local: every row of ``U'`` and of its output depends only on the same row of
+``U`` and the vectors. :func:`rotate_in_row_blocks` uses that to rotate a large ``U`` in place,
+block of rows by block of rows (the jnp path on GPUs, :class:`ginger._src.tuning.Tuning`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from ginger._src import secular
+from ginger._src.tuning import DEFAULT, Tuning
 
 Pieces = Sequence[jax.Array]
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -77,9 +83,6 @@ def small_matvec(mat: jax.Array, x: jax.Array, transpose: bool = False) -> jax.A
   )
 
 
-# ---- the three passes over U ------------------------------------------------------------------
-
-
 def row_sums(u: jax.Array, xs: Sequence[jax.Array]) -> jax.Array:
   """``U^T [x_1 ... x_j]`` per block: ``(..., n, k), j x (..., n) -> (..., k, j)``.
 
@@ -90,14 +93,46 @@ def row_sums(u: jax.Array, xs: Sequence[jax.Array]) -> jax.Array:
   return jnp.einsum("...nk,...nj->...kj", u, jnp.stack(xs, -1), precision=HIGHEST)
 
 
-def project_pair(u: jax.Array, v: jax.Array, g: jax.Array):
-  """Pass 1 (reads ``U``): ``U^T v``, ``U^T g`` and ``l1 = sum |v|`` per block.
+# ---- the same products as the backend runs them fastest ---------------------------------------
+#
+# Off GPUs a few products of the passes are written as dots where XLA:CPU's fusion of the plain
+# formula is slow: the same values up to summation order.
 
-  ``l1`` is the scale of the next pass: ``|v_i| <= l1``, so squares of ``v / l1`` neither
-  overflow nor all underflow.
-  """
-  cy = row_sums(u, [v, g])
-  return cy[..., 0], cy[..., 1], jnp.sum(jnp.abs(v), axis=-1)
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def backend_row_sums(u: jax.Array, xs: Sequence[jax.Array]) -> jax.Array:
+  """:func:`row_sums` on GPUs; elsewhere one vector-matrix product ``x_i^T U`` each: XLA:CPU runs
+  the ``(k, n) x (n, j)`` product at about half the speed of ``j`` such products, although each
+  is one more read of ``U``."""
+  if on_gpu():
+    return row_sums(u, xs)
+  return jnp.stack([jnp.einsum("...n,...nk->...k", x, u, precision=HIGHEST) for x in xs], -1)
+
+
+def matvec(u: jax.Array, a: jax.Array) -> jax.Array:
+  """``U a`` of a residual: ``k`` multiply-adds (:func:`rowdot`) on GPUs; elsewhere one
+  matrix-vector product. XLA:CPU fuses the multiply-adds into every consumer of ``p1`` and
+  computes it twice, once for the stored ``p1`` and the row sums and once for the operand of
+  ``U^T p1`` (a reshape of it), each a read of ``U``; as a product ``U`` is read once and only
+  ``(v - U a) inv_l1``, two vectors, is computed twice."""
+  if on_gpu():
+    return rowdot(u, a)
+  return jnp.einsum("...nk,...k->...n", u, a, precision=HIGHEST)
+
+
+def vdot_rows(x: jax.Array, y: jax.Array) -> jax.Array:
+  """``x . y`` over the last axis: a reduction of the product on GPUs; elsewhere a dot, which
+  runs near copy bandwidth where XLA:CPU turns the reduction into a far slower YNNPACK
+  reduce."""
+  if on_gpu():
+    return jnp.sum(x * y, -1)
+  return jnp.einsum("...n,...n->...", x, y, precision=HIGHEST)
+
+
+# ---- the passes over U ------------------------------------------------------------------------
 
 
 def first_residual(u: jax.Array, v: jax.Array, a: jax.Array, inv_l1: jax.Array) -> jax.Array:
@@ -107,44 +142,150 @@ def first_residual(u: jax.Array, v: jax.Array, a: jax.Array, inv_l1: jax.Array) 
   same rounded ``p1``; that is what lets pass 2 measure, and pass 3 remove, ``p1``'s rounding
   error along ``U``.
   """
-  return (v - rowdot(u, a)) * inv_l1[..., None]
+  return (v - matvec(u, a)) * inv_l1[..., None]
 
 
-def residual_sums(u, v, g, a, inv_l1):
-  """Pass 2 (reads ``U``): ``U^T p1``, ``||p1||^2``, ``p1 . g`` and ``||v / l1||^2``.
+def second_residual(u: jax.Array, g: jax.Array, y: jax.Array) -> jax.Array:
+  """``q1 = g - U y``: one expression for :func:`residual_sums` and :func:`residual`."""
+  return g - matvec(u, y)
+
+
+def project_pair(u: jax.Array, v: jax.Array, g: jax.Array):
+  """Pass 1 (reads ``U``): ``U^T v``, ``U^T g`` and ``l1 = sum |v|`` per block.
+
+  ``l1`` is the scale of the next pass: ``|v_i| <= l1``, so squares of ``v / l1`` neither
+  overflow nor all underflow.
+  """
+  cy = backend_row_sums(u, [v, g])
+  return cy[..., 0], cy[..., 1], jnp.sum(jnp.abs(v), axis=-1)
+
+
+def residual_sums(u, v, g, a, inv_l1, ay, with_p1: bool = False):
+  """Pass 2 (reads ``U``): with ``p1 = (v - U a) / l1`` and ``q1 = g - U ay``, returns
+  ``(U^T p1, ||p1||^2, p1 . q1, ||v / l1||^2, U^T q1)`` (and ``p1, q1`` with ``with_p1``).
 
   ``U^T p1`` is the re-orthogonalisation coefficient of CGS2 (classical Gram-Schmidt with one
   re-orthogonalisation): ``p = p1 - U (U^T p1)`` is orthogonal to ``U`` to working precision
-  even when ``v`` lies almost in ``span U``, and ``||p||^2 = ||p1||^2 - ||U^T p1||^2``.
+  even when ``v`` lies almost in ``span U``, and ``||p||^2 = ||p1||^2 - ||U^T p1||^2``;
+  ``U^T q1`` is the same for ``g``.
   """
   p1 = first_residual(u, v, a, inv_l1)
+  q1 = second_residual(u, g, ay)
   vs = v * inv_l1[..., None]
-  return (
-    row_sums(u, [p1])[..., 0],
-    jnp.sum(p1 * p1, -1),
-    jnp.sum(p1 * g, -1),
-    jnp.sum(vs * vs, -1),
-  )
+  sums = backend_row_sums(u, [p1, q1])
+  sums = (sums[..., 0], vdot_rows(p1, p1), vdot_rows(p1, q1), vdot_rows(vs, vs), sums[..., 1])
+  return sums + (p1, q1) if with_p1 else sums
 
 
-def rotate_and_precondition(u, v, g, a1, inv_l1, a2, inv_r, rot, b, z, gamma):
-  """Pass 3 (reads ``U``, writes ``U'``): the rotated basis and ``G'^{-1} g``.
+def residual(u, g, y):
+  """Pass 2 for ``g`` alone: :func:`residual_sums`' ``U^T q1`` and ``q1``."""
+  q1 = second_residual(u, g, y)
+  return backend_row_sums(u, [q1])[..., 0], q1
 
-  ``p = (p1 - U a2) / r`` (zero when ``inv_r = 0``), ``U' = U rot + p b^T`` and
-  ``G'^{-1} g = (g - U' z) / gamma`` with ``z = diag(sigma'/(gamma+sigma')) U'^T g``, which
-  the caller forms from pass 1's ``U^T g`` without reading ``U'`` again.
+
+def rotate_from_residual(u, p1, q, a2, inv_r, rot, b, a, beta, gamma, *, out_rowdot=True):
+  """Pass 3 (reads ``U``, writes ``U'``): ``p = (p1 - U a2) / r`` (zero when ``inv_r = 0``),
+  the rotated basis ``U' = U rot + p b^T`` and ``(q - U a - p beta) / gamma``.
+
+  ``out_rowdot``: ``U a`` as ``k`` multiply-adds (:func:`rowdot`, as :func:`correct`), else as
+  a reduction over the rank axis, which XLA:CPU turns into a YNNPACK reduce many times slower
+  than the multiply-adds (the reduction is what the row blocks of a GPU use).
   """
-  p = (first_residual(u, v, a1, inv_l1) - rowdot(u, a2)) * inv_r[..., None]
+  p = (p1 - rowdot(u, a2)) * inv_r[..., None]
   u_new = rowmatmul(u, rot) + p[..., None] * b[..., None, :]
-  out = (g - jnp.sum(u_new * z[..., None, :], axis=-1)) / gamma
-  return u_new, out
+  u_a = rowdot(u, a) if out_rowdot else jnp.sum(u * a[..., None, :], axis=-1)
+  return u_new, (q - u_a - p * beta[..., None]) / gamma[..., None]
 
 
-def precondition(u, sigma, g, gamma):
-  """``G^{-1} g = (g - U diag(sigma / (gamma + sigma)) U^T g) / gamma`` with ``U`` as it is
-  (a step without a curvature update): two reads of ``U``."""
-  z = sigma / (gamma + sigma) * row_sums(u, [g])[..., 0]
-  return (g - rowdot(u, z)) / gamma
+def rotate_and_precondition(u, v, q, a1, inv_l1, a2, inv_r, rot, b, a, beta, gamma, **kw):
+  """:func:`rotate_from_residual` with ``p1 = (v - U a1) / l1`` recomputed from ``v``."""
+  p1 = first_residual(u, v, a1, inv_l1)
+  return rotate_from_residual(u, p1, q, a2, inv_r, rot, b, a, beta, gamma, **kw)
+
+
+def correct(u, q, a, gamma):
+  """``(q - U a) / gamma`` per block (one read of ``U``)."""
+  return (q - rowdot(u, a)) / gamma[..., None]
+
+
+# ---- pass 3 in row blocks, written in place ---------------------------------------------------
+
+
+def row_block(shape, rows_per_block: int | None = None, tuning: Tuning = DEFAULT) -> int:
+  """Rows per block of the rotation of a ``U`` of ``shape`` (``(..., n, k)``) in row blocks:
+  all ``n`` (one block) up to ``tuning.row_block_elements`` elements, else ``n`` split into at
+  most ``tuning.max_row_blocks`` blocks of about that many. ``rows_per_block`` overrides it."""
+  n = shape[-2]
+  if rows_per_block is not None:
+    if (
+      isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or rows_per_block < 1
+    ):
+      raise ValueError(f"rows_per_block must be an int >= 1 or None, got {rows_per_block!r}.")
+    return min(rows_per_block, max(n, 1))
+  total = math.prod(shape)
+  blocks = min(tuning.max_row_blocks, -(-total // tuning.row_block_elements))
+  return max(1, -(-n // max(blocks, 1)))
+
+
+def rotate_in_row_blocks(
+  u, p1, g, a2, inv_r, rot, b, z, beta, gamma, *, rows_per_block=None, row_shards=1, tuning=DEFAULT
+):
+  """:func:`rotate_from_residual` over blocks of rows, each written back into ``U``.
+
+  ``row_shards``: the rows are split over this many devices (``U`` sharded along its rows).
+  Then the row axis is viewed as ``(row_shards, n / row_shards)`` and the blocks step along
+  the second, so that every device rotates blocks of its own rows: a block sliced out of the
+  split axis itself would make XLA's partitioner all-gather ``U``, ``p1`` and ``g``. Where a
+  device's rows fit in one block, that block is all of them: the rotation runs unblocked
+  (row-local, as on one device with a ``U`` of that size), never in blocks of the whole axis.
+
+  Every row of ``U'`` and of the output depends only on the same row of ``U``, ``p1`` and
+  ``g`` (and the small operands), so applying the formula block by block computes each entry
+  with the same operations as on the whole array. The blocks run in a ``fori_loop`` whose carry
+  is ``U`` itself: XLA updates a loop-carried buffer in place, so the rotation keeps a block
+  of ``U'`` (and the block's slice of ``U``) alive besides ``U``, with ``U`` donated not even a
+  copy of ``U``; the rows past the last whole block are one more block after the loop.
+  """
+  n = u.shape[-2]
+  if row_shards > 1 and n % row_shards == 0:
+    rows = row_block(u.shape[:-2] + (n // row_shards,) + u.shape[-1:], rows_per_block, tuning)
+    if rows >= n // row_shards:
+      # One block per device. Blocks of the whole axis (below) would cut across the split,
+      # and XLA would all-gather U, p1, g and the output to form them, where each device's
+      # share fits in one block.
+      return rotate_from_residual(u, p1, g, a2, inv_r, rot, b, z, beta, gamma, out_rowdot=False)
+    split = u.ndim - 2
+    view = lambda x: x.reshape(
+      x.shape[:split] + (row_shards, n // row_shards) + x.shape[split + 1 :]
+    )
+    small = [jnp.expand_dims(x, split) for x in (a2, inv_r, rot, b, z, beta, gamma)]
+    u_new, out = rotate_in_row_blocks(view(u), view(p1), view(g), *small, rows_per_block=rows)
+    return u_new.reshape(u.shape), out.reshape(g.shape)
+  rows = row_block(u.shape, rows_per_block, tuning)
+  if rows >= n:
+    return rotate_from_residual(u, p1, g, a2, inv_r, rot, b, z, beta, gamma, out_rowdot=False)
+  row_axis = u.ndim - 2
+  small = (a2, inv_r, rot, b, z, beta, gamma)
+
+  def rotate(start, size, u, out):
+    def rows_of(x, axis):
+      return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+    u_new, o = rotate_from_residual(
+      rows_of(u, row_axis), rows_of(p1, row_axis), rows_of(g, row_axis), *small, out_rowdot=False
+    )
+    return (
+      jax.lax.dynamic_update_slice_in_dim(u, u_new, start, row_axis),
+      jax.lax.dynamic_update_slice_in_dim(out, o, start, row_axis),
+    )
+
+  whole = n // rows
+  u, out = jax.lax.fori_loop(
+    0, whole, lambda i, c: rotate(i * rows, rows, *c), (u, jnp.zeros(g.shape, g.dtype))
+  )
+  if whole * rows < n:
+    u, out = rotate(whole * rows, n - whole * rows, u, out)
+  return u, out
 
 
 # ---- the (k+1) x (k+1) eigenproblem ----------------------------------------------------------

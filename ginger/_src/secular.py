@@ -56,7 +56,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ginger._src import kernels
+from ginger._src import pallas_passes
 
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("jnp", "pallas")
@@ -361,7 +361,7 @@ def bisect_pallas(d, z2, active, origin_d, sign, inv_rho, lo, hi, *, interpret=F
   rows = pl.BlockSpec((None, padded), lambda b: (b, 0))
   scalar = pl.BlockSpec((None,), lambda b: (b,))
   batch = int(np.prod(lead, dtype=np.int64))
-  hi = kernels._call(
+  hi = pallas_passes.call(
     _bisect_kernel(n, padded, dtype),
     (batch,),
     [rows] * 5 + [scalar] + [rows] * 2,
