@@ -32,11 +32,10 @@ def compute_dtype(precision: str):
   return DTYPES[precision]
 
 
-# The one-off initialisation program runs on the host's CPU whatever the accelerator: on an
-# H200 host, XLA:GPU compiling a ResNet-18's initialisation (many small random fills) was most
-# of the run's build (bench.startup's "build s"), for a program that then runs once. On the CPU
-# without LLVM's optimisations it compiles in 1.5-2 s (XLA:CPU's default -O3: resnet_tiny
-# 7.5 -> 1.6 s, ResNet-18 11.6 -> 2.2 s on 2 cores) and runs no slower to notice; the run then
+# The one-off initialisation program runs on the host's CPU whatever the accelerator: XLA:GPU
+# compiling a model's many small random fills took most of a run's build for a program that
+# then runs once, and XLA:CPU without LLVM's expensive passes compiles it several times faster
+# and runs it no slower to notice (docs/benchmarks.md, "Design decisions"); the run then
 # places the parameters. One draw on every backend: threefry's bits are exact, the normal
 # sampler's rounding is the CPU's.
 _CPU_INIT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
