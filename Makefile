@@ -66,9 +66,8 @@ TEST_WORKERS ?= -n 2 --dist loadfile
 
 # XLA:CPU compiles the suite's programs with LLVM's optimisations off and with its classic
 # elemental emitters instead of the MLIR fusion emitters (`make test` only; jax 0.11 takes the
-# second as a backend option): the suite is compile-bound, while the programs it runs are small.
-# The demo's two programs (jax 0.11.2, a busy 2-core machine, no compilation cache): 38-40 s
-# with XLA's defaults, 10-24 s with the first flag, 6-10 s with both. Values are those of the
+# second as a backend option): the suite is compile-bound, while the programs it runs are small
+# (the demo compiles several times faster: docs/benchmarks.md). Values are those of the
 # defaults to float rounding, which every test's tolerance must allow anyway (another CPU's
 # vector width changes it too); `make test-all` keeps the defaults.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 \
