@@ -44,6 +44,7 @@ from ginger._src.ginger_transform import (
 from ginger._src.qng_transform import ScaleByQNGState, qng, scale_by_qng
 from ginger._src.soap import ScaleBySoapState, scale_by_soap, soap
 from ginger._src.stacked import StackedBasis, StackedRows, StackedSigma
+from ginger._src.tuning import Tuning
 
 __all__ = [
   "ScaleByGingerState",
@@ -52,6 +53,7 @@ __all__ = [
   "StackedBasis",
   "StackedRows",
   "StackedSigma",
+  "Tuning",
   "checkpoint_state",
   "curvature_spectrum",
   "default_reorthonormalise_every",

@@ -45,9 +45,9 @@ def test_bad_tuning_is_refused_when_made(field, value, message):
 
 def test_a_pass_and_the_plan_refuse_what_is_not_a_tuning():
   x = random_inputs(0, 1, 20, 4)
-  with pytest.raises(ValueError, match="tuning must be a ginger._src.tuning.Tuning"):
+  with pytest.raises(ValueError, match="tuning must be a ginger.Tuning"):
     kernels.project(x["u"], x["g"], impl="pallas", tuning={"steps": 2})
-  with pytest.raises(ValueError, match="tuning must be a ginger._src.tuning.Tuning, got 3"):
+  with pytest.raises(ValueError, match="tuning must be a ginger.Tuning, got 3"):
     common.plan_layout([4], 2, "per_tensor", None, 3)
 
 

@@ -74,7 +74,7 @@ def check_tuning(tuning) -> None:
   """The passes' and the bucket plan's knobs: a :class:`ginger._src.tuning.Tuning` (whose own
   fields are checked when it is made)."""
   if not isinstance(tuning, Tuning):
-    raise ValueError(f"tuning must be a ginger._src.tuning.Tuning, got {tuning!r}.")
+    raise ValueError(f"tuning must be a ginger.Tuning, got {tuning!r}.")
 
 
 def check_block(block: str) -> str:

@@ -180,7 +180,7 @@ def scale_by_ginger(
       (needed with ``passes="pallas"``: XLA cannot partition a Pallas kernel).
     b1: decay of the bias-corrected momentum kept in the state; None: no momentum.
     tuning: tilings of the Pallas passes, row blocks of the jnp rotation and how the blocks
-      are stacked into buckets (:class:`ginger._src.tuning.Tuning`, static): speed and
+      are stacked into buckets (:class:`ginger.Tuning`, static): speed and
       memory; the values change by float summation order at most.
 
   Returns:

@@ -105,7 +105,7 @@ def _check(
   into a kernel. ``blocks``: the leading shape of the small and square operands (default
   ``u``'s, see :func:`_joined_blocks`), and that ``tuning`` is a :class:`Tuning`."""
   if not isinstance(tuning, Tuning):
-    raise ValueError(f"tuning must be a ginger._src.tuning.Tuning, got {tuning!r}.")
+    raise ValueError(f"tuning must be a ginger.Tuning, got {tuning!r}.")
   if u.ndim < 3:
     raise ValueError(f"u must have shape (blocks, rows, rank), got {u.shape}.")
   lead, k = u.shape[:-2], u.shape[-1]
