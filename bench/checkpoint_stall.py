@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import startup, train_step
+from bench import startup
 
 RUNS = {
   "adam": ["optimizer=adam"],
@@ -118,14 +118,7 @@ def main(argv=None) -> None:
       "steps": args.steps,
       "intervals": args.intervals,
     }
-    done = train_step.run_child(
-      [sys.executable, "-m", "bench.checkpoint_stall", "--child", json.dumps(spec)],
-      name,
-      args.timeout,
-      cwd=startup.ROOT,
-    )
-    r = json.loads(done.stdout.strip().splitlines()[-1]) if done else None
-    rows.append((name, r))
+    rows.append((name, startup.child_record("bench.checkpoint_stall", spec, name, args.timeout)))
   when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   devices = sorted({r["device"] for _, r in rows if r})
   print(

@@ -25,13 +25,10 @@ import json
 import math
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 
-from bench import train_step
+from bench import startup
 
-ROOT = Path(__file__).resolve().parents[1]
 OPTIMIZERS = ("adam", "soap")
 
 
@@ -75,8 +72,6 @@ def measure_update(name: str) -> dict:
 
 def measure_train_step(name: str) -> dict:
   """train.py's training step, lowered and compiled as ``bench.startup`` does."""
-  from bench import startup
-
   record = startup.child(
     {"overrides": [f"optimizer={name}"], "mode": "one-by-one", "data": None, "cache_dir": None}
   )
@@ -97,12 +92,9 @@ def child(spec: dict) -> dict:
 
 
 def run(optimizer: str, what: str, timeout: float) -> dict:
-  spec = json.dumps({"optimizer": optimizer, "what": what})
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  env["GINGER_COMPILATION_CACHE_DIR"] = "none"
-  cmd = [sys.executable, "-m", "bench.compile_time", "--child", spec]
-  done = train_step.run_child(cmd, f"{optimizer} {what}", timeout, cwd=ROOT, env=env)
-  return {} if done is None else json.loads(done.stdout.strip().splitlines()[-1])
+  spec = {"optimizer": optimizer, "what": what}
+  label = f"{optimizer} {what}"
+  return startup.child_record("bench.compile_time", spec, label, timeout, cold=True) or {}
 
 
 def table(results: dict) -> str:

@@ -155,6 +155,23 @@ def child(spec: dict) -> dict:
   return out
 
 
+def child_record(
+  module: str, spec: dict, label: str, timeout: float, *, cold: bool = False
+) -> dict | None:
+  """Runs ``python -m MODULE --child SPEC`` (``spec`` as JSON) from the repository root, one
+  fresh process per measurement, and reads the last line of its output as JSON: the child's
+  record; None where it failed or ran out of time (``train_step.run_child`` says which on
+  stderr). ``cold``: the persistent compilation cache off in the child (JAX's and the run's
+  own), so that every compilation is a cold one; otherwise the child gets this environment."""
+  env = None
+  if cold:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["GINGER_COMPILATION_CACHE_DIR"] = "none"
+  cmd = [sys.executable, "-m", module, "--child", json.dumps(spec)]
+  done = train_step.run_child(cmd, label, timeout, cwd=ROOT, env=env)
+  return None if done is None else json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run(
   name: str,
   mode: str,
@@ -164,18 +181,8 @@ def run(
   extra: tuple[str, ...] = (),
 ) -> dict:
   spec = {"overrides": [*RUNS[name], *extra], "mode": mode, "data": data, "cache_dir": cache_dir}
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  env["GINGER_COMPILATION_CACHE_DIR"] = "none"  # the user's cache off unless --extra sets one
-  done = train_step.run_child(
-    [sys.executable, "-m", "bench.startup", "--child", json.dumps(spec)],
-    f"{name} ({mode})",
-    timeout,
-    cwd=ROOT,
-    env=env,
-  )
-  if done is None:
-    return {}
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  # The user's cache off unless --extra sets one.
+  return child_record("bench.startup", spec, f"{name} ({mode})", timeout, cold=True) or {}
 
 
 def table(results: dict) -> str:

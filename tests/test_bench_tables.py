@@ -165,6 +165,40 @@ def test_checkpoint_stall_rows_match_the_header(monkeypatch, capsys):
   assert all(c["steps"] == 20 and c["intervals"] == 3 and c["data"] == "x" for c in children)
 
 
+def test_compile_time_and_startup_children_compile_cold(monkeypatch):
+  """bench.compile_time's and bench.startup's children run as ``python -m MODULE --child SPEC``
+  from the repository root with JAX's cache and the run's own off (every compilation a cold
+  one); the record is the output's last line, a failed child an empty record."""
+  from bench import compile_time, startup
+
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/tmp/warm")
+  monkeypatch.setenv("GINGER_COMPILATION_CACHE_DIR", "/tmp/warm")
+  children = []
+
+  def fake_child(cmd, label, timeout, **kwargs):
+    children.append((cmd, label, kwargs))
+    if len(children) == 3:
+      return None
+    return subprocess.CompletedProcess(cmd, 0, stdout='log line\n{"compile_s": 1.5}\n')
+
+  monkeypatch.setattr(train_step, "run_child", fake_child)
+  assert compile_time.run("soap", "update", 60) == {"compile_s": 1.5}
+  assert startup.run("adam", "concurrent", None, None, 60) == {"compile_s": 1.5}
+  assert startup.run("adam", "one-by-one", None, None, 60) == {}
+  modules = [cmd[2] for cmd, _, _ in children]
+  assert modules == ["bench.compile_time", "bench.startup", "bench.startup"]
+  assert json.loads(children[0][0][-1]) == {"optimizer": "soap", "what": "update"}
+  assert [label for _, label, _ in children] == [
+    "soap update",
+    "adam (concurrent)",
+    "adam (one-by-one)",
+  ]
+  for cmd, _, kwargs in children:
+    assert cmd[3] == "--child" and kwargs["cwd"] == startup.ROOT
+    assert "JAX_COMPILATION_CACHE_DIR" not in kwargs["env"]
+    assert kwargs["env"]["GINGER_COMPILATION_CACHE_DIR"] == "none"
+
+
 def test_every_run_has_a_run_dir_hydra_accepts():
   """A run's dir goes on Hydra's command line (hydra.run.dir=...): a ',' there is a list and
   Hydra refuses it (a run named "..., two backwards" failed on a GPU). Dir names keep letters,
