@@ -30,13 +30,11 @@ from results.metrics import aggregate, fmt_num, fmt_stat, number_alone, summary_
 from results.render import to_latex, to_markdown
 from results.runs import Run, collect_runs, is_number, missing_roots, rfield
 from results.selection import (
-  TABLE_SWEEPS,
   ComparisonPair,
   Selection,
-  cell_criteria,
   found_optimizers,
   image_protocol,
-  select_runs,
+  table1_cell,
   tabulated,
   tuple_key,
 )
@@ -148,8 +146,7 @@ def build_newcomers(
   protocol = {**image_protocol(dataset, length), "model": model}
 
   def cell(optimizer: str, tau: Any = None) -> Selection:
-    criteria = cell_criteria(optimizer, tau, **protocol)
-    return select_runs(runs, criteria, TABLE_SWEEPS["table1"])
+    return table1_cell(runs, optimizer, tau, **protocol)
 
   found = found_optimizers(runs, **protocol)
   pairs = newcomer_pairs(cell, found)

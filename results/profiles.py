@@ -18,7 +18,7 @@ configuration's median step time on a device of its own (summary.json's ``step_t
 runs with ``device_shared`` false): the runs of the tables shared GPUs, so their wall clocks
 are not their own. Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
 An optimizer without a run alone on a workload has no time there and is left out of the
-profile, named in the notes. The runs are the Table 1 cells' (``results.selection.select_runs``:
+profile, named in the notes. The runs are the Table 1 cells' (``results.selection.table1_cell``:
 the tuned lr, one run per seed, the newest). ``make tables`` writes
 ``profile_<dataset>_<length>.md`` and its plot::
 
@@ -125,8 +125,7 @@ def workload_times(
     protocol = {**selection.image_protocol(dataset, length), "model": model}
     workload = table_model.MODEL_NAMES[model]
     for optimizer, tau in optimizers():
-      criteria = selection.cell_criteria(optimizer, tau, **protocol)
-      runs_of = selection.select_runs(runs, criteria, selection.TABLE_SWEEPS["table1"]).runs
+      runs_of = selection.table1_cell(runs, optimizer, tau, **protocol).runs
       name = label(optimizer, tau)
       if not runs_of:
         missing.setdefault(name, f"no runs on {workload}")

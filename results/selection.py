@@ -216,6 +216,13 @@ def cell_criteria(optimizer: str, tau: Any, **base: Any) -> dict[str, Any]:
   return crit
 
 
+def table1_cell(runs: Iterable[Run], optimizer: str, tau: Any = None, **base: Any) -> Selection:
+  """The runs filling ``optimizer``'s cell (at ``tau``) of a Table 1 over the runs matching
+  ``base`` (the protocol: dataset, length, model): :func:`select_runs` with
+  :func:`cell_criteria`, the table1 sweep's runs preferred."""
+  return select_runs(runs, cell_criteria(optimizer, tau, **base), TABLE_SWEEPS["table1"])
+
+
 def found_optimizers(runs: Iterable[Run], **base: Any) -> set[tuple[str, Any]]:
   """(optimizer, tau) pairs among runs that some cell of a table with `base` would use."""
   return {
