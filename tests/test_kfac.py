@@ -252,6 +252,17 @@ def test_bfloat16_is_refused_and_float32_resnets_pass():
 
 
 @needs_kfac_jax
+def test_the_check_before_the_data_leaves_kfacs_state_to_build():
+  """run_setup.check sizes an optimizer state from the parameters' shapes before any model
+  exists; K-FAC's state comes from the training loss's trace, which needs the model, so its
+  memory check is build()'s (with the loss), not this one's."""
+  from training import run_setup
+
+  rc, _ = run_setup.check(config(*DEMO))
+  assert rc.optimizer.name == "kfac"
+
+
+@needs_kfac_jax
 def test_the_demo_trains_with_kfac(tmp_path):
   """train.py's loop on the demo (digits, resnet_tiny): every parameter in a K-FAC layer (init
   refuses otherwise), a checkpoint written and the loss falling."""

@@ -109,11 +109,12 @@ def check(cfg: DictConfig) -> tuple[RunConfig, sharding.Plan]:
   """Everything about ``cfg`` that can be checked without data or compiling: the config
   itself, typed (:func:`training.run_config.parse`), the mesh (:func:`prepare`) and, where
   the model's shapes do not depend on the data (the ResNets), whether the optimizer state
-  fits a device (:func:`check_state_fits_device`)."""
+  fits a device (:func:`check_state_fits_device`). An optimizer that traces the training loss
+  (K-FAC) sizes its state from the loss, which needs the model: :func:`build` checks it."""
   rc = parse(cfg)  # reads the config only: before any JAX work
   plan = prepare(rc)
   params = abstract_trainable(rc)  # shapes only, where they do not depend on the data
-  if params is not None:
+  if params is not None and not traces_loss(rc.optimizer.name):
     check_state_fits_device(rc, plan, params, learning_rate(rc, 1, 1))
   return rc, plan
 
