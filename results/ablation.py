@@ -34,6 +34,7 @@ from results.selection import (
   load_paper,
   matches,
   one_configuration,
+  paper_dpass,
   paper_row,
   tuple_key,
 )
@@ -80,7 +81,7 @@ def ablation_groups(runs: Iterable[Run]) -> dict[tuple, dict[tuple, list[Run]]]:
   for run in runs:
     if rfield(run, "optimizer") != "ginger" or not is_done(run):
       continue
-    if rfield(run, "sweep") in EXCLUDED_SWEEPS:
+    if rfield(run, "sweep") in EXCLUDED_SWEEPS or not paper_dpass(run):
       continue
     base = tuple(rfield(run, k) for k in ABLATION_BASE)
     variant = tuple(rfield(run, k) for k in ABLATION_VARIANT)

@@ -29,7 +29,7 @@ from results.selection import (
   tabulated,
   tuple_key,
 )
-from results.studies import build_clip_fraction, curvature_every_pairs
+from results.studies import build_clip_fraction, curvature_every_pairs, dpass_pairs
 from results.table_model import (
   MODEL_NAMES,
   Column,
@@ -86,6 +86,7 @@ def _comparison_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[Com
       pairs.append((f"{name} τ pairs", label, cell(optimizer, high), cell(optimizer, low)))
   pairs += _control_pairs(cell, taus)
   pairs += curvature_every_pairs(runs, protocol)
+  pairs += dpass_pairs(runs, protocol)
   pairs += ablation_pairs(runs, protocol, adam)
   sensitivity = TABLE_SWEEPS["table3"]
   for alpha in SENSITIVITY_ALPHAS:
@@ -138,6 +139,17 @@ def _control_pairs(cell: Callable[..., Selection], taus: Sequence[Any]) -> list[
   return pairs
 
 
+COMPARISON_LABELS = (
+  "A",
+  "B",
+  "A − B [95 % CI]",
+  "Reading",
+  "Family (m)",
+  "p (Holm)",
+  "Reading (Holm)",
+)
+
+
 def build_comparisons(
   runs: Sequence[Run], dataset: str, models: Sequence[str], length: str | None = None
 ) -> Table:
@@ -157,17 +169,16 @@ def build_comparisons(
     "it comes from; a rerun of a seed replaces the earlier run), on any card: accuracy does "
     "not depend on the card's kind."
   )
-  labels = ("A", "B", "A − B [95 % CI]", "Reading", "Family (m)", "p (Holm)", "Reading (Holm)")
   table = Table(
     set_name("comparisons", dataset, length),
     f"Comparisons with 95 % intervals, Holm-corrected by family: {set_text(dataset, length)}",
     caption,
     "Comparison",
-    [Column("", label) for label in labels],
+    [Column("", label) for label in COMPARISON_LABELS],
   )
   used = []
   for model in models:
-    rows, model_runs = _comparison_rows(runs, {**protocol, "model": model})
+    rows, model_runs = _comparison_rows(_comparison_pairs(runs, {**protocol, "model": model}))
     prefix = f"{MODEL_NAMES.get(model, model)}: " if len(models) > 1 else ""
     for k, (label, cells) in enumerate(rows):
       table.rows.append(Row(prefix + label, cells, rule_before=k == 0 and bool(table.rows)))
@@ -176,12 +187,12 @@ def build_comparisons(
 
 
 def _comparison_rows(
-  runs: Sequence[Run], protocol: dict[str, Any]
+  pairs: Sequence[ComparisonPair],
 ) -> tuple[list[tuple[str, list[str]]], list[Run]]:
-  """(label, cells) of one model's comparisons with runs on both sides, in order, the Holm
-  columns computed over each family's comparisons; and the runs they use."""
+  """(label, cells) of the comparisons with runs on both sides, in order, the Holm columns
+  computed over each family's comparisons; and the runs they use."""
   tested, used = [], []
-  for family, label, a, b in _comparison_pairs(runs, protocol):
+  for family, label, a, b in pairs:
     va, vb = accuracies(a), accuracies(b)
     if va and vb:
       tested.append((family, label, va, vb, stats.welch(va, vb)))
@@ -212,7 +223,8 @@ def _p_text(p: float) -> str:
 
 
 def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
-  """(file name, table): the comparisons and the clip-fraction table of every image set."""
+  """(file name, table): the comparisons, the d-pass study and the clip-fraction table of every
+  image set."""
   done = tabulated(runs)
   out = []
   sets = {(rfield(r, "dataset"), rfield(r, "length")) for r in done if rfield(r, "setting") is None}
@@ -222,7 +234,41 @@ def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
     table = build_comparisons(runs, dataset, models, length)
     if table.rows:
       out.append((table.name, table))
+    dpass = build_dpass(runs, dataset, length)
+    if dpass.rows:
+      out.append((dpass.name, dpass))
     clip = build_clip_fraction(runs, dataset, length)
     if clip.rows:
       out.append((clip.name, clip))
   return out
+
+
+def build_dpass(runs: Sequence[Run], dataset: str, length: str | None = None) -> Table:
+  """Ginger's d-pass with the shared training forward or on part of the batch against the
+  paper's d-pass (:func:`results.studies.dpass_pairs`), every model of the set, as the
+  comparisons table shows them."""
+  protocol = image_protocol(dataset, length)
+  what = set_text(dataset, length)
+  caption = (
+    "Best validation accuracy (%) of Ginger with another d-pass (A) and with the paper's (B: "
+    "over the whole batch, with a forward of its own in evaluation mode, the authors' code) at "
+    "the same tau and curvature_every K: mean ± sample std (n seeds), A − B [Welch 95 % "
+    "interval], and the reading after Holm's correction over the family (as the comparisons "
+    "table). The runs shared a GPU: their step times are in docs/benchmarks.md "
+    "(bench.train_step, each run alone)."
+  )
+  table = Table(
+    set_name("dpass", dataset, length),
+    f"Ginger's d-pass: the shared forward and part of the batch, {what} - beyond the paper",
+    caption,
+    "Comparison",
+    [Column("", label) for label in COMPARISON_LABELS],
+  )
+  used = []
+  for model in models_in([r for r in tabulated(runs) if matches(r, protocol)]):
+    rows, model_runs = _comparison_rows(dpass_pairs(runs, {**protocol, "model": model}))
+    for k, (label, cells) in enumerate(rows):
+      name = f"{MODEL_NAMES.get(model, model)}: {label}"
+      table.rows.append(Row(name, cells, rule_before=k == 0 and bool(table.rows)))
+    used += [r for r in model_runs if r not in used]
+  return finish(table, used, [])

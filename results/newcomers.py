@@ -93,10 +93,12 @@ def step_flops(run: Run) -> float | None:
   opt = registry.optimizer_config(_completed(config, registry.get(rfield(run, "optimizer"))))
   curvature = registry.keeps_curvature(opt.name)
   batch = forward * int(config["batch_size"])
+  fraction = min(config.get("fisher_batch") or config["batch_size"], config["batch_size"])
+  fraction /= int(config["batch_size"])
 
   def step(update: bool) -> float:
     d_pass = config.get("fisher_forward") if curvature and update else None
-    passes = flops.train_step_flops(batch, fisher_forward=d_pass)
+    passes = flops.train_step_flops(batch, fisher_forward=d_pass, fisher_fraction=fraction)
     return passes + registry.update_flops(opt, params, curvature_update=update)
 
   every = opt.curvature_every

@@ -49,6 +49,8 @@ CONFIG_KEYS = (
   "lr",
   "length",
   "curvature_every",
+  "fisher_forward",  # the d-pass's forward: eval (the authors' images) or shared
+  "fisher_batch",  # the d-pass on the batch's first m examples (None: the whole batch)
   "batchnorm",
   "batchnorm_groups",
   "precision",
@@ -141,16 +143,16 @@ def select_runs(
     and all(_accepts(rfield(r, k), w) for k, w in criteria.items())
   ]
   pool = [r for r in pool if rfield(r, "sweep") in sweeps] or pool
-  default = [r for r in pool if is_default_variant(r)]
+  default = [r for r in pool if is_default_variant(r, criteria)]
   fallback = None
   if pool and not default:  # every run left is a non-default variant of one optimizer
-    want = default_variant(rfield(pool[0], "optimizer"))
+    want = default_variant(rfield(pool[0], "optimizer"), rfield(pool[0], "dataset"))
     fallback = (
       "no run of the default variant (" + ", ".join(f"{k}={v}" for k, v in want.items()) + ")"
     )
   pool = default or pool
   if fallback and pool:
-    used = _describe(pool[0], list(default_variant(rfield(pool[0], "optimizer"))))
+    used = _describe(pool[0], list(want))
     fallback = f"{fallback}; used {used}"
   return one_configuration(pool, fallback)
 
@@ -181,19 +183,58 @@ def one_configuration(runs: Sequence[Run], note: str | None = None) -> Selection
   return Selection(best, f"{note + '; ' if note else ''}{matched}; used {used} (n={len(best)})")
 
 
-def default_variant(optimizer: str) -> dict[str, Any]:
-  """The run fields of `optimizer`'s default variant: DEFAULT_VARIANT's, and float32 numerics
-  (compute, and the curvature state where there is one)."""
-  numerics = {"precision": "float32"}
+def default_variant(optimizer: str, dataset: str | None = None) -> dict[str, Any]:
+  """The run fields of `optimizer`'s default variant: DEFAULT_VARIANT's, float32 numerics
+  (compute, and the curvature state where there is one), and for the methods with a d-pass the
+  paper's curvature (:func:`paper_dpass`: every step, the whole batch, the paper's forward)."""
+  variant = {**DEFAULT_VARIANT.get(optimizer, {}), "precision": "float32"}
   if registry.keeps_curvature(optimizer):
-    numerics["state_dtype"] = "float32"
-  return {**DEFAULT_VARIANT.get(optimizer, {}), **numerics}
+    variant["state_dtype"] = "float32"
+    variant.update(paper_curvature(dataset))
+  return variant
 
 
-def is_default_variant(run: Run) -> bool:
-  """Whether `run` is its optimizer's default variant (:func:`default_variant`)."""
-  want = default_variant(rfield(run, "optimizer"))
-  return all(rfield(run, k) == v for k, v in want.items())
+CURVATURE_FIELDS = ("curvature_every", "fisher_forward", "fisher_batch")
+
+
+def paper_curvature(dataset: str | None) -> dict[str, Any]:
+  """The paper's curvature schedule and d-pass: every step, over the whole batch, with a forward
+  of its own in evaluation mode on the image datasets (the authors' code: BatchNorm with its
+  running statistics) and sharing the training forward on the text one (no BatchNorm)."""
+  forward = "shared" if dataset == PAPER_TEXT["dataset"] else "eval"
+  return dict(zip(CURVATURE_FIELDS, (1, forward, None), strict=True))
+
+
+def is_default_variant(run: Run, fixed: Iterable[str] = ()) -> bool:
+  """Whether `run` is its optimizer's default variant (:func:`default_variant`) in the fields
+  other than ``fixed`` (those a cell's criteria already set). A record without one of the
+  curvature fields ran the paper's (they were added with their alternatives)."""
+  want = default_variant(rfield(run, "optimizer"), rfield(run, "dataset"))
+  return all(
+    rfield(run, k) == v or (k in CURVATURE_FIELDS and rfield(run, k) is None)
+    for k, v in want.items()
+    if k not in fixed
+  )
+
+
+def paper_dpass(run: Run) -> bool:
+  """Whether `run` computed its curvature as the paper does (:func:`paper_curvature`)."""
+  want = paper_curvature(rfield(run, "dataset"))
+  return all(rfield(run, k) in (v, None) for k, v in want.items())
+
+
+def curvature_text(run: Run) -> str:
+  """The run's curvature schedule and d-pass where they are not the paper's
+  (:func:`paper_curvature`): ", K=8, d-pass shared forward"; "" for the paper's."""
+  want, text = paper_curvature(rfield(run, "dataset")), ""
+  every, forward, batch = (rfield(run, k) for k in want)
+  if every not in (1, None):
+    text += f", K={every}"
+  if forward not in (want["fisher_forward"], None):
+    text += f", d-pass {forward} forward"
+  if batch is not None:
+    text += f", d-pass on the first {batch} examples"
+  return text
 
 
 # A comparison of two cells (results/comparisons.py): (family, label, a, b).

@@ -13,11 +13,17 @@ from results import records, series, stats
 from results.metrics import Stat, aggregate, fmt_num, fmt_stat, is_shared
 from results.runs import Run, is_done, is_number, rfield
 from results.selection import (
+  CURVATURE_FIELDS,
   PAPER_ALPHA,
   ComparisonPair,
   Selection,
+  curvature_text,
+  default_variant,
   image_protocol,
+  is_default_variant,
   matches,
+  one_configuration,
+  paper_curvature,
   select_runs,
   sort_key,
   tuple_key,
@@ -265,10 +271,78 @@ def build_clip_fraction(runs: Sequence[Run], dataset: str, length: str | None = 
     label = f"{optimizer_label(rfield(run, 'optimizer'), rfield(run, 'tau'))}, {clip}"
     if rfield(run, "alpha") not in (PAPER_ALPHA, None):
       label += f", α={rfield(run, 'alpha')}"
-    if rfield(run, "curvature_every") not in (1, None):
-      label += f", K={rfield(run, 'curvature_every')}"
+    label += curvature_text(run)
     table.rows.append(Row(f"{label}, {rfield(run, 'block')} ({rfield(run, 'sweep')})", cells))
   return finish(table, logged, [])
 
 
-CLIP_ROW = ("optimizer", "tau", "rho", "block", "alpha", "curvature_every", "sweep", "seed")
+CLIP_ROW = (
+  "optimizer",
+  "tau",
+  "rho",
+  "block",
+  "alpha",
+  "curvature_every",
+  "fisher_forward",
+  "fisher_batch",
+  "sweep",
+  "seed",
+)
+
+
+# The d-pass study (beyond the paper): Ginger's d-pass with the shared training forward or on
+# part of the batch, against the paper's d-pass at the same tau and K. Its runs come from the
+# table1 sweep (K = 1, and K > 1 with another d-pass) and the curvature_every sweep (the
+# paper's d-pass at K > 1), in that order of preference.
+DPASS_SWEEPS = ("table1", CURVATURE_EVERY_SWEEP)
+DPASS_FAMILY = "d-pass − the paper's d-pass"
+DPASS_ARM = ("model", "tau", "curvature_every", "fisher_forward", "fisher_batch")
+
+
+def _dpass_cell(runs: Sequence[Run], crit: dict[str, Any]) -> Selection:
+  """The runs of one d-pass arm: those of the first of :data:`DPASS_SWEEPS` that has any."""
+  for sweep in DPASS_SWEEPS:
+    mine = [r for r in runs if is_done(r) and rfield(r, "sweep") == sweep and matches(r, crit)]
+    if mine:
+      return one_configuration(mine)
+  return Selection([])
+
+
+def _dpass_arms(runs: Sequence[Run], protocol: dict[str, Any]) -> list[tuple]:
+  """:data:`DPASS_ARM` of every Ginger arm whose d-pass is not the paper's (its forward or its
+  examples), among the runs of :data:`DPASS_SWEEPS` that are the default variant otherwise."""
+  forward = paper_curvature(protocol.get("dataset"))["fisher_forward"]
+  found = {
+    tuple(rfield(r, k) for k in DPASS_ARM)
+    for r in runs
+    if rfield(r, "optimizer") == "ginger"
+    and rfield(r, "sweep") in DPASS_SWEEPS
+    and is_done(r)
+    and matches(r, protocol)
+    and is_default_variant(r, CURVATURE_FIELDS)
+    and (rfield(r, "fisher_forward") not in (forward, None) or rfield(r, "fisher_batch"))
+  }
+  return sorted(found, key=tuple_key)
+
+
+def dpass_text(forward: str, batch: int | None, paper_forward: str) -> str:
+  """ "shared forward", "first 32 examples": how a d-pass differs from the paper's."""
+  parts = [f"{forward} forward"] if forward != paper_forward else []
+  return ", ".join(parts + ([f"first {batch} examples"] if batch else []))
+
+
+def dpass_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[ComparisonPair]:
+  """Each d-pass arm (:func:`_dpass_arms`) against the paper's d-pass at the same model, tau and
+  K: one family over the arms of a protocol."""
+  paper = paper_curvature(protocol.get("dataset"))
+  pairs = []
+  for model, tau, every, forward, batch in _dpass_arms(runs, protocol):
+    base = {k: v for k, v in default_variant("ginger").items() if k not in CURVATURE_FIELDS}
+    base |= {**protocol, "model": model, "optimizer": "ginger", "tau": tau}
+    base |= {"alpha": (PAPER_ALPHA, None), "curvature_every": every}
+    ours = _dpass_cell(runs, {**base, "fisher_forward": forward, "fisher_batch": batch})
+    theirs = _dpass_cell(runs, {**base, **paper, "curvature_every": every})
+    what = dpass_text(forward, batch, paper["fisher_forward"])
+    label = f"Ginger τ={tau} K={every}, d-pass {what} − the paper's d-pass"
+    pairs.append((DPASS_FAMILY, label, ours, theirs))
+  return pairs

@@ -1104,3 +1104,56 @@ def test_comparisons_hold_the_curvature_every_family(tmp_path: Path) -> None:
     "curvature every K (3)",
   ]
   assert rows["Ginger τ=8 K=8 − K=1"][3] == "n < 2"
+
+
+def dpass_runs(root: Path) -> Path:
+  """Ginger tau 8 on CIFAR-10 (30 epochs): the paper's d-pass (eval forward) at K = 1 in the
+  table1 sweep and at K = 8 in the curvature_every sweep; the shared forward at K = 1 and 8 and
+  the eval forward on 32 examples at K = 1 in the table1 sweep, with more seeds and newer."""
+  ginger = {"optimizer": "ginger", "tau": 8, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  ginger |= {"dataset": "cifar10", "model": "resnet18", "experiment": "cifar10_resnet18_30ep"}
+  arms = [
+    ("eval", None, 1, "table1", (88.0, 88.4)),
+    ("shared", None, 1, "table1", (87.6, 87.9, 87.7)),
+    ("eval", 32, 1, "table1", (88.1, 88.2, 88.3)),
+    ("eval", None, 8, "curvature_every", (88.2, 88.0)),
+    ("shared", None, 8, "table1", (88.3, 88.1, 88.2)),
+  ]
+  for i, (forward, batch, every, sweep, accs) in enumerate(arms):
+    for seed, acc in enumerate(accs):
+      run = {**ginger, "fisher_forward": forward, "curvature_every": every, "sweep": sweep}
+      run |= {"seed": seed} | ({"fisher_batch": batch} if batch else {})
+      name = f"{forward}{batch or ''}_k{every}_s{seed}"
+      run_dir = make_run(root, name, run, config={"epochs": 30}, best_val_accuracy=acc)
+      os.utime(run_dir / "summary.json", (1000 + i, 1000 + i))
+  return root
+
+
+def test_paper_cells_take_the_papers_d_pass(tmp_path: Path) -> None:
+  """Table 1's Ginger cell holds the paper's d-pass (eval forward, whole batch) although the
+  shared forward and the 32-example d-pass have more seeds and newer runs of the same arm."""
+  runs = tables.collect_runs([dpass_runs(tmp_path)])
+  sel = selection.table1_cell(runs, "ginger", 8, dataset="cifar10", length="30ep")
+  assert [r["best_val_accuracy"] for r in sel.runs] == [88.0, 88.4] and sel.note is None
+  table = ablation.build_ablation(runs, selection.image_protocol("cifar10", "30ep"))
+  assert not table.rows  # the d-pass variants are not ablation variants of the clip or block
+
+
+def test_the_d_pass_table_compares_each_d_pass_with_the_papers_at_its_k(tmp_path: Path) -> None:
+  """dpass_cifar10_30ep: each other d-pass against the paper's at the same K, Welch and Holm
+  over the three; the comparisons file holds the same family."""
+  runs = tables.collect_runs([dpass_runs(tmp_path)])
+  table = comparisons.build_dpass(runs, "cifar10", "30ep")
+  rows = {r.label: r.cells for r in table.rows}
+  assert set(rows) == {
+    "ResNet-18: Ginger τ=8 K=1, d-pass shared forward − the paper's d-pass",
+    "ResNet-18: Ginger τ=8 K=1, d-pass first 32 examples − the paper's d-pass",
+    "ResNet-18: Ginger τ=8 K=8, d-pass shared forward − the paper's d-pass",
+  }
+  expected = stats.welch([88.3, 88.1, 88.2], [88.2, 88.0])
+  k8 = rows["ResNet-18: Ginger τ=8 K=8, d-pass shared forward − the paper's d-pass"]
+  assert k8[2:5] == [expected.text(), expected.verdict, "d-pass − the paper's d-pass (3)"]
+  shared = rows["ResNet-18: Ginger τ=8 K=1, d-pass shared forward − the paper's d-pass"]
+  assert shared[:2] == ["87.73 ± 0.15 (n=3)", "88.20 ± 0.28 (n=2)"]
+  listed = comparisons.build_comparisons(runs, "cifar10", ["resnet18"], "30ep")
+  assert {r.label for r in listed.rows} >= {label.removeprefix("ResNet-18: ") for label in rows}

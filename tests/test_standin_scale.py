@@ -48,3 +48,23 @@ def test_table2_runs_random_t5_small_shapes_on_real_xsum() -> None:
     assert (c["data"]["source"], c["data"]["tokenizer"], c["epochs"]) == ("local", "demo", 2)
     assert c["data"]["path"].endswith("xsum-1000.jsonl")
   assert full["model"]["lora"] is None and lora["model"]["lora"]["rank"] == 8
+
+
+def test_the_paper_image_sweeps_keep_the_authors_d_pass() -> None:
+  """train.py's image experiments share the training forward for the d-pass (the default); every
+  image sweep of the paper's tables pins the authors' eval forward, so their runs are the
+  committed ones; the T5 sweeps share the forward (no BatchNorm)."""
+  from hydra import compose, initialize_config_dir
+
+  with initialize_config_dir(config_dir=str(expand.ROOT / "configs"), version_base=None):
+    single = compose(config_name="config", overrides=["experiment=cifar10_resnet18"])
+  assert single.fisher_forward == "shared"
+  for exp in ("cifar100_resnet18", "cifar100_resnet50"):
+    for sweep in ("table1", "lr_tune", "curvature_every"):
+      for job in jobs(f"+sweep={sweep}", f"+sweep/exp=standin/{exp}", "+sweep/arm=ginger_tau8"):
+        assert job.config["fisher_forward"] == "eval", (sweep, exp)
+  assert {j.config["fisher_forward"] for j in jobs("+sweep=table34") + jobs("+sweep=ablation")} == {
+    "eval"
+  }
+  (t5,) = jobs("+sweep=table2", "+sweep/exp=standin/xsum_t5_full", "+sweep/arm=ginger_tau8")
+  assert t5.config["fisher_forward"] == "shared"
