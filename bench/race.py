@@ -59,7 +59,7 @@ class Race(NamedTuple):
 
 
 def run_label(summary: dict) -> str:
-  """``adam``, ``ginger tau=8 K=8`` (``, shared forward`` where not the paper sweeps' eval one), then
+  """``adam``, ``ginger tau=8 K=8`` (``, shared forward`` where not the paper sweeps' eval), then
   the numerics where not float32: ``, bfloat16 state``, ``, bfloat16 compute``."""
   run = summary["run"]
   label = run["optimizer"]
