@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 TAUS = (1, 2, 4, 8, 16, 32)  # Table 1's
-NEWCOMERS = ("muon", "schedule_free_adamw", "soap")  # K-FAC needs kfac-jax (JAX 0.10)
+NEWCOMERS = ("muon", "schedule_free_adamw", "soap")  # both suites; K-FAC refuses T5
 SUITES = {
   # ResNet-18, batch 128, on CIFAR-10 (the same shapes as CIFAR-100 but for the last layer).
   "resnet18": {

@@ -20,11 +20,6 @@ from training import registry
 from training.config_check import ConfigError, check_config, refused_settings
 from training.steps import LossBatch, TrainingLoss, loss_and_grads, model_logits
 
-# kfac-jax 0.0.8, its last release, runs on JAX 0.10 at most; the project pins JAX 0.11.2, so
-# the tests that run K-FAC need an environment with kfac-jax and a JAX it supports.
-UNAVAILABLE = registry.kfac_jax_unavailable()
-needs_kfac_jax = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
-
 ROOT = Path(__file__).resolve().parents[1]
 LR, B1, DAMPING, PERIOD, EMA = 0.01, 0.9, 0.1, 2, 0.95
 STEPS, BATCH = 5, 16
@@ -76,7 +71,6 @@ def framework_tx(graphdef, batches):
   return loss, opt, registry.get("kfac").build(opt, optax.constant_schedule(LR), None, loss)
 
 
-@needs_kfac_jax
 def test_state_bytes_are_what_kfac_allocates():
   graphdef, params, batches = small_problem()
   _, opt, tx = framework_tx(graphdef, batches)
@@ -141,7 +135,6 @@ def largest_difference(a, b) -> float:
   )
 
 
-@needs_kfac_jax
 def test_framework_kfac_equals_kfac_jax_optimizer():
   """Both run kfac-jax's estimator on the same batches with the same sampled labels (the same
   keys), so they differ only by float32 rounding in differently compiled programs. A step
@@ -164,7 +157,6 @@ def test_framework_kfac_equals_kfac_jax_optimizer():
   assert largest_difference(other, theirs) > 100 * tolerance
 
 
-@needs_kfac_jax
 @pytest.mark.slow  # ~2-4 min on 2 cores, compile-bound (make test-all)
 def test_the_training_step_is_kfac_jax_optimizer():
   """train.py's own training step (training/steps.py: the TrainingLoss hook, the batch and the
@@ -205,7 +197,6 @@ def test_the_training_step_is_kfac_jax_optimizer():
   assert largest_difference(state.trainable, theirs) <= 1e-4 * moved
 
 
-@needs_kfac_jax
 def test_a_model_kfac_finds_no_layers_in_is_refused():
   """A bfloat16 model hides its layers from kfac-jax's graph matcher behind casts: init names
   the parameters it would only have scaled by a diagonal, instead of training them so."""
@@ -225,7 +216,6 @@ def test_a_model_kfac_finds_no_layers_in_is_refused():
 
 
 @pytest.mark.parametrize("experiment", ["xsum_t5_lora", "xsum_t5_full", "demo_xsum"])
-@needs_kfac_jax
 def test_t5_is_refused_in_one_line_by_the_config_check(experiment):
   """The config check reads the config only (tests/test_config_check.py: it loads and
   compiles nothing), so the refusal comes before any data, model or kfac-jax import."""
@@ -238,7 +228,6 @@ def test_t5_is_refused_in_one_line_by_the_config_check(experiment):
   assert "weight sharing" in lines[1] and len(lines) == 2
 
 
-@needs_kfac_jax
 def test_bfloat16_is_refused_and_float32_resnets_pass():
   overrides = ("experiment=demo", "optimizer=kfac", "precision=bfloat16")
   assert refused_settings(config(*overrides), "kfac") == [
@@ -251,7 +240,6 @@ def test_bfloat16_is_refused_and_float32_resnets_pass():
     check_config(cfg, overrides=[])
 
 
-@needs_kfac_jax
 def test_the_check_before_the_data_leaves_kfacs_state_to_build():
   """run_setup.check sizes an optimizer state from the parameters' shapes before any model
   exists; K-FAC's state comes from the training loss's trace, which needs the model, so its
@@ -262,7 +250,7 @@ def test_the_check_before_the_data_leaves_kfacs_state_to_build():
   assert rc.optimizer.name == "kfac"
 
 
-@needs_kfac_jax
+@pytest.mark.slow  # ~45 s on 2 cores, compile-bound (make test-all; make test compares the update)
 def test_the_demo_trains_with_kfac(tmp_path):
   """train.py's loop on the demo (digits, resnet_tiny): every parameter in a K-FAC layer (init
   refuses otherwise), a checkpoint written and the loss falling."""
@@ -281,38 +269,47 @@ def test_the_demo_trains_with_kfac(tmp_path):
   assert losses[0] > 2.0 and losses[-1] < 0.5 * losses[0]
 
 
-@pytest.mark.skipif(UNAVAILABLE is None, reason="kfac-jax runs here")
-def test_without_a_kfac_jax_that_runs_here_kfac_is_refused_in_one_line():
-  """In the project's environment (JAX 0.11.2, kfac-jax 0.0.8 at most): refused by the config
-  check, naming why and what runs it, before anything loads or compiles."""
+def test_the_vendored_kfac_jax_is_the_one_imported():
+  """optimizer=kfac runs on kfac-jax's source in third_party/kfac_jax (no kfac-jax release
+  runs on the pinned JAX): the config check accepts it, and ``import kfac_jax`` finds that
+  copy, before any kfac-jax installed in the environment."""
+  import kfac_jax
+
+  assert registry.kfac_jax_unavailable() is None
+  assert Path(kfac_jax.__file__).is_relative_to(ROOT / "third_party" / "kfac_jax" / "kfac_jax")
+
+
+def _refusal() -> str:
+  """The config check's one line refusing the demo with optimizer=kfac."""
   overrides = ("experiment=demo", "optimizer=kfac")
   with pytest.raises(ConfigError) as info:
     check_config(config(*overrides), overrides=overrides)
   lines = str(info.value).splitlines()
   assert lines[0] == "1 bad config value:" and len(lines) == 2
-  assert lines[1].startswith("  optimizer.name='kfac': must be an optimizer whose library runs")
-  assert UNAVAILABLE in lines[1] and "jax==0.10.2" in lines[1]
-
-
-def test_the_environment_check_reads_the_installed_releases(monkeypatch):
-  from importlib import metadata
-
-  versions = {"jax": "0.11.2", "kfac-jax": "0.0.8"}
-
-  def version(name):
-    if name not in versions:
-      raise metadata.PackageNotFoundError(name)
-    return versions[name]
-
-  monkeypatch.setattr(metadata, "version", version)
-  assert (
-    registry.kfac_jax_unavailable()
-    == "kfac-jax 0.0.8 does not run on JAX 0.11.2 (JAX 0.10 at most)"
+  assert lines[1].startswith(
+    "  optimizer.name='kfac': must be an optimizer whose library can be imported here "
+    "(kfac_jax cannot be imported: "
   )
-  versions["jax"] = "0.10.2"
-  assert registry.kfac_jax_unavailable() is None
-  versions["kfac-jax"] = "0.0.9"
-  versions["jax"] = "0.11.2"
-  assert registry.kfac_jax_unavailable() is None  # a later release is taken at its word
-  del versions["kfac-jax"]
-  assert registry.kfac_jax_unavailable() == "kfac-jax is not installed"
+  return lines[1]
+
+
+def test_without_kfac_jax_kfac_is_refused_in_one_line(monkeypatch, tmp_path):
+  """Where kfac_jax cannot be imported (its vendored source missing, or a distribution it
+  imports not installed), the config check refuses optimizer=kfac in one line naming what is
+  missing, before anything loads or compiles. Nothing is imported to find out."""
+  from importlib import util
+
+  import training
+
+  monkeypatch.setattr(training, "KFAC_JAX_DIR", tmp_path)
+  assert f"its vendored source {tmp_path / 'kfac_jax'} is missing)" in _refusal()
+  monkeypatch.undo()
+
+  find_spec = util.find_spec
+  absent = ("distrax", "tensorflow_probability")
+
+  def find_spec_without(name, *args):
+    return None if name in absent else find_spec(name, *args)
+
+  monkeypatch.setattr(util, "find_spec", find_spec_without)
+  assert "distrax, tfp-nightly not installed (pip install -r requirements.txt))" in _refusal()

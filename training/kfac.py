@@ -1,4 +1,5 @@
-"""K-FAC (Martens & Grosse 2015) from kfac-jax, as the optax transformation train.py runs.
+"""K-FAC (Martens & Grosse 2015) from kfac-jax (its source vendored in third_party/kfac_jax),
+as the optax transformation train.py runs.
 
 K-FAC preconditions the gradient with a block-diagonal Fisher, one block per layer, each a
 Kronecker product of two small matrices. For a dense or conv layer with inputs ``a`` (a conv's
@@ -39,30 +40,6 @@ import kfac_jax
 import optax
 
 from ginger.fisher import cross_entropy
-
-
-def _bind_params_as_jax_0_9_2() -> None:
-  """kfac-jax 0.0.8 (its latest release) evaluates jaxpr equations with
-  ``subfuns, params = primitive.get_bind_params(params)``; from JAX 0.9.2 on that call returns
-  the parameters alone (the sub-functions ride inside them), so every K-FAC curvature update
-  failed with "too many values to unpack". This installs kfac-jax's own function as its source
-  has it since its fix for JAX 0.9.2 (tag_graph_matcher.eval_jaxpr_eqn), the same code that a
-  later release runs."""
-  from kfac_jax._src import tag_graph_matcher
-
-  if jax.__version_info__ < (0, 9, 2):
-    return
-
-  def eval_jaxpr_eqn(eqn, in_values):
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with jax.extend.source_info_util.user_context(eqn.source_info.traceback):
-      output = eqn.primitive.bind(*in_values, **params)
-    return output if isinstance(output, list) else [output]
-
-  tag_graph_matcher.eval_jaxpr_eqn = eval_jaxpr_eqn
-
-
-_bind_params_as_jax_0_9_2()
 
 
 class KfacState(NamedTuple):

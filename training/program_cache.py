@@ -14,8 +14,9 @@ constants computed from it, such as the images' mean and std, are part of the pr
 run's resolved config
 without the keys that only change the arguments' values or the loop around the steps
 (:data:`NEUTRAL_KEYS`: the seed, logging, checkpointing), the source files of the packages
-the steps are built from, the versions of Python, jax, jaxlib, flax, optax and kfac-jax, JAX's own
-settings, and the devices (kind, count, processes). A program read back is the module the
+the steps are built from (with kfac-jax's, vendored in third_party/kfac_jax), the versions of
+Python, jax, jaxlib, flax, optax and K-FAC's distrax and tfp-nightly, JAX's own settings, and
+the devices (kind, count, processes). A program read back is the module the
 first run lowered (both runs compile a call of it, so they run the same executable); a key
 that changes, a file that cannot be read, or a program that cannot be exported are traced as
 without the cache (logged). Single-process runs only: with several processes each lowers its
@@ -44,8 +45,9 @@ from jax import export
 log = logging.getLogger("train")
 
 FOLDER = "programs"
-# Packages whose code the training and evaluation steps are built from.
-PACKAGES = ("ginger", "models", "training", "data")
+# Packages whose code the training and evaluation steps are built from: optimizer=kfac's update
+# is kfac-jax's code, vendored (the others import none of it).
+PACKAGES = ("ginger", "models", "training", "data", "third_party/kfac_jax/kfac_jax")
 REPO = Path(__file__).resolve().parents[1]
 # Top-level config keys that never change a step's program: the seed (the initial state and
 # the rng key are the steps' arguments), and what the loop does around the steps.
@@ -97,8 +99,8 @@ def source_digest(repo: Path = REPO) -> str:
 
 def _versions() -> dict[str, str]:
   out = {"python": sys.version}
-  # kfac-jax: optimizer=kfac's update is its code (the others import none of it).
-  for dist in ("jax", "jaxlib", "flax", "optax", "kfac-jax"):
+  # distrax and tfp-nightly: kfac-jax draws its Fisher labels with them (optimizer=kfac).
+  for dist in ("jax", "jaxlib", "flax", "optax", "distrax", "tfp-nightly"):
     try:
       out[dist] = metadata.version(dist)
     except metadata.PackageNotFoundError:  # a jaxlib built from source, say

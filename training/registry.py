@@ -49,10 +49,7 @@ from training.registry_costs import (
   moments_state_bytes,
   traced_state_bytes,
 )
-from training.registry_recent import (
-  KFAC_JAX_LAST_RELEASE,
-  kfac_jax_unavailable,
-)
+from training.registry_recent import KFAC_JAX_DEPENDENCIES, kfac_jax_unavailable
 from training.registry_schema import (
   ALPHA,
   DECAY,
@@ -106,7 +103,7 @@ __all__ = [
   "EvalParams",
   "FISHER_KEYS",
   "FLAG",
-  "KFAC_JAX_LAST_RELEASE",
+  "KFAC_JAX_DEPENDENCIES",
   "LrKey",
   "Optimizer",
   "OptimizerConfig",

@@ -212,38 +212,44 @@ def _build_kfac(opt: OptimizerConfig, schedule, sharding, loss):
   )
 
 
-# kfac-jax's last release, 0.0.8, reads jax.core names and the ClosedJaxpr class that JAX 0.11
-# removed: it runs on JAX up to 0.10 only.
-KFAC_JAX_LAST_RELEASE = "0.0.8"
+# The distributions kfac_jax imports beyond the library's own (jax, optax, numpy, absl), each
+# by the top-level module the import system finds it as (requirements.txt pins them).
+KFAC_JAX_DEPENDENCIES = {
+  "distrax": "distrax",
+  "tensorflow_probability": "tfp-nightly",
+  "tree": "dm-tree",
+  "immutabledict": "immutabledict",
+}
 
 
 def kfac_jax_unavailable() -> str | None:
-  """Why ``optimizer=kfac`` cannot run in this environment (None: it can): kfac-jax is not
-  installed, or its installed release is one that JAX 0.11 breaks. Read from the installed
-  packages' metadata: nothing is imported."""
-  from importlib import metadata
+  """Why ``optimizer=kfac`` cannot run in this environment (None: it can): kfac_jax's vendored
+  source (``third_party/kfac_jax``, which the ``training`` package puts first on ``sys.path``)
+  is missing, or a distribution it imports is not installed. Asked of the import system's
+  finders: nothing is imported, so the config check stays fast."""
+  from importlib import machinery, util
 
-  try:
-    kfac = metadata.version("kfac-jax")
-  except metadata.PackageNotFoundError:
-    return "kfac-jax is not installed"
-  jax_major_minor = tuple(int(p) for p in metadata.version("jax").split(".")[:2])
-  if kfac == KFAC_JAX_LAST_RELEASE and jax_major_minor >= (0, 11):
-    return f"kfac-jax {kfac} does not run on JAX {metadata.version('jax')} (JAX 0.10 at most)"
+  from training import KFAC_JAX_DIR
+
+  if machinery.PathFinder.find_spec("kfac_jax", [str(KFAC_JAX_DIR)]) is None:
+    return (
+      f"kfac_jax cannot be imported: its vendored source {KFAC_JAX_DIR / 'kfac_jax'} is missing"
+    )
+  missing = [
+    dist for module, dist in KFAC_JAX_DEPENDENCIES.items() if util.find_spec(module) is None
+  ]
+  if missing:
+    return (
+      f"kfac_jax cannot be imported: {', '.join(missing)} not installed (pip install -r "
+      "requirements.txt)"
+    )
   return None
 
 
 def _kfac_refuses(c, optimizer: Optimizer) -> None:
   missing = kfac_jax_unavailable()
   if missing is not None:
-    c.bad(
-      "optimizer.name",
-      "kfac",
-      f"an optimizer whose library runs here: {missing}; K-FAC needs kfac-jax "
-      f"{KFAC_JAX_LAST_RELEASE} with JAX 0.10.2 (pip install kfac-jax=={KFAC_JAX_LAST_RELEASE} "
-      "jax==0.10.2 jaxlib==0.10.2 flax==0.12.8), or a later kfac-jax release that supports "
-      "JAX 0.11",
-    )
+    c.bad("optimizer.name", "kfac", f"an optimizer whose library can be imported here ({missing})")
   # kfac-jax gives each parameter one layer of the loss's trace, matched by its patterns.
   if c.get("model.family") == "t5":
     c.bad(
