@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 TAUS = (1, 2, 4, 8, 16, 32)  # Table 1's
-NEWCOMERS = ("muon", "schedule_free_adamw", "soap")  # both suites; K-FAC refuses T5
+NEWCOMERS = ("muon", "schedule_free_adamw", "soap")  # both suites
 SUITES = {
   # ResNet-18, batch 128, on CIFAR-10 (the same shapes as CIFAR-100 but for the last layer).
   "resnet18": {
@@ -80,6 +80,7 @@ SUITES = {
       ],
       # Today's optimizers beyond the paper's (their lr does not change a step's time).
       **{name: [f"optimizer={name}"] for name in NEWCOMERS},
+      "kfac": ["optimizer=kfac"],  # not in the T5 suite: K-FAC refuses T5's shared weights
     },
   },
   # Every arm of Table 1's ResNet-18 half as the campaign runs it (eval d-pass, per-tensor
