@@ -169,16 +169,18 @@ def build_comparisons(
     "it comes from; a rerun of a seed replaces the earlier run), on any card: accuracy does "
     "not depend on the card's kind."
   )
-  table = Table(
-    set_name("comparisons", dataset, length),
-    f"Comparisons with 95 % intervals, Holm-corrected by family: {set_text(dataset, length)}",
-    caption,
-    "Comparison",
-    [Column("", label) for label in COMPARISON_LABELS],
-  )
+  title = f"Comparisons with 95 % intervals, Holm-corrected by family: {set_text(dataset, length)}"
+  table = Table(set_name("comparisons", dataset, length), title, caption, "Comparison", [])
+  return _fill(table, models, lambda model: _comparison_pairs(runs, {**protocol, "model": model}))
+
+
+def _fill(table: Table, models: Sequence[str], pairs_of) -> Table:
+  """``table`` with :data:`COMPARISON_LABELS`' columns and the rows of ``pairs_of(model)`` for
+  each model (:func:`_comparison_rows`), named by the model where there are several."""
+  table.columns = [Column("", label) for label in COMPARISON_LABELS]
   used = []
   for model in models:
-    rows, model_runs = _comparison_rows(_comparison_pairs(runs, {**protocol, "model": model}))
+    rows, model_runs = _comparison_rows(pairs_of(model))
     prefix = f"{MODEL_NAMES.get(model, model)}: " if len(models) > 1 else ""
     for k, (label, cells) in enumerate(rows):
       table.rows.append(Row(prefix + label, cells, rule_before=k == 0 and bool(table.rows)))
@@ -257,18 +259,7 @@ def build_dpass(runs: Sequence[Run], dataset: str, length: str | None = None) ->
     "table). The runs shared a GPU: their step times are in docs/benchmarks.md "
     "(bench.train_step, each run alone)."
   )
-  table = Table(
-    set_name("dpass", dataset, length),
-    f"Ginger's d-pass: the shared forward and part of the batch, {what} - beyond the paper",
-    caption,
-    "Comparison",
-    [Column("", label) for label in COMPARISON_LABELS],
-  )
-  used = []
-  for model in models_in([r for r in tabulated(runs) if matches(r, protocol)]):
-    rows, model_runs = _comparison_rows(dpass_pairs(runs, {**protocol, "model": model}))
-    for k, (label, cells) in enumerate(rows):
-      name = f"{MODEL_NAMES.get(model, model)}: {label}"
-      table.rows.append(Row(name, cells, rule_before=k == 0 and bool(table.rows)))
-    used += [r for r in model_runs if r not in used]
-  return finish(table, used, [])
+  title = f"Ginger's d-pass: the shared forward and part of the batch, {what} - beyond the paper"
+  table = Table(set_name("dpass", dataset, length), title, caption, "Comparison", [])
+  models = models_in([r for r in tabulated(runs) if matches(r, protocol)])
+  return _fill(table, models, lambda model: dpass_pairs(runs, {**protocol, "model": model}))
