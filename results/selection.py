@@ -186,7 +186,7 @@ def one_configuration(runs: Sequence[Run], note: str | None = None) -> Selection
 def default_variant(optimizer: str, dataset: str | None = None) -> dict[str, Any]:
   """The run fields of `optimizer`'s default variant: DEFAULT_VARIANT's, float32 numerics
   (compute, and the curvature state where there is one), and for the methods with a d-pass the
-  paper's curvature (:func:`paper_dpass`: every step, the whole batch, the paper's forward)."""
+  paper's curvature (:func:`paper_curvature`: every step, the whole batch, the paper's forward)."""
   variant = {**DEFAULT_VARIANT.get(optimizer, {}), "precision": "float32"}
   if registry.keeps_curvature(optimizer):
     variant["state_dtype"] = "float32"
