@@ -76,6 +76,7 @@ LONGEST_FIRST = (
   "test_sweeps.py",
   "test_results_stats.py",  # one property test against statsmodels: ~50 s cold
   "test_muon_schedule_free.py",
+  "test_kfac.py",
   "test_t5.py",
   "test_startup.py",
   "test_batchnorm_groups.py",

@@ -10,6 +10,7 @@ the first one's traced forward and its derivatives instead of tracing the model 
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -24,12 +25,19 @@ def config(*overrides):
     return compose(config_name="config", overrides=list(overrides))
 
 
-def test_the_training_steps_trace_the_model_once(monkeypatch):
+@pytest.mark.parametrize("fisher_forward, traces", [("shared", 1), ("eval", 2)])
+def test_the_training_steps_trace_the_model_once(monkeypatch, fisher_forward, traces):
   """Lowering both training steps calls the model's forward once per mode it runs in (the
-  authors' separate d-pass, the default: the training mode for the loss, the inference mode for
-  the d-pass); the step without the curvature update traces nothing anew."""
-  cfg = config("experiment=demo", "optimizer=ginger", "curvature_every=3", "logger=none")
-  traces = 2
+  default shared d-pass: the training mode only; the authors' separate d-pass: the training
+  mode for the loss, the inference mode for the d-pass); the step without the curvature update
+  traces nothing anew."""
+  cfg = config(
+    "experiment=demo",
+    "optimizer=ginger",
+    "curvature_every=3",
+    f"fisher_forward={fisher_forward}",
+    "logger=none",
+  )
   setup = train.build(cfg, materialize=False)
   calls = []
   forward = type(setup.task).forward
