@@ -362,6 +362,9 @@ def test_the_config_check_names_a_bad_soap_key():
   assert "optimizer.merge_dims=1: must be one of [False, True]." in str(info.value)
 
 
+# An end-to-end demo run (~15 s on 2 cores): with `make test-all`; the update is checked against
+# the authors' code above without a run.
+@pytest.mark.slow
 def test_train_py_trains_the_demo_with_soap(tmp_path):
   """``train.py experiment=demo optimizer=soap``, 20 steps (a refresh of the bases after step
   11): the digits' validation accuracy climbs from chance (10 %) past 80 % (96 % seen). The
