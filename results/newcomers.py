@@ -78,31 +78,25 @@ def _resnet_layout(model: str, dataset: str) -> tuple[Any, float] | None:
 
 
 def step_flops(run: Run) -> float | None:
-  """One training step's FLOPs for ``run``'s config, counted now: the passes
-  (``models.flops.train_step_flops``) and the registry's update count from the ResNet's
-  parameter shapes, the mean over ``curvature_every`` steps as train.py counts it; None for a
-  model or dataset this module does not count (T5, a toy dataset)."""
+  """One training step's FLOPs for ``run``'s config, counted now from the ResNet's parameter
+  shapes as train.py counts them (``registry.step_flops``: the passes, the d-pass and the
+  update, the mean over ``curvature_every`` steps); None for a model or dataset this module
+  does not count (T5, a toy dataset)."""
   config = run.get("config") or {}
   model, data = config.get("model") or {}, config.get("data") or {}
   found = model.get("family") == "resnet" and _resnet_layout(model.get("name"), data.get("name"))
   if not found or registry.find(rfield(run, "optimizer")) is None:
     return None
-  from models import flops
-
   params, forward = found
   opt = registry.optimizer_config(_completed(config, registry.get(rfield(run, "optimizer"))))
-  curvature = registry.keeps_curvature(opt.name)
-  batch = forward * int(config["batch_size"])
-  fraction = min(config.get("fisher_batch") or config["batch_size"], config["batch_size"])
-  fraction /= int(config["batch_size"])
-
-  def step(update: bool) -> float:
-    d_pass = config.get("fisher_forward") if curvature and update else None
-    passes = flops.train_step_flops(batch, fisher_forward=d_pass, fisher_fraction=fraction)
-    return passes + registry.update_flops(opt, params, curvature_update=update)
-
-  every = opt.curvature_every
-  return step(True) if every == 1 else (step(True) + (every - 1) * step(False)) / every
+  return registry.step_flops(
+    opt,
+    params,
+    forward_flops=forward * int(config["batch_size"]),
+    batch_size=int(config["batch_size"]),
+    fisher_forward=config.get("fisher_forward"),
+    fisher_batch=config.get("fisher_batch"),
+  )
 
 
 def _completed(config: dict[str, Any], optimizer: registry.Optimizer) -> dict[str, Any]:

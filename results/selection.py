@@ -223,18 +223,21 @@ def paper_dpass(run: Run) -> bool:
   return all(rfield(run, k) in (v, None) for k, v in want.items())
 
 
+def dpass_text(forward: str | None, batch: int | None, dataset: str | None) -> str:
+  """ "shared forward, first 32 examples": how a d-pass differs from the paper's on ``dataset``
+  (:func:`paper_curvature`); "" for the paper's."""
+  parts = [] if forward in (paper_curvature(dataset)["fisher_forward"], None) else [forward]
+  parts = [f"{p} forward" for p in parts] + ([f"first {batch} examples"] if batch else [])
+  return ", ".join(parts)
+
+
 def curvature_text(run: Run) -> str:
   """The run's curvature schedule and d-pass where they are not the paper's
   (:func:`paper_curvature`): ", K=8, d-pass shared forward"; "" for the paper's."""
-  want, text = paper_curvature(rfield(run, "dataset")), ""
-  every, forward, batch = (rfield(run, k) for k in want)
-  if every not in (1, None):
-    text += f", K={every}"
-  if forward not in (want["fisher_forward"], None):
-    text += f", d-pass {forward} forward"
-  if batch is not None:
-    text += f", d-pass on the first {batch} examples"
-  return text
+  every = rfield(run, "curvature_every")
+  text = f", K={every}" if every not in (1, None) else ""
+  what = dpass_text(*(rfield(run, k) for k in ("fisher_forward", "fisher_batch", "dataset")))
+  return text + (f", d-pass {what}" if what else "")
 
 
 # A comparison of two cells (results/comparisons.py): (family, label, a, b).

@@ -19,6 +19,7 @@ from results.selection import (
   Selection,
   curvature_text,
   default_variant,
+  dpass_text,
   image_protocol,
   is_default_variant,
   matches,
@@ -325,12 +326,6 @@ def _dpass_arms(runs: Sequence[Run], protocol: dict[str, Any]) -> list[tuple]:
   return sorted(found, key=tuple_key)
 
 
-def dpass_text(forward: str, batch: int | None, paper_forward: str) -> str:
-  """ "shared forward", "first 32 examples": how a d-pass differs from the paper's."""
-  parts = [f"{forward} forward"] if forward != paper_forward else []
-  return ", ".join(parts + ([f"first {batch} examples"] if batch else []))
-
-
 def dpass_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[ComparisonPair]:
   """Each d-pass arm (:func:`_dpass_arms`) against the paper's d-pass at the same model, tau and
   K: one family over the arms of a protocol."""
@@ -342,7 +337,7 @@ def dpass_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[Compariso
     base |= {"alpha": (PAPER_ALPHA, None), "curvature_every": every}
     ours = _dpass_cell(runs, {**base, "fisher_forward": forward, "fisher_batch": batch})
     theirs = _dpass_cell(runs, {**base, **paper, "curvature_every": every})
-    what = dpass_text(forward, batch, paper["fisher_forward"])
+    what = dpass_text(forward, batch, protocol.get("dataset"))
     label = f"Ginger τ={tau} K={every}, d-pass {what} − the paper's d-pass"
     pairs.append((DPASS_FAMILY, label, ours, theirs))
   return pairs

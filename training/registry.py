@@ -47,6 +47,7 @@ from training.registry_costs import (
   elementwise_flops,
   leaf_sizes,
   moments_state_bytes,
+  step_flops,
   traced_state_bytes,
 )
 from training.registry_recent import KFAC_JAX_DEPENDENCIES, kfac_jax_unavailable
@@ -137,6 +138,7 @@ __all__ = [
   "registered",
   "state_bytes",
   "state_dtype",
+  "step_flops",
   "steps_between_curvature_updates",
   "table_order",
   "traced_state_bytes",

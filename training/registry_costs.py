@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from training.registry_schema import StateBytes, get
+from training.registry_schema import StateBytes, get, keeps_curvature, update_flops
 
 
 def leaf_sizes(params: Any) -> list[int]:
@@ -24,6 +24,40 @@ def elementwise_flops(params: Any, opt: Any = None, **_: Any) -> float:
   from models import flops
 
   return flops.ELEMENTWISE_FLOPS_PER_PARAM * sum(leaf_sizes(params))
+
+
+def step_flops(
+  opt: Any,
+  params: Any,
+  *,
+  forward_flops: float,
+  batch_size: int,
+  fisher_forward: str | None,
+  fisher_batch: int | None,
+) -> float:
+  """One training step's FLOPs: the passes (``models.flops.train_step_flops``: the loss
+  gradient's, and for a curvature method its d-pass, in the mode ``fisher_forward`` names, on
+  the batch's first ``fisher_batch`` examples or the whole batch where None) over a batch whose
+  forward costs ``forward_flops``, plus the entry's update of ``params`` (arrays or shapes).
+
+  With ``curvature_every`` K > 1 the mean over K steps: one with the d-pass and the curvature
+  update, K - 1 with neither (they only precondition).
+  """
+  from models import flops
+
+  curvature = keeps_curvature(opt.name)
+  fraction = min(fisher_batch or batch_size, batch_size) / batch_size
+
+  def step(update: bool) -> float:
+    passes = flops.train_step_flops(
+      forward_flops,
+      fisher_forward=fisher_forward if curvature and update else None,
+      fisher_fraction=fraction,
+    )
+    return passes + update_flops(opt, params, curvature_update=update)
+
+  every = opt.curvature_every
+  return step(True) if every == 1 else (step(True) + (every - 1) * step(False)) / every
 
 
 def traced_state_bytes(params: Any, opt: Any) -> int:

@@ -16,11 +16,10 @@ from typing import Any
 
 import jax
 
-from models import flops
 from models.tasks import Task
 from training import logs, run_record, sharding
 from training.compilation import CompiledRun
-from training.registry import keeps_curvature, update_flops
+from training.registry import step_flops
 from training.run_config import RunConfig
 from training.steps import fisher_sub_batch
 
@@ -142,27 +141,17 @@ def end_record(
 
 
 def analytic_flops(task: Task, rc: RunConfig, params) -> float:
-  """One training step: the task's forward FLOPs times the step's passes, plus the update of
-  the trained parameters ``params`` (arrays or shapes: the registry's count reads their shapes).
-
-  With ``curvature_every`` K > 1 the mean over K steps: one with the d-pass and the curvature
-  update, K - 1 with neither (they only precondition).
-  """
-  opt = rc.optimizer
-  curvature = keeps_curvature(opt.name)
-  forward = task.forward_flops_per_example() * rc.batch_size
-  fraction = (fisher_sub_batch(rc) or rc.batch_size) / rc.batch_size
-
-  def step(update: bool) -> float:
-    pass_flops = flops.train_step_flops(
-      forward,
-      fisher_forward=rc.fisher_forward if curvature and update else None,
-      fisher_fraction=fraction,
-    )
-    return pass_flops + update_flops(opt, params, curvature_update=update)
-
-  every = opt.curvature_every
-  return step(True) if every == 1 else (step(True) + (every - 1) * step(False)) / every
+  """One training step: :func:`training.registry.step_flops` with the task's forward FLOPs
+  over the batch and the run's d-pass, for the trained parameters ``params`` (arrays or
+  shapes: the registry's count reads their shapes)."""
+  return step_flops(
+    rc.optimizer,
+    params,
+    forward_flops=task.forward_flops_per_example() * rc.batch_size,
+    batch_size=rc.batch_size,
+    fisher_forward=rc.fisher_forward,
+    fisher_batch=fisher_sub_batch(rc),
+  )
 
 
 def xla_flops(compiled) -> float | None:
