@@ -294,19 +294,17 @@ CLIP_ROW = (
 # The d-pass study (beyond the paper): Ginger's d-pass with the shared training forward or on
 # part of the batch, against the paper's d-pass at the same tau and K. Its runs come from the
 # table1 sweep (K = 1, and K > 1 with another d-pass) and the curvature_every sweep (the
-# paper's d-pass at K > 1), in that order of preference.
+# paper's d-pass at K > 1, and the cold races' runs at 30 epochs): both run the same
+# protocol, so an arm pools them, one run per seed, the newest (the tables' rule).
 DPASS_SWEEPS = ("table1", CURVATURE_EVERY_SWEEP)
 DPASS_FAMILY = "d-pass − the paper's d-pass"
 DPASS_ARM = ("model", "tau", "curvature_every", "fisher_forward", "fisher_batch")
 
 
 def _dpass_cell(runs: Sequence[Run], crit: dict[str, Any]) -> Selection:
-  """The runs of one d-pass arm: those of the first of :data:`DPASS_SWEEPS` that has any."""
-  for sweep in DPASS_SWEEPS:
-    mine = [r for r in runs if is_done(r) and rfield(r, "sweep") == sweep and matches(r, crit)]
-    if mine:
-      return one_configuration(mine)
-  return Selection([])
+  """The runs of one d-pass arm in :data:`DPASS_SWEEPS`: one per seed, the newest."""
+  mine = [r for r in runs if is_done(r) and rfield(r, "sweep") in DPASS_SWEEPS and matches(r, crit)]
+  return one_configuration(mine)
 
 
 def _dpass_arms(runs: Sequence[Run], protocol: dict[str, Any]) -> list[tuple]:

@@ -42,7 +42,7 @@ def test_step_flops_are_the_records_own_and_muons_newton_schulz(runs):
   """Counted again from each record's config, a step's FLOPs are what the run recorded for
   every optimizer whose update count is unchanged (Adam, Momentum, QNG, Ginger); Muon's add
   ns_steps Newton-Schulz iterations on each of ResNet-18's hidden matrices to the element-wise
-  count its records hold."""
+  count its older records hold (its newer records count them already)."""
   seen = set()
   for run in runs:
     if rfield(run, "model") != "resnet18" or rfield(run, "sweep") != "table1":
@@ -53,7 +53,8 @@ def test_step_flops_are_the_records_own_and_muons_newton_schulz(runs):
     if optimizer == "muon":
       steps = run["config"]["optimizer"]["ns_steps"]
       extra = steps * sum(newton_schulz(m, n) for m, n in RESNET18_MATRICES)
-      assert counted - recorded == pytest.approx(extra, rel=1e-12)
+      older = counted - recorded == pytest.approx(extra, rel=1e-12)
+      assert older or math.isclose(counted, recorded, rel_tol=1e-12), run["path"]
     else:
       assert math.isclose(counted, recorded, rel_tol=1e-12), run["path"]
   assert {"adam", "momentum", "qng", "ginger", "muon"} <= seen
@@ -65,9 +66,9 @@ def test_the_table_of_todays_optimizers(runs):
   rows = {r.label: r.cells for r in table.rows}
   assert list(rows)[:2] == ["Adam", "Ginger (τ=8)"] and "Muon" in rows
   n, acc, adam, adam_holm, ginger, ginger_holm = rows["Muon"][:6]
-  assert n == "3" and acc.startswith("88.97")
-  assert adam.startswith("+1.00 [") and ginger.startswith("+0.85 [")
+  assert n == "4" and acc.startswith("89.00")
+  assert adam.startswith("+1.03 [") and ginger.startswith("+0.88 [")
   assert adam_holm in ("above", "tie", "below") and ginger_holm in ("above", "tie", "below")
   assert rows["Adam"][2:6] == ["", "", "", ""]  # an arm is not compared with itself
-  assert rows["SF-AdamW"][:2] == ["3", "89.03 ± 0.19"]
+  assert rows["SF-AdamW"][:2] == ["4", "89.06 ± 0.16"]
   assert any("SOAP" in note for note in table.notes)  # registered, no runs yet

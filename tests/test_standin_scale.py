@@ -51,14 +51,14 @@ def test_table2_runs_random_t5_small_shapes_on_real_xsum() -> None:
 
 
 def test_the_paper_image_sweeps_keep_the_authors_d_pass() -> None:
-  """train.py's image experiments share the training forward for the d-pass (the default); every
-  image sweep of the paper's tables pins the authors' eval forward, so their runs are the
-  committed ones; the T5 sweeps share the forward (no BatchNorm)."""
+  """train.py's image experiments give the d-pass the authors' eval forward (the default), and
+  every image sweep of the paper's tables pins it, so their runs stay the committed ones
+  whatever the default; the T5 sweeps share the forward (no BatchNorm)."""
   from hydra import compose, initialize_config_dir
 
   with initialize_config_dir(config_dir=str(expand.ROOT / "configs"), version_base=None):
     single = compose(config_name="config", overrides=["experiment=cifar10_resnet18"])
-  assert single.fisher_forward == "shared"
+  assert single.fisher_forward == "eval"
   for exp in ("cifar100_resnet18", "cifar100_resnet50"):  # the files every image sweep reads
     (job,) = jobs("+sweep=table1", f"+sweep/exp=standin/{exp}", "+sweep/arm=ginger_tau8")
     assert job.config["fisher_forward"] == "eval", exp
