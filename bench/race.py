@@ -156,20 +156,29 @@ def _reached(values: list[float | None]) -> str:
   return f"{sum(x is not None and math.isfinite(x) for x in values)} / {len(values)}"
 
 
-def means(rows: list[Race]) -> str:
+def means(rows: list[Race], baseline: str = "adam") -> str:
   """Per (group, run): reached / seeds, the median epochs and seconds to the target with the
-  misses at infinity (AlgoPerf's rule), and the mean seconds to each run's best."""
+  misses at infinity (AlgoPerf's rule), the mean seconds to each run's best, the best accuracy
+  (mean ± sample std over seeds), the mean step time and its ratio to ``baseline``'s in the
+  group (blank where the group has no ``baseline``)."""
+  cells = _cells(rows)
+  step = {key: statistics.fmean(r.ms_per_step for r in rs) for key, rs in cells.items()}
   out = [
     "| group | run | reached / seeds | epochs to target, median | s to target, median "
-    "| s to best, mean |",
-    "|---" * 6 + "|",
+    f"| s to best, mean | best acc % | ms/step, mean | x {baseline} |",
+    "|---" * 9 + "|",
   ]
-  for (group, run), rs in _cells(rows).items():
+  for (group, run), rs in cells.items():
+    best = [r.best for r in rs]
+    spread = f" ± {statistics.stdev(best):.2f}" if len(best) > 1 else ""
+    base = step.get((group, baseline))
+    ratio = "" if base is None else f"{step[(group, run)] / base:.2f}"
     out.append(
       f"| {group} | {run} | {_reached([r.s_to_target for r in rs])} "
       f"| {_median_text([r.epochs_to_target for r in rs])} "
       f"| {_median_text([r.s_to_target for r in rs])} "
-      f"| {statistics.fmean(r.s_to_best for r in rs):.1f} |"
+      f"| {statistics.fmean(r.s_to_best for r in rs):.1f} "
+      f"| {statistics.fmean(best):.2f}{spread} | {step[(group, run)]:.2f} | {ratio} |"
     )
   return "\n".join(out)
 

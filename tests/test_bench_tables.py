@@ -233,7 +233,8 @@ def _race_run(folder, optimizer, seed, accuracies, **run):
 
 def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   """bench.race: the first evaluation at the target (epochs = its step / steps per epoch, time
-  = its wall clock), the best one, one row per run grouped by its folder, then seed means."""
+  = its wall clock), the best one, one row per run grouped by its folder, then seed means: the
+  best accuracy's mean and std, the mean step time and its ratio to Adam's in the group."""
   from bench import race
 
   _race_run(tmp_path / "warm" / "a0", "adam", 0, [50.0, 86.0, 85.5, 88.0])
@@ -242,6 +243,7 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   summary_path = tmp_path / "warm" / "g0" / "summary.json"  # a run that read its programs back
   summary = json.loads(summary_path.read_text())
   summary["startup_s"]["per_program"] = {"train_step": {"lower": 0.1, "program": "read"}}
+  summary["step_time_s"] = 0.0075
   summary_path.write_text(json.dumps(summary))
   rows = race.collect([tmp_path / "warm"], target=85.0)
   assert [r.programs for r in rows] == ["", "", "read"]
@@ -262,8 +264,11 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   out = capsys.readouterr().out
   table, means, _ = out.strip().split("\n\n")
   _check(table, expect_rows=3)
-  assert "| warm | adam | 2 / 2 | 3.0 | 30.0 | 40.0 |" in means
-  assert "| warm | ginger tau=8 K=8 | 0 / 1 | not reached | not reached | 20.0 |" in means
+  assert "| warm | adam | 2 / 2 | 3.0 | 30.0 | 40.0 | 86.50 ± 2.12 | 5.00 | 1.00 |" in means
+  assert (
+    "| warm | ginger tau=8 K=8 | 0 / 1 | not reached | not reached | 20.0 | 84.90 | 7.50 | 1.50 |"
+    in means
+  )
 
 
 def test_startup_rows_match_the_header():
