@@ -17,11 +17,13 @@ import numpy as np
 import optax
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from test_float32_exactness import _objectives
 
 import ginger
+from training import kappa, run_record
 from training import loop as train
-from training import run_record
+from training.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
@@ -152,25 +154,39 @@ BASE = [
 ]
 
 
-@pytest.mark.parametrize(("gamma", "warns"), [(1e-9, True), (1e-3, False)])
-def test_the_training_log_warns_once_past_1(tmp_path, caplog, gamma, warns):
+def test_the_training_log_warns_once_past_1(tmp_path, caplog):
   """The train records hold the largest block's ``kappa_eps`` and the spectrum events every
   block's; at gamma 1e-9 (the demo's sigma ~ 1e-2 and up: far past 1) the log warns once over
-  two log steps, naming gamma and state_dtype; at gamma 1e-3 it stays quiet."""
+  two log steps, naming gamma and state_dtype."""
+  gamma = 1e-9
   with caplog.at_level(logging.WARNING, logger="train"):
     train.train(config(*BASE, f"gamma={gamma}"), tmp_path)
   warnings = [r.getMessage() for r in caplog.records if "sigma_max * eps / gamma" in r.getMessage()]
   events = list(run_record.read_events(tmp_path, strict=True))
-  kappa = [e["kappa_eps"] for e in events if e["event"] == "train"]
+  kappa_eps = [e["kappa_eps"] for e in events if e["event"] == "train"]
   spectra = list(run_record.read_spectrum(tmp_path, strict=True))
-  assert len(kappa) == 2 and len(spectra) == 2
-  for event, largest in zip(spectra, kappa, strict=True):
+  assert len(kappa_eps) == 2 and len(spectra) == 2
+  for event, largest in zip(spectra, kappa_eps, strict=True):
     assert set(event["kappa_eps"]) == set(event["sigma"])
     assert max(event["kappa_eps"].values()) == largest
+  assert min(kappa_eps) > 1
+  assert len(warnings) == 1
+  assert f"gamma {gamma:g}" in warnings[0] and "state_dtype float32" in warnings[0]
+  assert "raise gamma" in warnings[0]
+
+
+@pytest.mark.parametrize(
+  ("ratios", "warns"), [({}, False), ({"a": 0.5, "b": 1.0}, False), ({"a": 0.5, "b": 1.5}, True)]
+)
+def test_the_warning_needs_a_block_above_1(caplog, ratios, warns):
+  """``warn_once`` stays quiet without Ginger blocks and at or below 1 (the gamma 1e-3 regime of
+  the demo), and names the block above 1 with the gamma that would bring it to 1."""
+  rc = RunConfig.from_resolved(OmegaConf.to_container(config(*BASE, "gamma=1e-3"), resolve=True))
+  with caplog.at_level(logging.WARNING, logger="train"):
+    assert kappa.warn_once(rc, ratios, done=7) is warns
+  messages = [r.getMessage() for r in caplog.records]
   if warns:
-    assert min(kappa) > 1
-    assert len(warnings) == 1
-    assert f"gamma {gamma:g}" in warnings[0] and "state_dtype float32" in warnings[0]
-    assert "raise gamma" in warnings[0]
+    assert len(messages) == 1 and "step 7" in messages[0] and " in b " in messages[0]
+    assert "at least 0.0015" in messages[0]
   else:
-    assert max(kappa) < 1 and not warnings
+    assert not messages
