@@ -18,15 +18,16 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import math
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from results import stats
+from results import profiles, stats
 from results.comparisons import accuracies, newcomer_family, newcomer_pairs
-from results.metrics import aggregate, fmt_num, fmt_stat, number_alone, summary_number
+from results.metrics import aggregate, fmt_num, fmt_stat, summary_number
 from results.render import to_latex, to_markdown
 from results.runs import Run, collect_runs, is_number, missing_roots, rfield
 from results.selection import (
@@ -54,6 +55,9 @@ from training import registry
 # The image shapes of the stand-in datasets whose FLOPs are counted (the ResNets' forward pass
 # is traced at this input size).
 IMAGE_SHAPES = {"cifar10": (32, 32, 3), "cifar100": (32, 32, 3)}
+
+# The parts the table is shown in (results.render.blocks), each beside the seeds column.
+ACCURACY, TIME, COST = "accuracy", "time to a target", "cost"
 
 
 @functools.cache
@@ -151,14 +155,22 @@ def build_newcomers(
   have = {o for o, _tau in found}
   diffs = _differences(pairs)
   arm_labels = [optimizer_label(*arm) for arm in arms]
-  columns = [Column("", "n"), Column("", "Acc")]
+  columns = [Column("", "n"), Column("", "Acc", part=ACCURACY)]
   for label in arm_labels:
-    columns += [Column(f"− {label}", "[95 % CI]"), Column(f"− {label}", "Holm")]
+    columns += [
+      Column(f"− {label}", "[95 % CI]", part=ACCURACY),
+      Column(f"− {label}", "Holm", part=ACCURACY),
+    ]
+  for target in profiles.TARGETS:
+    columns += [
+      Column("", f"s to {target:g} %", part=TIME),
+      Column("", f"s to {target:g} % − Adam, Holm", part=TIME),
+    ]
   columns += [
-    Column("", "Step ms"),
-    Column("", "Step GB"),
-    Column("", "State MB"),
-    Column("", "GFLOPs/step"),
+    Column("", "Step ms", part=COST),
+    Column("", "Step GB", part=COST),
+    Column("", "State MB", part=COST),
+    Column("", "GFLOPs/step", part=COST),
   ]
   what = set_text(dataset, length)
   name = MODEL_NAMES.get(model, model)
@@ -171,9 +183,11 @@ def build_newcomers(
   )
   rows = [(optimizer_label(*arm), cell(*arm)) for arm in arms]
   rows += [(registry.display_name(n), cell(n)) for n in newcomers if n in have]
+  times = _times_to_targets(rows, runs, baseline=optimizer_label("adam", None))
   used = []
   for k, (label, sel) in enumerate(rows):
-    cells = _row_cells(label, sel, arms, diffs)
+    alone = profiles.current_alone_runs(sel.runs, runs)
+    cells = _row_cells(label, sel, arms, diffs, times[label], alone)
     table.rows.append(Row(label, cells, rule_before=k == len(arms)))
     used += [r for r in sel.runs if r not in used]
   missing = [registry.display_name(n) for n in newcomers if n not in have]
@@ -183,23 +197,60 @@ def build_newcomers(
   return finish(table, used, notes)
 
 
+def _times_to_targets(
+  rows: Sequence[tuple[str, Selection]], runs: Sequence[Run], baseline: str
+) -> dict[str, list[str]]:
+  """Per row label, for each of :data:`results.profiles.TARGETS`: the median seconds to the
+  target over seeds (each seed's steps to it times its configuration's current step alone from
+  any of ``runs``, misses infinite: :func:`results.profiles.seed_times`) with reached / seeds,
+  and its reading against ``baseline``'s (the exact rank test, misses counted, Holm over the
+  rows at that target); blank cells without a run alone, and for the baseline's reading."""
+  out: dict[str, list[str]] = {label: [] for label, _ in rows}
+  for target in profiles.TARGETS:
+    seconds = {label: profiles.seed_times(sel.runs, target, runs) for label, sel in rows}
+    base = seconds.get(baseline)
+    tested = {
+      label: stats.race_difference(t, base)
+      for label, t in seconds.items()
+      if t and base and label != baseline
+    }
+    adjusted = dict(zip(tested, stats.holm([d.p for d in tested.values()]), strict=True))
+    for label, t in seconds.items():
+      if not t:
+        out[label] += ["", ""]
+        continue
+      median = stats.median_time(t)
+      shown = f"{median:.0f}" if math.isfinite(median) else "not reached"
+      reached = sum(math.isfinite(x) for x in t)
+      reading = stats.race_verdict(tested[label], adjusted[label]) if label in tested else ""
+      out[label] += [f"{shown} ({reached}/{len(t)})", reading]
+  return out
+
+
 def _row_cells(
-  label: str, sel: Selection, arms: Sequence[tuple[str, Any]], diffs: dict[tuple[str, str], Any]
+  label: str,
+  sel: Selection,
+  arms: Sequence[tuple[str, Any]],
+  diffs: dict[tuple[str, str], Any],
+  times: Sequence[str],
+  alone: Sequence[Run],
 ) -> list[str]:
   """One row's cells: seeds, accuracy, the difference and Holm reading against each arm
-  (blank for an arm itself, or without runs), then the costs."""
+  (blank for an arm itself, or without runs), the ``times`` to the targets, then the costs:
+  step time and memory from the configuration's current runs ``alone`` on their device."""
   runs = sel.runs
   cells = [str(len(runs)), _stat(runs, summary_number("best_val_accuracy"), "f2")]
   for arm in arms:
     reference = optimizer_label(*arm)
     key = (f"{label} − {reference}", newcomer_family(arm))
     cells += list(diffs.get(key, ("", "")))
-  return cells + [
-    _stat(runs, number_alone("step_time_s", 1e3), "f1"),
-    _stat(runs, number_alone("step_memory_bytes", 1e-9), "f2"),
+  costs = [
+    _median(alone, summary_number("step_time_s", 1e3), "f2"),
+    _median(alone, summary_number("step_memory_bytes", 1e-9), "f2"),
     _median(runs, summary_number("optimizer_state_bytes_per_device", 1e-6), "f1"),
     _median(runs, lambda r: _scaled(step_flops(r), 1e-9), "f1"),
   ]
+  return cells + list(times) + costs
 
 
 def _median(runs: Sequence[Run], value, style: str) -> str:
@@ -215,16 +266,22 @@ def _scaled(value: float | None, scale: float) -> float | None:
 def _caption(arm_labels: Sequence[str]) -> str:
   arms = " and ".join(arm_labels)
   return (
-    "Best validation accuracy (%), mean ± sample std over seeds (n). − arm: the difference of "
-    f"means from {arms} [Welch 95 % interval, uncorrected]; Holm: its reading after Holm's "
-    "correction over the family of every optimizer compared with that arm (above / below where "
-    "the adjusted p is below 0.05, tie otherwise; n < 2 where a side has one run). Step ms and "
-    "Step GB: median step time and the step's own memory (XLA's memory analysis), from runs "
-    "alone on their device (blank where every run shared one). State MB: the optimizer state's "
-    "bytes per device as the runs recorded them (their median). GFLOPs/step: one training step "
-    "(3x the forward pass, the d-pass where the optimizer has one, and the optimizer's update "
-    "counted from the model's parameter shapes by its registry entry; for Muon, Newton-Schulz "
-    "on each matrix)."
+    "Best validation accuracy (%), mean ± sample std over seeds (n). − arm: the difference of"
+    f" means from {arms} [Welch 95 % interval, uncorrected]; Holm: its reading after Holm's "
+    "correction over the family of every optimizer compared with that arm (above / below "
+    "where the adjusted p is below 0.05, tie otherwise; n < 2 where a side has one run). s to"
+    " T %: time to a validation accuracy of T % as AlgoPerf scores it (results/profiles.py): "
+    "the median over seeds of each seed's steps to the target times its configuration's step "
+    "time alone, a seed that misses counting as infinitely slow, then (reached / seeds); − "
+    "Adam, Holm: faster / slower / tie by the exact rank test with the misses counted, Holm "
+    "over the table's optimizers at that target (blank without a run alone). Step ms and Step"
+    " GB: median step time and the step's own memory (XLA's memory analysis) of the "
+    "configuration's runs alone on their device, from any sweep, at the newest commit among "
+    "them (blank where every run shared one); the times to a target use the same step time. "
+    "State MB: the optimizer state's bytes per device as the runs recorded them (their "
+    "median). GFLOPs/step: one training step (3x the forward pass, the d-pass where the "
+    "optimizer has one, and the optimizer's update counted from the model's parameter shapes "
+    "by its registry entry; for Muon, Newton-Schulz on each matrix)."
   )
 
 

@@ -14,9 +14,10 @@ so ``B_s = 1`` for an optimizer fastest on every workload and 0 for one that nev
 ``r_max`` of the fastest.
 
 A seed's time is its steps to the first evaluation at or above the target times the
-configuration's median step time on a device of its own (summary.json's ``step_time_s`` of its
-runs with ``device_shared`` false): the runs of the tables shared GPUs, so their wall clocks
-are not their own. Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
+configuration's current step time on a device of its own (:func:`alone_step_time`: the median
+``step_time_s`` of its runs with ``device_shared`` false, from any sweep, at the newest commit
+among them): the runs of the tables shared GPUs, so their wall clocks are not their own, and
+code changes the step. Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
 An optimizer without a run alone on a workload has no time there and is left out of the
 profile, named in the notes. The runs are the Table 1 cells' (``results.selection.table1_cell``:
 the tuned lr, one run per seed, the newest). ``make tables`` writes
@@ -78,10 +79,24 @@ def score(ratios: Mapping[str, float], r_max: float = R_MAX) -> float:
   return sum((r_max - max(x, 1.0)) / (r_max - 1.0) for x in r) / len(ratios)
 
 
-def alone_step_time(runs: Sequence[Run]) -> float | None:
-  """The median ``step_time_s`` of the runs that had their device alone (None without one)."""
-  alone = [r["step_time_s"] for r in runs if is_number(r.get("step_time_s")) and not is_shared(r)]
-  return statistics.median(alone) if alone else None
+def current_alone_runs(runs: Sequence[Run], pool: Sequence[Run] = ()) -> list[Run]:
+  """The runs that time the configuration of ``runs`` as its code stands: those that had their
+  device alone, among ``runs`` and the runs of the same configuration in ``pool`` (any sweep: a
+  cold race's runs time the same program), at the newest commit among them (the newest run's:
+  code changes the step); [] without a run alone."""
+  keys = {selection.config_key(r) for r in runs}
+  same = [*runs, *(r for r in pool if r not in runs and selection.config_key(r) in keys)]
+  alone = [r for r in same if is_number(r.get("step_time_s")) and not is_shared(r)]
+  if not alone:
+    return []
+  commit = max(alone, key=lambda r: r.get("mtime") or 0).get("git_commit")
+  return [r for r in alone if r.get("git_commit") == commit]
+
+
+def alone_step_time(runs: Sequence[Run], pool: Sequence[Run] = ()) -> float | None:
+  """The median ``step_time_s`` of :func:`current_alone_runs` (None without one)."""
+  alone = current_alone_runs(runs, pool)
+  return statistics.median(r["step_time_s"] for r in alone) if alone else None
 
 
 def steps_to(run: Run, target: float) -> float:
@@ -93,10 +108,11 @@ def steps_to(run: Run, target: float) -> float:
   return float(evals["step"][hit[0]]) if hit.size else math.inf
 
 
-def seed_times(runs: Sequence[Run], target: float) -> list[float] | None:
-  """Each seed's seconds to ``target`` (steps times the configuration's step time alone; inf
-  where never reached); None where no run of the configuration had its device alone."""
-  step_s = alone_step_time(runs)
+def seed_times(runs: Sequence[Run], target: float, pool: Sequence[Run] = ()) -> list[float] | None:
+  """Each seed's seconds to ``target`` (steps times the configuration's step time alone,
+  :func:`alone_step_time` over ``runs`` and ``pool``; inf where never reached); None where no
+  run of the configuration had its device alone."""
+  step_s = alone_step_time(runs, pool)
   if step_s is None:
     return None
   return [steps_to(r, target) * step_s for r in runs]
@@ -130,7 +146,7 @@ def workload_times(
       if not runs_of:
         missing.setdefault(name, f"no runs on {workload}")
         continue
-      seconds = seed_times(runs_of, target)
+      seconds = seed_times(runs_of, target, runs)
       if seconds is None:
         missing.setdefault(name, f"no run alone on its GPU on {workload}")
         continue
@@ -209,7 +225,8 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
     "",
     "Time to a target validation accuracy as AlgoPerf scores it (results/profiles.py): per "
     "workload, the median over seeds of each seed's steps to the target times the "
-    "configuration's step time alone on its GPU (a seed that misses counts as infinitely "
+    "configuration's step time alone on its GPU (its runs alone at the newest commit among "
+    "them, any sweep; a seed that misses counts as infinitely "
     f"slow); ratio: to the fastest on that workload (∞ past {R_MAX:g}); score B: the "
     f"profile's area over [1, {R_MAX:g}] / {R_MAX - 1:g} (1: fastest everywhere).",
     "",

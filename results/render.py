@@ -29,6 +29,11 @@ def blocks(table: Table) -> list[tuple[str, Table]]:
       parts = [("", shown)]
       if 1 + len(shown) > MAX_COLUMNS:
         names = dict.fromkeys(table.columns[i].part for i in shown if table.columns[i].part)
+        if not names:
+          raise ValueError(
+            f"table {table.name}: {1 + len(shown)} columns, more than {MAX_COLUMNS}, and none "
+            "names a part to split it into (Column.part)"
+          )
         parts = [(p, [i for i in shown if table.columns[i].part in ("", p)]) for p in names]
       for part, index in parts:
         heading = ": ".join(x for x in (row_section, col_section, part) if x)

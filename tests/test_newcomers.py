@@ -72,3 +72,30 @@ def test_the_table_of_todays_optimizers(runs):
   assert rows["Adam"][2:6] == ["", "", "", ""]  # an arm is not compared with itself
   assert rows["SF-AdamW"][:2] == ["4", "89.06 ± 0.16"]
   assert any("SOAP" in note for note in table.notes)  # registered, no runs yet
+
+
+def test_the_table_times_each_optimizer_to_the_profiles_targets(runs):
+  """Per target of the performance profiles: the median over seeds of each seed's steps to the
+  target times its configuration's step alone (misses infinite), with reached / seeds, as
+  results.profiles counts them; and its reading against Adam (the exact rank test, misses
+  counted, Holm over the table's optimizers). Adam's own reading is blank."""
+  from results import profiles, selection, stats
+
+  [(_, table)] = newcomers.newcomer_tables(runs)
+  heads = [f"{c.group} {c.label}".strip() for c in table.columns]
+  rows = {r.label: dict(zip(heads, r.cells, strict=True)) for r in table.rows}
+  protocol = {**selection.image_protocol("cifar10", "30ep"), "model": "resnet18"}
+  for target in profiles.TARGETS:
+    time_head, reading_head = f"s to {target:g} %", f"s to {target:g} % − Adam, Holm"
+    adam = profiles.seed_times(selection.table1_cell(runs, "adam", **protocol).runs, target, runs)
+    assert rows["Adam"][reading_head] == ""
+    for label, optimizer, tau in (("Muon", "muon", None), ("Ginger (τ=8)", "ginger", 8)):
+      sel = selection.table1_cell(runs, optimizer, tau, **protocol)
+      times = profiles.seed_times(sel.runs, target, runs)
+      median = stats.median_time(times)
+      reached = sum(math.isfinite(t) for t in times)
+      shown = f"{median:.0f}" if math.isfinite(median) else "not reached"
+      assert rows[label][time_head] == f"{shown} ({reached}/{len(times)})"
+      assert rows[label][reading_head] in ("faster", "slower", "tie")
+      if reached == 0 and all(math.isfinite(t) for t in adam):
+        assert rows[label][reading_head] != "faster"

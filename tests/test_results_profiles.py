@@ -62,3 +62,27 @@ def test_profile_of_the_committed_runs(tmp_path):
   assert written[0].name == "profile_cifar10_30ep.md" and written[1].suffix == ".png"
   assert "### Target 85 %" in md and "| 1.00 | 1.00 |" in md
   assert "| Muon |" in md and "Adam (no run alone on its GPU on ResNet-50)" in md
+
+
+def test_a_configurations_step_time_is_its_newest_runs_alone():
+  """The step time that turns steps into seconds is the configuration's current one: the
+  median of its runs alone on their GPU at the newest commit among them, from any sweep (Ginger
+  tau 8's Table 1 runs alone are older code, 12 ms a step; its cold race's, 9 ms)."""
+  from results import selection
+  from results.runs import rfield
+
+  runs = collect_runs([COMMITTED])
+  protocol = {**selection.image_protocol("cifar10", "30ep"), "model": "resnet18"}
+  cell = selection.table1_cell(runs, "ginger", 8, **protocol).runs
+  key = selection.config_key(cell[0])
+  race = [
+    r["step_time_s"]
+    for r in runs
+    if selection.config_key(r) == key and str(r.get("git_commit")).startswith("ad3d018")
+  ]
+  older = [
+    r["step_time_s"] for r in cell if rfield(r, "sweep") == "table1" and not r.get("device_shared")
+  ]
+  assert len(race) == 5 and older
+  step = profiles.alone_step_time(cell, runs)
+  assert step == pytest.approx(float(np.median(race))) and step < min(older)

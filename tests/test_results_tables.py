@@ -563,6 +563,22 @@ def test_tables_of_other_settings_have_no_difference_with_the_paper(every_table)
   assert "paper" not in " ".join(header_rows(every_table["table_ablation_cifar10_30ep"])[0])
 
 
+def test_a_table_too_wide_without_parts_is_refused_not_dropped() -> None:
+  """A section wider than MAX_COLUMNS whose columns name no part cannot be split: rendering it
+  raises (naming the table) instead of writing a file without its rows."""
+  from results.table_model import Column, Row, Table
+
+  columns = [Column("", f"c{i}") for i in range(render.MAX_COLUMNS)]
+  wide = Table("wide", "A wide table", "", "Row", columns, [Row("r", ["1"] * len(columns))])
+  with pytest.raises(ValueError, match="wide"):
+    render.to_markdown(wide)
+  columns[-1] = Column("", "c_last", part="other")
+  for column in columns[1:-1]:
+    column.part = "first"
+  split = render.to_markdown(Table("split", "Split", "", "Row", columns, wide.rows))
+  assert "### First" in split and "### Other" in split
+
+
 def test_no_table_is_wider_than_twelve_columns(every_table) -> None:
   """Every table, written or committed, has at most 12 columns (its row labels included):
   Table 1 is one table per model, Table 2 one per setting, each split into accuracy (or ROUGE)
