@@ -11,7 +11,7 @@ from typing import Any
 from results import stats
 from results.ablation import CLIPPED_PER_TENSOR, ablation_pairs
 from results.metrics import aggregate, fmt_stat
-from results.runs import Run, is_number, rfield
+from results.runs import Run, is_number, length_text, rfield
 from results.selection import (
   PAPER_ALPHA,
   SENSITIVITY_ALPHAS,
@@ -27,6 +27,7 @@ from results.selection import (
   select_runs,
   sort_key,
   tabulated,
+  text_protocol,
   tuple_key,
 )
 from results.studies import build_clip_fraction, curvature_every_pairs, dpass_pairs
@@ -39,6 +40,7 @@ from results.table_model import (
   optimizer_label,
   set_name,
   set_text,
+  slug,
 )
 from training import registry
 
@@ -47,6 +49,10 @@ QNG_CONTROL_SWEEP = "qng_control"
 
 def accuracies(sel: Selection) -> list[float]:
   return [float(r["best_val_accuracy"]) for r in sel.runs if is_number(r.get("best_val_accuracy"))]
+
+
+def min_losses(sel: Selection) -> list[float]:
+  return [float(r["min_train_loss"]) for r in sel.runs if is_number(r.get("min_train_loss"))]
 
 
 def _sample_text(values: Sequence[float]) -> str:
@@ -189,13 +195,14 @@ def _fill(table: Table, models: Sequence[str], pairs_of) -> Table:
 
 
 def _comparison_rows(
-  pairs: Sequence[ComparisonPair],
+  pairs: Sequence[ComparisonPair], values: Callable[[Selection], list[float]] = accuracies
 ) -> tuple[list[tuple[str, list[str]]], list[Run]]:
   """(label, cells) of the comparisons with runs on both sides, in order, the Holm columns
-  computed over each family's comparisons; and the runs they use."""
+  computed over each family's comparisons of ``values`` (best accuracy by default); and the
+  runs they use."""
   tested, used = [], []
   for family, label, a, b in pairs:
-    va, vb = accuracies(a), accuracies(b)
+    va, vb = values(a), values(b)
     if va and vb:
       tested.append((family, label, va, vb, stats.welch(va, vb)))
       used += [r for r in a.runs + b.runs if r not in used]
@@ -226,7 +233,8 @@ def _p_text(p: float) -> str:
 
 def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
   """(file name, table): the comparisons, the d-pass study and the clip-fraction table of every
-  image set."""
+  image set, and the training-loss comparisons of every XSUM set
+  (:func:`loss_comparison_tables`)."""
   done = tabulated(runs)
   out = []
   sets = {(rfield(r, "dataset"), rfield(r, "length")) for r in done if rfield(r, "setting") is None}
@@ -242,7 +250,7 @@ def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
     clip = build_clip_fraction(runs, dataset, length)
     if clip.rows:
       out.append((clip.name, clip))
-  return out
+  return out + loss_comparison_tables(runs)
 
 
 def build_dpass(runs: Sequence[Run], dataset: str, length: str | None = None) -> Table:
@@ -263,3 +271,65 @@ def build_dpass(runs: Sequence[Run], dataset: str, length: str | None = None) ->
   table = Table(set_name("dpass", dataset, length), title, caption, "Comparison", [])
   models = models_in([r for r in tabulated(runs) if matches(r, protocol)])
   return _fill(table, models, lambda model: dpass_pairs(runs, {**protocol, "model": model}))
+
+
+SETTING_NAMES = {"full": "Full", "lora": "LoRA"}
+
+
+def _loss_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[ComparisonPair]:
+  """Table 2's comparisons of one setting: each Ginger tau against Adam, and each pair of taus
+  (the paper: a larger tau lowers the training loss in full fine-tuning), one family each."""
+  sweeps = TABLE_SWEEPS["table2"]
+
+  def cell(optimizer: str, tau: Any = None) -> Selection:
+    return select_runs(runs, cell_criteria(optimizer, tau, **protocol), sweeps)
+
+  name = SETTING_NAMES.get(protocol["setting"], protocol["setting"])
+  found = found_optimizers(runs, **protocol)
+  taus = sorted({t for o, t in found if o == "ginger" and t is not None}, key=sort_key)
+  adam = cell("adam")
+  pairs = [
+    (f"Ginger − Adam over τ, {name}", f"Ginger τ={tau} − Adam", cell("ginger", tau), adam)
+    for tau in taus
+  ]
+  for low, high in itertools.combinations(taus, 2):
+    label = f"Ginger τ={high} − τ={low}"
+    pairs.append((f"Ginger τ pairs, {name}", label, cell("ginger", high), cell("ginger", low)))
+  return pairs
+
+
+def loss_comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
+  """(file name, table): per XSUM set of runs (model, length), the minimum training loss
+  compared as :func:`_loss_pairs` says, per setting, Welch and Holm as the image comparisons;
+  only a set where some family has a test (two runs a side)."""
+  done = [r for r in tabulated(runs) if rfield(r, "setting") is not None]
+  out = []
+  for model, length in sorted(
+    {(rfield(r, "model"), rfield(r, "length")) for r in done}, key=tuple_key
+  ):
+    protocol = text_protocol(model, length)
+    caption = (
+      "Minimum training loss (lower is better): A and B as mean ± sample std (n seeds); A − B "
+      "[Welch 95 % interval, uncorrected]; reading: below (A's loss lower) / above where that "
+      "interval excludes 0, tie where it contains 0, n < 2 where a side has one run. Family "
+      "(m) and p (Holm) as in the image comparisons: Holm's correction over each setting's "
+      "Ginger − Adam comparisons and over its pairs of taus."
+    )
+    title = (
+      f"Training loss compared, Holm-corrected by family: XSUM, {model}, {length_text(length)}"
+    )
+    table = Table(f"comparisons_{slug(model)}_{slug(length)}", title, caption, "Comparison", [])
+    table.columns = [Column("", label) for label in COMPARISON_LABELS]
+    used = []
+    for setting in ("lora", "full"):
+      rows, setting_runs = _comparison_rows(
+        _loss_pairs(runs, {**protocol, "setting": setting}), min_losses
+      )
+      for k, (label, cells) in enumerate(rows):
+        prefix = f"{SETTING_NAMES[setting]}: "
+        table.rows.append(Row(prefix + label, cells, rule_before=k == 0 and bool(table.rows)))
+      used += [r for r in setting_runs if r not in used]
+    holm = COMPARISON_LABELS.index("p (Holm)")
+    if any(row.cells[holm] for row in table.rows):  # some comparison had two runs a side
+      out.append((table.name, finish(table, used, [])))
+  return out

@@ -1201,3 +1201,43 @@ def test_a_d_pass_cell_takes_the_newest_run_of_each_seed_from_either_sweep(
   expected = stats.welch(list(race), [88.0, 88.4])
   mean, std = statistics.mean(race), statistics.stdev(race)
   assert shared[:3] == [f"{mean:.2f} ± {std:.2f} (n=5)", "88.20 ± 0.28 (n=2)", expected.text()]
+
+
+def test_the_t5_standins_training_loss_is_compared_over_tau(tmp_path: Path) -> None:
+  """Table 2's testable claim on the stand-in (larger tau, lower training loss in full
+  fine-tuning): the minimum training loss of each Ginger tau against Adam and of each pair of
+  taus, Welch intervals with Holm over each family; a setting with one seed a cell tests
+  nothing and writes no file."""
+  xsum = {"dataset": "xsum", "model": "t5-small-random", "setting": "full", "sweep": "table2"}
+  arms = [
+    (("adam", None), (5.0, 5.2, 5.1)),
+    (("ginger", 1), (5.4, 5.3, 5.5)),
+    (("ginger", 8), (5.2, 5.3, 5.25)),
+    (("ginger", 32), (4.9, 5.0, 4.95)),
+  ]
+  for (optimizer, tau), losses in arms:
+    for seed, loss in enumerate(losses):
+      run = {**xsum, "optimizer": optimizer, "tau": tau, "seed": seed}
+      run |= {"alpha": 0.99} if tau else {}
+      make_run(
+        tmp_path / "full",
+        f"{optimizer}{tau}_{seed}",
+        run,
+        min_train_loss=loss,
+        config={"epochs": 2, "max_steps": None},
+      )
+  lora = {**xsum, "setting": "lora", "optimizer": "adam"}
+  make_run(
+    tmp_path / "lora", "adam", lora, min_train_loss=6.0, config={"epochs": 2, "max_steps": None}
+  )
+  runs = tables.collect_runs([tmp_path])
+  [(name, table)] = comparisons.loss_comparison_tables(runs)
+  assert name == "comparisons_t5_small_random_2ep"
+  rows = {r.label: r.cells for r in table.rows}
+  expected = stats.welch([4.9, 5.0, 4.95], [5.4, 5.3, 5.5])
+  pair = rows["Full: Ginger τ=32 − τ=1"]
+  assert pair[2:5] == [expected.text(), expected.verdict, "Ginger τ pairs, Full (3)"]
+  assert rows["Full: Ginger τ=8 − Adam"][4] == "Ginger − Adam over τ, Full (3)"
+  assert not any(label.startswith("LoRA") for label in rows)
+  assert "minimum training loss" in table.caption.lower()
+  assert comparisons.loss_comparison_tables(tables.collect_runs([tmp_path / "lora"])) == []
