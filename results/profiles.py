@@ -40,7 +40,7 @@ import numpy as np
 
 from results import selection, stats, table_model
 from results.metrics import is_shared
-from results.runs import Run, collect_runs, is_number, missing_roots
+from results.runs import Run, collect_runs, is_done, is_number, missing_roots
 from results.series import read_series
 from training import registry
 
@@ -84,8 +84,9 @@ def current_alone_runs(runs: Sequence[Run], pool: Sequence[Run] = ()) -> list[Ru
   device alone, among ``runs`` and the runs of the same configuration in ``pool`` (any sweep: a
   cold race's runs time the same program), at the newest commit among them (the newest run's:
   code changes the step); [] without a run alone."""
-  keys = {selection.config_key(r) for r in runs}
-  same = [*runs, *(r for r in pool if r not in runs and selection.config_key(r) in keys)]
+  keys, mine = {selection.config_key(r) for r in runs}, {id(r) for r in runs}
+  others = (r for r in pool if id(r) not in mine and is_done(r))
+  same = [*runs, *(r for r in others if selection.config_key(r) in keys)]
   alone = [r for r in same if is_number(r.get("step_time_s")) and not is_shared(r)]
   if not alone:
     return []
