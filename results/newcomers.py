@@ -155,23 +155,7 @@ def build_newcomers(
   have = {o for o, _tau in found}
   diffs = _differences(pairs)
   arm_labels = [optimizer_label(*arm) for arm in arms]
-  columns = [Column("", "n"), Column("", "Acc", part=ACCURACY)]
-  for label in arm_labels:
-    columns += [
-      Column(f"− {label}", "[95 % CI]", part=ACCURACY),
-      Column(f"− {label}", "Holm", part=ACCURACY),
-    ]
-  for target in profiles.TARGETS:
-    columns += [
-      Column("", f"s to {target:g} %", part=TIME),
-      Column("", f"s to {target:g} % − Adam, Holm", part=TIME),
-    ]
-  columns += [
-    Column("", "Step ms", part=COST),
-    Column("", "Step GB", part=COST),
-    Column("", "State MB", part=COST),
-    Column("", "GFLOPs/step", part=COST),
-  ]
+  columns = _columns(arm_labels)
   what = set_text(dataset, length)
   name = MODEL_NAMES.get(model, model)
   table = Table(
@@ -195,6 +179,24 @@ def build_newcomers(
   if missing:
     notes.append(f"Registered, no completed runs of this set yet: {', '.join(missing)}.")
   return finish(table, used, notes)
+
+
+def _columns(arm_labels: Sequence[str]) -> list[Column]:
+  """The table's columns in its three parts: accuracy (with the difference from each arm), the
+  times to the profiles' targets, and the cost; the seeds column in every part."""
+  columns = [Column("", "n"), Column("", "Acc", part=ACCURACY)]
+  for label in arm_labels:
+    columns += [
+      Column(f"− {label}", "[95 % CI]", part=ACCURACY),
+      Column(f"− {label}", "Holm", part=ACCURACY),
+    ]
+  for target in profiles.TARGETS:
+    columns += [
+      Column("", f"s to {target:g} %", part=TIME),
+      Column("", f"s to {target:g} % − Adam, Holm", part=TIME),
+    ]
+  costs = ("Step ms", "Step GB", "State MB", "GFLOPs/step")
+  return columns + [Column("", label, part=COST) for label in costs]
 
 
 def _times_to_targets(
