@@ -53,25 +53,30 @@ def test_score_is_the_profiles_area(ratios):
   assert profiles.score(r) == pytest.approx(area, abs=2 * (taus[1] - taus[0]))
 
 
-def test_profile_of_the_committed_runs(tmp_path):
+@pytest.fixture(scope="module")
+def committed():
+  return collect_runs([COMMITTED])
+
+
+def test_profile_of_the_committed_runs(tmp_path, committed):
   """ResNet-18 at 85 %: every optimizer with a run alone on its GPU gets a time (Muon and
   schedule-free AdamW from their seed run alone), the fastest a ratio of 1; one without such a
   run at its tuned lr (ResNet-50 there) is named in the notes instead."""
-  written = profiles.write_profiles(collect_runs([COMMITTED]), "cifar10", "30ep", tmp_path)
+  written = profiles.write_profiles(committed, "cifar10", "30ep", tmp_path)
   md = (tmp_path / "profile_cifar10_30ep.md").read_text()
   assert written[0].name == "profile_cifar10_30ep.md" and written[1].suffix == ".png"
   assert "### Target 85 %" in md and "| 1.00 | 1.00 |" in md
   assert "| Muon |" in md and "Adam (no run alone on its GPU on ResNet-50)" in md
 
 
-def test_a_configurations_step_time_is_its_newest_runs_alone():
+def test_a_configurations_step_time_is_its_newest_runs_alone(committed):
   """The step time that turns steps into seconds is the configuration's current one: the
   median of its runs alone on their GPU at the newest commit among them, from any sweep (Ginger
   tau 8's Table 1 runs alone are older code, 12 ms a step; its cold race's, 9 ms)."""
   from results import selection
   from results.runs import rfield
 
-  runs = collect_runs([COMMITTED])
+  runs = committed
   protocol = {**selection.image_protocol("cifar10", "30ep"), "model": "resnet18"}
   cell = selection.table1_cell(runs, "ginger", 8, **protocol).runs
   key = selection.config_key(cell[0])
