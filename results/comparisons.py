@@ -177,20 +177,32 @@ def build_comparisons(
   )
   title = f"Comparisons with 95 % intervals, Holm-corrected by family: {set_text(dataset, length)}"
   table = Table(set_name("comparisons", dataset, length), title, caption, "Comparison", [])
-  return _fill(table, models, lambda model: _comparison_pairs(runs, {**protocol, "model": model}))
+  return _fill(
+    table, _by_model(models, lambda m: _comparison_pairs(runs, {**protocol, "model": m}))
+  )
 
 
-def _fill(table: Table, models: Sequence[str], pairs_of) -> Table:
-  """``table`` with :data:`COMPARISON_LABELS`' columns and the rows of ``pairs_of(model)`` for
-  each model (:func:`_comparison_rows`), named by the model where there are several."""
+def _by_model(models: Sequence[str], pairs_of) -> list[tuple[str, list[ComparisonPair]]]:
+  """(section name, comparisons) per model: ``pairs_of(model)``, named by the model where
+  there are several."""
+  return [(MODEL_NAMES.get(m, m) if len(models) > 1 else "", pairs_of(m)) for m in models]
+
+
+def _fill(
+  table: Table,
+  sections: Sequence[tuple[str, Sequence[ComparisonPair]]],
+  values: Callable[[Selection], list[float]] = accuracies,
+) -> Table:
+  """``table`` with :data:`COMPARISON_LABELS`' columns and, per (name, comparisons) section,
+  the rows of :func:`_comparison_rows` over ``values``, labelled "<name>: " where named."""
   table.columns = [Column("", label) for label in COMPARISON_LABELS]
   used = []
-  for model in models:
-    rows, model_runs = _comparison_rows(pairs_of(model))
-    prefix = f"{MODEL_NAMES.get(model, model)}: " if len(models) > 1 else ""
+  for name, pairs in sections:
+    rows, section_runs = _comparison_rows(pairs, values)
+    prefix = f"{name}: " if name else ""
     for k, (label, cells) in enumerate(rows):
       table.rows.append(Row(prefix + label, cells, rule_before=k == 0 and bool(table.rows)))
-    used += [r for r in model_runs if r not in used]
+    used += [r for r in section_runs if r not in used]
   return finish(table, used, [])
 
 
@@ -270,7 +282,7 @@ def build_dpass(runs: Sequence[Run], dataset: str, length: str | None = None) ->
   title = f"Ginger's d-pass: the shared forward and part of the batch, {what} - beyond the paper"
   table = Table(set_name("dpass", dataset, length), title, caption, "Comparison", [])
   models = models_in([r for r in tabulated(runs) if matches(r, protocol)])
-  return _fill(table, models, lambda model: dpass_pairs(runs, {**protocol, "model": model}))
+  return _fill(table, _by_model(models, lambda m: dpass_pairs(runs, {**protocol, "model": m})))
 
 
 SETTING_NAMES = {"full": "Full", "lora": "LoRA"}
@@ -319,17 +331,12 @@ def loss_comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
       f"Training loss compared, Holm-corrected by family: XSUM, {model}, {length_text(length)}"
     )
     table = Table(f"comparisons_{slug(model)}_{slug(length)}", title, caption, "Comparison", [])
-    table.columns = [Column("", label) for label in COMPARISON_LABELS]
-    used = []
-    for setting in ("lora", "full"):
-      rows, setting_runs = _comparison_rows(
-        _loss_pairs(runs, {**protocol, "setting": setting}), min_losses
-      )
-      for k, (label, cells) in enumerate(rows):
-        prefix = f"{SETTING_NAMES[setting]}: "
-        table.rows.append(Row(prefix + label, cells, rule_before=k == 0 and bool(table.rows)))
-      used += [r for r in setting_runs if r not in used]
+    sections = [
+      (SETTING_NAMES[setting], _loss_pairs(runs, {**protocol, "setting": setting}))
+      for setting in ("lora", "full")
+    ]
+    table = _fill(table, sections, min_losses)
     holm = COMPARISON_LABELS.index("p (Holm)")
     if any(row.cells[holm] for row in table.rows):  # some comparison had two runs a side
-      out.append((table.name, finish(table, used, [])))
+      out.append((table.name, table))
   return out

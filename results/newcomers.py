@@ -167,11 +167,11 @@ def build_newcomers(
   )
   rows = [(optimizer_label(*arm), cell(*arm)) for arm in arms]
   rows += [(registry.display_name(n), cell(n)) for n in newcomers if n in have]
-  times = _times_to_targets(rows, runs, baseline=optimizer_label("adam", None))
+  alone = {label: profiles.current_alone_runs(sel.runs, runs) for label, sel in rows}
+  times = _times_to_targets(rows, alone, baseline=optimizer_label("adam", None))
   used = []
   for k, (label, sel) in enumerate(rows):
-    alone = profiles.current_alone_runs(sel.runs, runs)
-    cells = _row_cells(label, sel, arms, diffs, times[label], alone)
+    cells = _row_cells(label, sel, arms, diffs, times[label], alone[label])
     table.rows.append(Row(label, cells, rule_before=k == len(arms)))
     used += [r for r in sel.runs if r not in used]
   missing = [registry.display_name(n) for n in newcomers if n not in have]
@@ -200,16 +200,17 @@ def _columns(arm_labels: Sequence[str]) -> list[Column]:
 
 
 def _times_to_targets(
-  rows: Sequence[tuple[str, Selection]], runs: Sequence[Run], baseline: str
+  rows: Sequence[tuple[str, Selection]], alone: dict[str, list[Run]], baseline: str
 ) -> dict[str, list[str]]:
   """Per row label, for each of :data:`results.profiles.TARGETS`: the median seconds to the
-  target over seeds (each seed's steps to it times its configuration's current step alone from
-  any of ``runs``, misses infinite: :func:`results.profiles.seed_times`) with reached / seeds,
+  target over seeds (each seed's steps to it times the median step of the row's current runs
+  ``alone``, misses infinite: :func:`results.profiles.seed_times`) with reached / seeds,
   and its reading against ``baseline``'s (the exact rank test, misses counted, Holm over the
   rows at that target); blank cells without a run alone, and for the baseline's reading."""
   out: dict[str, list[str]] = {label: [] for label, _ in rows}
+  step_s = {label: profiles.alone_step_time(runs) for label, runs in alone.items()}
   for target in profiles.TARGETS:
-    seconds = {label: profiles.seed_times(sel.runs, target, runs) for label, sel in rows}
+    seconds = {label: profiles.seed_times(sel.runs, target, step_s[label]) for label, sel in rows}
     base = seconds.get(baseline)
     tested = {
       label: stats.race_difference(t, base)

@@ -109,11 +109,9 @@ def steps_to(run: Run, target: float) -> float:
   return float(evals["step"][hit[0]]) if hit.size else math.inf
 
 
-def seed_times(runs: Sequence[Run], target: float, pool: Sequence[Run] = ()) -> list[float] | None:
-  """Each seed's seconds to ``target`` (steps times the configuration's step time alone,
-  :func:`alone_step_time` over ``runs`` and ``pool``; inf where never reached); None where no
-  run of the configuration had its device alone."""
-  step_s = alone_step_time(runs, pool)
+def seed_times(runs: Sequence[Run], target: float, step_s: float | None) -> list[float] | None:
+  """Each seed's seconds to ``target``: its steps times ``step_s``, the configuration's step
+  time alone (:func:`alone_step_time`); inf where never reached; None without a step time."""
   if step_s is None:
     return None
   return [steps_to(r, target) * step_s for r in runs]
@@ -147,7 +145,7 @@ def workload_times(
       if not runs_of:
         missing.setdefault(name, f"no runs on {workload}")
         continue
-      seconds = seed_times(runs_of, target, runs)
+      seconds = seed_times(runs_of, target, alone_step_time(runs_of, runs))
       if seconds is None:
         missing.setdefault(name, f"no run alone on its GPU on {workload}")
         continue
