@@ -321,6 +321,27 @@ def test_preconditioned_shape():
   assert math.prod(shape((7, 11, 13), 100, True, False)[0]) == 7 * 11 * 13
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+  shape=st.lists(st.integers(1, 20), min_size=1, max_size=4),
+  axis=st.integers(0, 3),
+  seed=st.integers(0, 2**31 - 1),
+)
+def test_axis_second_moment_is_the_float64_contraction(shape, axis, seed):
+  """``G_(i) G_(i)^T`` on both of its paths (a sum of products up to NARROW_FACTOR rows, a dot
+  above) against float64. Any float32 summation of ``K`` products is within ``gamma_K =
+  K u / (1 - K u)`` of the exact sum, relative to ``sum_k |g_ik g_jk|`` (Higham, Accuracy and
+  Stability, 3.1; ``u = 2^-24``), whatever the order of the sum."""
+  axis %= len(shape)
+  g = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+  got = np.asarray(jax.jit(soap_src.axis_second_moment, static_argnums=1)(jnp.asarray(g), axis))
+  rows = np.moveaxis(g.astype(np.float64), axis, 0).reshape(shape[axis], -1)
+  k = rows.shape[1]
+  gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+  assert got.shape == (shape[axis], shape[axis])
+  assert np.all(np.abs(got - rows @ rows.T) <= gamma * (np.abs(rows) @ np.abs(rows).T) + 1e-30)
+
+
 # ----------------------------------------------------------------------------- the framework
 
 
