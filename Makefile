@@ -60,11 +60,9 @@ train: $(STAMP) $(if $(TORCH),$(TORCH_STAMP))
 # A test running longer than TEST_TIMEOUT seconds fails (pytest-timeout); tests/conftest.py
 # keeps XLA's compilations in .cache/jax (shared by the tests, their subprocesses and reruns).
 TEST_TIMEOUT ?= 900
-# Three pytest-xdist workers, also on 2 cores: the suite is compile-bound and single-threaded
-# per test, and a third worker fills the time the others wait on the processes their tests
-# start (a clean clone on 2 cores, empty compilation cache: 8:29 against 9:36 with two). Each
+# Two pytest-xdist workers (the suite is compile-bound and single-threaded per test); each
 # test file stays on one worker (--dist loadfile), so module fixtures run once.
-TEST_WORKERS ?= -n 3 --dist loadfile
+TEST_WORKERS ?= -n 2 --dist loadfile
 
 # XLA:CPU compiles the suite's programs with LLVM's optimisations off and with its classic
 # elemental emitters instead of the MLIR fusion emitters (`make test` only; jax 0.11 takes the

@@ -57,13 +57,13 @@ def no_waiting(monkeypatch):
   monkeypatch.setattr(socket.socket, "connect", connected)
 
 
-# `make test` spreads the test files over three pytest-xdist workers (--dist loadfile), by
+# `make test` spreads the test files over two pytest-xdist workers (--dist loadfile), by
 # default handing out the files with the most tests first: the last ones handed out are then
 # files of a few tests, and several of those are among the longest (a process on 4 simulated
 # devices, 3000-step scans), so that one worker went on alone for half a minute at the end.
 # The files below go first instead, longest first (each file's total on 2 CPU cores with an
 # empty compilation cache, from `--durations=0`; those under ~10 s follow in xdist's order).
-# The order changes no result; a stale list only balances the workers less well.
+# The order changes no result; a stale list only balances the two workers less well.
 LONGEST_FIRST = (
   "test_train.py",
   "test_ginger.py",
