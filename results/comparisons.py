@@ -33,6 +33,7 @@ from results.selection import (
 from results.studies import build_clip_fraction, curvature_every_pairs, dpass_pairs
 from results.table_model import (
   MODEL_NAMES,
+  SETTING_NAMES,
   Column,
   Row,
   Table,
@@ -285,9 +286,6 @@ def build_dpass(runs: Sequence[Run], dataset: str, length: str | None = None) ->
   return _fill(table, _by_model(models, lambda m: dpass_pairs(runs, {**protocol, "model": m})))
 
 
-SETTING_NAMES = {"full": "Full", "lora": "LoRA"}
-
-
 def _loss_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[ComparisonPair]:
   """Table 2's comparisons of one setting: each Ginger tau against Adam, and each pair of taus
   (the paper: a larger tau lowers the training loss in full fine-tuning), one family each."""
@@ -296,7 +294,7 @@ def _loss_pairs(runs: Sequence[Run], protocol: dict[str, Any]) -> list[Compariso
   def cell(optimizer: str, tau: Any = None) -> Selection:
     return select_runs(runs, cell_criteria(optimizer, tau, **protocol), sweeps)
 
-  name = SETTING_NAMES.get(protocol["setting"], protocol["setting"])
+  name = SETTING_NAMES[protocol["setting"]]
   found = found_optimizers(runs, **protocol)
   taus = sorted({t for o, t in found if o == "ginger" and t is not None}, key=sort_key)
   adam = cell("adam")
@@ -332,8 +330,8 @@ def loss_comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
     )
     table = Table(f"comparisons_{slug(model)}_{slug(length)}", title, caption, "Comparison", [])
     sections = [
-      (SETTING_NAMES[setting], _loss_pairs(runs, {**protocol, "setting": setting}))
-      for setting in ("lora", "full")
+      (name, _loss_pairs(runs, {**protocol, "setting": setting}))
+      for setting, name in SETTING_NAMES.items()
     ]
     table = _fill(table, sections, min_losses)
     holm = COMPARISON_LABELS.index("p (Holm)")

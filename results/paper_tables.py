@@ -43,6 +43,7 @@ from results.selection import (
 )
 from results.table_model import (
   MODEL_NAMES,
+  SETTING_NAMES,
   Row,
   Table,
   finish,
@@ -150,10 +151,7 @@ def build_table2(
   """Table 2: XSUM, one row per optimizer (and tau), column groups LoRA and Full."""
   protocol = text_protocol(model, length)
   metrics = xsum_metrics(flops)
-  groups = [
-    ("LoRA", {**protocol, "setting": "lora"}),
-    ("Full", {**protocol, "setting": "full"}),
-  ]
+  groups = [(name, {**protocol, "setting": setting}) for setting, name in SETTING_NAMES.items()]
   title = "Table 2: XSUM, pretrained t5-small, 1 epoch (paper Table 2)"
   paper_columns = SAME_SETTINGS
   if not comparable(protocol, PAPER_TEXT):

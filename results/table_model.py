@@ -19,6 +19,8 @@ from training import registry
 DEFAULT_OUT = "results/local"
 DATASET_NAMES = {"cifar100": "CIFAR-100", "cifar10": "CIFAR-10", "xsum": "XSUM"}
 MODEL_NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
+# Table 2's settings, in its order, with their names in tables.
+SETTING_NAMES = {"lora": "LoRA", "full": "Full"}
 
 
 @dataclass
