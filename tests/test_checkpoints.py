@@ -562,7 +562,7 @@ def test_a_checkpoint_without_the_skipped_counter_restores_from_zero(tmp_path, m
   restore, the counter at 0 and everything else as saved."""
   params = {k: jnp.ones(s) for k, s in SMALL.items()}
   tx = make(0.1, tau=2)
-  state = tx.update(params, tx.init(params), params)[1]
+  state = jax.jit(tx.update)(params, tx.init(params), params)[1]  # one program, not op by op
   is_state = lambda x: isinstance(x, (ginger.ScaleByGingerState, ginger.ScaleByQNGState))  # noqa: E731
   old = jax.tree.map(
     lambda s: s._replace(skipped=None) if is_state(s) else s, state, is_leaf=is_state

@@ -101,15 +101,14 @@ def test_d_is_the_d_pass_of_the_first_m_examples(fisher_forward):
     model = nnx.merge(graphdef, task.full_params(params, setup.frozen), rest, copy=True)
     return task.forward(model, x)
 
-  want = ginger.fisher.fisher_vector(
-    lambda p: logits(p, inputs[:m]), state.trainable, labels[:m], fisher_key
-  )
-  whole = ginger.fisher.fisher_vector(
-    lambda p: logits(p, inputs), state.trainable, labels, fisher_key
-  )
-  # The same arithmetic, jitted and fused in the step, op by op here: float32 summation order
-  # through a dozen layers, amplified by BatchNorm's 1 / std of 4 examples in training mode, is
-  # ~1e-5 of a leaf's largest entry; the whole batch's d differs at order 1 (checked below).
+  def d_pass(x, y):  # one program each, not the model's d-pass op by op
+    return jax.jit(lambda p: ginger.fisher.fisher_vector(lambda q: logits(q, x), p, y, fisher_key))
+
+  want = d_pass(inputs[:m], labels[:m])(state.trainable)
+  whole = d_pass(inputs, labels)(state.trainable)
+  # The same arithmetic, fused differently in the step: float32 summation order through a
+  # dozen layers, amplified by BatchNorm's 1 / std of 4 examples in training mode, is ~1e-5 of
+  # a leaf's largest entry; the whole batch's d differs at order 1 (checked below).
   tol, apart = 1e-4, 0.0
   for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(whole)):
     scale = float(np.max(np.abs(b))) + 1e-30

@@ -68,11 +68,15 @@ def _final_losses(loss, p0, tx, dtype, steps):
 # converges.
 # The fast suite runs the authors' variant and the paper's text's; the two mixed ones (clip with
 # global blocks, no clip with per-tensor blocks) and tau 2 and 8 run in `make test-all`.
+# `make test` keeps the authors' variant (the clip, per-tensor blocks); the text's (no clip,
+# one global block) runs in `make test-all`, its float32 steps bounded at every step in `make
+# test` by test_float32_direction_within_the_bound_at_every_step and tests/test_ginger.py's
+# test_float32_is_exact_from_the_first_step[...-global].
 VARIANTS = [
   (0.1, 1.0, "per_tensor"),
   pytest.param(1e-2, None, "per_tensor", marks=pytest.mark.slow),
   pytest.param(0.1, 1.0, "global", marks=pytest.mark.slow),
-  (1e-2, None, "global"),
+  pytest.param(1e-2, None, "global", marks=pytest.mark.slow),
 ]
 
 

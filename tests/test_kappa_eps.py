@@ -41,7 +41,9 @@ def test_kappa_eps_is_sigma_max_times_eps_over_gamma(x64):
     p = jax.tree.map(lambda x, dtype=dtype: x.astype(dtype), params)
     state = tx.init(p)
     assert ginger.kappa_eps(state, gamma) == {"['b']": 0.0, "['w']": 0.0}
-    _, state = tx.update(jax.tree.map(lambda x, dtype=dtype: x.astype(dtype), grads), state, p)
+    # One program, not Ginger's update op by op (hundreds of small compilations).
+    update = jax.jit(tx.update)
+    _, state = update(jax.tree.map(lambda x, dtype=dtype: x.astype(dtype), grads), state, p)
     eps = float(np.finfo(dtype).eps)
     want = {"['b']": (1 - alpha) * 8 * eps / gamma, "['w']": (1 - alpha) * 6 * eps / gamma}
     on_device = jax.jit(ginger.kappa_eps, static_argnums=1)(state, gamma)

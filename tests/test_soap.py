@@ -39,9 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
 from hypothesis import given, settings
-from vendored.soap_torch import SOAP
 
 import ginger
 from ginger._src import soap as soap_src
@@ -61,10 +59,20 @@ def draw_grads(shapes: dict, steps: int = STEPS, seed: int = 0) -> list[dict[str
   ]
 
 
+def reference():
+  """torch and the authors' ``SOAP``, imported where a test uses them: every pytest-xdist
+  worker collects this file, one runs it."""
+  import torch
+  from vendored.soap_torch import SOAP
+
+  return torch, SOAP
+
+
 def torch_updates(grads, shapes, first_bases=None, **kwargs):
   """The reference's update of every step (its parameters zeroed before each step and lr = 1,
   so that after the step they hold ``-u_t``; without weight decay the update does not depend
   on the parameters). Also returns the optimizer, for its state."""
+  torch, SOAP = reference()
   params = {k: torch.nn.Parameter(torch.zeros(s)) for k, s in shapes.items()}
   opt = SOAP(list(params.values()), lr=1.0, weight_decay=0.0, **kwargs)
   out = []
@@ -184,8 +192,9 @@ def test_a_singular_first_factor_with_the_references_first_basis():
   max_precond_dim=st.integers(1, 200),
 )
 def test_merged_shape_is_the_authors(shape, max_precond_dim):
-  reference = SOAP([torch.nn.Parameter(torch.zeros(1))])
-  merged = reference.merge_dims(torch.zeros(shape), max_precond_dim).shape
+  torch, SOAP = reference()
+  authors = SOAP([torch.nn.Parameter(torch.zeros(1))])
+  merged = authors.merge_dims(torch.zeros(shape), max_precond_dim).shape
   assert soap_src.merged_shape(tuple(shape), max_precond_dim) == tuple(merged)
 
 
