@@ -66,11 +66,10 @@ def _final_losses(loss, p0, tx, dtype, steps):
 # (lr, rho, block): per-tensor and global blocks, with the clip (the authors' variant) at the
 # paper's lr grid's top, without it (the paper's text) at the lr where the float64 state
 # converges.
-# The fast suite runs the authors' variant and the paper's text's; the two mixed ones (clip with
-# global blocks, no clip with per-tensor blocks) and tau 2 and 8 run in `make test-all`.
-# `make test` keeps the authors' variant (the clip, per-tensor blocks); the text's (no clip,
-# one global block) runs in `make test-all`, its float32 steps bounded at every step in `make
-# test` by test_float32_direction_within_the_bound_at_every_step and tests/test_ginger.py's
+# `make test` runs the authors' variant (the clip, per-tensor blocks) at tau 4; the paper's
+# text's (no clip, one global block), the two mixed ones and tau 2 and 8 run in `make test-all`.
+# The text's float32 steps are bounded at every step in `make test` by
+# test_float32_direction_within_the_bound_at_every_step and tests/test_ginger.py's
 # test_float32_is_exact_from_the_first_step[...-global].
 VARIANTS = [
   (0.1, 1.0, "per_tensor"),
