@@ -37,10 +37,13 @@ def _arrays(rows: list[tuple[float, ...]], names: Sequence[str]) -> dict[str, np
   return {name: data[:, i] for i, name in enumerate(names)}
 
 
-def read_series(run_dir: str | Path, *, spectrum: bool = True) -> Series:
+def read_series(
+  run_dir: str | Path, *, spectrum: bool = True, eval_metric: str | None = None
+) -> Series:
   """Train, eval and (unless ``spectrum=False``: the largest part to read) spectrum events of a
-  run as arrays."""
-  train, evals, series = [], [], Series()
+  run as arrays; the evaluations' value is ``eval_metric``, by default the first of VAL_METRICS
+  the run records."""
+  train, evals, series = [], [], Series(eval_metric=eval_metric)
   for event in records.read_events(run_dir):
     kind, step = event.get("event"), as_float(event.get("step"))
     if kind == "train":

@@ -57,7 +57,7 @@ def test_step_flops_are_the_records_own_and_muons_newton_schulz(runs):
       assert older or math.isclose(counted, recorded, rel_tol=1e-12), run["path"]
     else:
       assert math.isclose(counted, recorded, rel_tol=1e-12), run["path"]
-  assert {"adam", "momentum", "qng", "ginger", "muon"} <= seen
+  assert {"adam", "momentum", "qng", "ginger", "muon", "soap"} <= seen
 
 
 def test_the_table_of_todays_optimizers(runs):
@@ -71,7 +71,8 @@ def test_the_table_of_todays_optimizers(runs):
   assert adam_holm in ("above", "tie", "below") and ginger_holm in ("above", "tie", "below")
   assert rows["Adam"][2:6] == ["", "", "", ""]  # an arm is not compared with itself
   assert rows["SF-AdamW"][:2] == ["4", "89.06 ± 0.16"]
-  assert any("SOAP" in note for note in table.notes)  # registered, no runs yet
+  assert rows["SOAP"][:2] == ["3", "89.04 ± 0.29"]
+  assert any("K-FAC" in note for note in table.notes)  # registered, no runs yet
 
 
 def test_the_table_times_each_optimizer_to_the_profiles_targets(runs):

@@ -251,10 +251,10 @@ def _kfac_refuses(c, optimizer: Optimizer) -> None:
   if missing is not None:
     c.bad("optimizer.name", "kfac", f"an optimizer whose library can be imported here ({missing})")
   # kfac-jax gives each parameter one layer of the loss's trace, matched by its patterns.
-  if c.get("model.family") == "t5":
+  if c.get("model.family") not in optimizer.families:
     c.bad(
       "model.family",
-      "t5",
+      c.get("model.family"),
       f"'resnet' for optimizer={optimizer.name} (kfac-jax does not support weight sharing: T5 "
       "uses its token embedding for the encoder's and decoder's inputs and the tied LM head, "
       "and each stack's relative-position table in every layer)",
@@ -342,5 +342,6 @@ register(
     advice=_kfac_advice,
     traces_loss=True,
     refuses=_kfac_refuses,
+    families=("resnet",),
   )
 )

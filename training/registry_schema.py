@@ -178,6 +178,9 @@ class Optimizer:
       step passes its update ``batch=`` (the step's ``training.steps.LossBatch``) and ``key=``
       (the key a d-pass would draw its labels with).
     refuses: the settings beyond its own keys it cannot run with (:data:`Refuse`); None: any.
+    families: the model families (``model.family``) it can run; None: every one. Its
+      ``refuses`` turns the others down, and results/profiles.py scores a workload of another
+      family as one it never reaches, as AlgoPerf scores a method that cannot run a workload.
     lr_key: its entry in configs/best_lr/ (:data:`LrKey`); None: its name.
     compared_with: the arms ``(optimizer, tau)`` its results are compared with, each as one
       Holm family of its own over every optimizer compared with that arm (results/comparisons.py,
@@ -198,6 +201,7 @@ class Optimizer:
   eval_params: EvalParams | None = None
   traces_loss: bool = False
   refuses: Refuse | None = None
+  families: tuple[str, ...] | None = None
   lr_key: LrKey | None = None
   compared_with: tuple[tuple[str, Any], ...] | None = None
 
