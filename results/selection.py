@@ -26,8 +26,9 @@ SENSITIVITY_ALPHAS = (0.9, 0.99, 0.999)
 SENSITIVITY_TAUS = (2, 4, 8)
 PAPER_ALPHA = 0.99  # the paper's "second moment" for all optimizers
 # Never in a paper table: lr_tune's candidates, and the studies beyond the paper, which have
-# their own tables (curvature_every: build_curvature_every).
-EXCLUDED_SWEEPS = frozenset({"lr_tune", "curvature_every"})
+# their own tables (curvature_every: build_curvature_every; recipe: warm-up, cosine decay and
+# weight decay).
+EXCLUDED_SWEEPS = frozenset({"lr_tune", "curvature_every", "recipe"})
 # The variant an optimizer's cells in Tables 1-4 stand for: Ginger's config defaults, as the
 # authors' code runs it (clip rho=1, one (U, sigma) per tensor). The other variants (sweep
 # ablation) share tau and alpha with it and belong to the ablation table.
@@ -57,6 +58,7 @@ CONFIG_KEYS = (
   "state_dtype",
   "settings",
   "optimizer_options",  # an optimizer's own keys set away from its YAML (run_record.OPTIONS)
+  "recipe",  # the lr schedule and weight decay away from the paper's (run_record.RECIPE)
 )
 # The paper's protocols: only runs matching one fill the paper's tables.
 PAPER_IMAGE = {"dataset": "cifar100", "length": "200ep"}

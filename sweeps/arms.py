@@ -62,6 +62,37 @@ _QNG_CLIP = (
   "model's effect apart from the clip's. Its lr is tuned on its own (best_lr's `qng_clipped`)."
 )
 
+# The recipe arms: the optimizer again with the schedule and weight decay most training code
+# uses (configs/sweep/recipe.yaml). Every arm decays the weights by the same fraction a step at
+# its ResNet-18 tuned peak lr (configs/best_lr/), lr * weight_decay = 5e-5, AdamW's common 0.05
+# at lr 1e-3; schedule-free AdamW keeps its warm-up without the decay of the lr it replaces.
+_RECIPE = (
+  "Sweep arm: {optimizer}{tau} with the common recipe instead of the paper's constant lr: "
+  "{schedule}, and decoupled weight decay {wd} (lr * weight_decay = 5e-5 a step at its ResNet-18 "
+  "tuned lr {lr}). Used by configs/sweep/recipe.yaml."
+)
+
+
+def recipe_arm(optimizer: str, lr: float, schedule: str = "warmup_cosine", **settings) -> Arm:
+  """``optimizer``'s recipe arm at peak ``lr`` (its ResNet-18 tuned one): 2 epochs of linear
+  warm-up, then ``schedule``'s decay; decoupled weight decay 5e-5 / lr."""
+  wd = float(f"{5e-5 / lr:.3g}")
+  warm = "2 epochs of linear warm-up then a cosine decay to 0"
+  if schedule == "warmup_constant":
+    warm = "2 epochs of linear warm-up then a constant lr (schedule-free: no decay)"
+  tau = f" with tau = {settings['tau']}" if "tau" in settings else ""
+  about = _RECIPE.format(optimizer=optimizer, tau=tau, schedule=warm, wd=wd, lr=lr)
+  return arm(
+    optimizer,
+    about,
+    **settings,
+    schedule=schedule,
+    warmup_epochs=2,
+    weight_decay=wd,
+    weight_decay_mode="decoupled",
+  )
+
+
 ARMS: Mapping[str, Arm] = {
   "momentum": arm("momentum"),
   "adam": arm("adam"),
@@ -95,6 +126,11 @@ ARMS: Mapping[str, Arm] = {
     "Sweep arm: kfac (kfac-jax's K-FAC), no tau; ResNet experiments only (the config check "
     "refuses T5).",
   ),
+  "adam_recipe": recipe_arm("adam", 1e-3),
+  "ginger_tau8_recipe": recipe_arm("ginger", 5e-4, tau=8),
+  "muon_recipe": recipe_arm("muon", 1e-2),
+  "schedule_free_adamw_recipe": recipe_arm("schedule_free_adamw", 1e-3, "warmup_constant"),
+  "soap_recipe": recipe_arm("soap", 1e-3),
 }
 
 

@@ -64,7 +64,10 @@ def test_shipped_configs_pass_without_warnings(experiment, optimizer, caplog):
       "fisher_backward='both': must be one of ['auto', 'batched', 'sequential', 'local']",
     ),
     ("precision=float16", "precision='float16': must be one of ['float32', 'bfloat16']"),
-    ("schedule=cos", "schedule='cos': must be one of ['constant', 'warmup_constant', 'cosine']"),
+    (
+      "schedule=cos",
+      "schedule='cos': must be one of ['constant', 'warmup_constant', 'cosine', 'warmup_cosine']",
+    ),
     ("block=layer", "block='layer': must be one of ['per_tensor', 'global']"),
     ("alpha=1.0", "alpha=1.0 (float): must be a number in (0, 1)"),
     ("alpha=0", "alpha=0: must be a number in (0, 1)"),

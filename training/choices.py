@@ -11,7 +11,9 @@ tests/test_config_check.py checks that the two agree.
 from __future__ import annotations
 
 # The run.
-SCHEDULES = ("constant", "warmup_constant", "cosine")  # training.optimizers.learning_rate
+SCHEDULES = ("constant", "warmup_constant", "cosine", "warmup_cosine")  # optimizers.learning_rate
+WARMUP_SCHEDULES = ("warmup_constant", "warmup_cosine")  # the schedules warmup_epochs shapes
+WEIGHT_DECAY_MODES = ("l2", "decoupled")  # training.optimizers.build_optimizer
 PRECISIONS = ("float32", "bfloat16")  # models.tasks.DTYPES
 DISTRIBUTED = ("auto", True, False)
 LOGGERS = ("wandb", "none")

@@ -36,6 +36,8 @@ from training.choices import (
   PRECISIONS,
   SCHEDULES,
   WANDB_MODES,
+  WARMUP_SCHEDULES,
+  WEIGHT_DECAY_MODES,
   XSUM_EVAL_SPLITS,
   XSUM_SOURCES,
 )
@@ -303,6 +305,8 @@ def _check_run(c: _Checker) -> None:
   c.choice("schedule", SCHEDULES)
   c.number("warmup_epochs", 0)
   c.number("weight_decay", 0)
+  if c.get("weight_decay_mode") is not _MISSING:  # absent from the configs of older runs: l2
+    c.choice("weight_decay_mode", WEIGHT_DECAY_MODES)
   c.number("grad_clip", 0, closed=(False, True), optional=True)
   c.choice("fisher", FISHERS)
   c.choice("fisher_forward", FISHER_FORWARDS)
@@ -481,11 +485,13 @@ def ignored_settings(cfg: DictConfig, optimizer: str, given: set[str]) -> list[s
       "batch's first fisher_batch examples."
     )
   schedule = OmegaConf.select(cfg, "schedule", default=None)
-  if "warmup_epochs" in given and schedule != "warmup_constant":
+  if "warmup_epochs" in given and schedule not in WARMUP_SCHEDULES:
     out.append(
       f"warmup_epochs is ignored: schedule={schedule} has no warm-up "
-      "(only schedule=warmup_constant uses it)."
+      f"(only schedule={' or '.join(WARMUP_SCHEDULES)} uses it)."
     )
+  if "weight_decay_mode" in given and not OmegaConf.select(cfg, "weight_decay", default=0):
+    out.append("weight_decay_mode is ignored: weight_decay=0 (no decay).")
   return out
 
 

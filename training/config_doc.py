@@ -52,8 +52,8 @@ GROUPS = {
   "experiment": "a paper experiment or a demo: model, data and training length together",
   "logger": "where metrics go besides the run dir's `metrics.jsonl` (`logger.*`)",
   "sweep": "the runs of a paper table or study, for `train.py -m` (sweeps/README.md)",
-  "sweep/arm": "one optimizer setting of a sweep (optimizer, tau, rho, block, curvature_every), "
-  "written from sweeps/arms.py",
+  "sweep/arm": "one optimizer setting of a sweep (optimizer, tau, rho, block, curvature_every; "
+  "a recipe arm: schedule and weight decay), written from sweeps/arms.py",
   "sweep/exp": "one experiment of a sweep at a scale (`<scale>/<experiment>`)",
   "sweep/common": "what every sweep includes: the `scale` knob, the tuned lr, the run-dir layout",
   "best_lr": "tuned learning rates, written by `python -m sweeps.best_lr` and loaded by sweep/exp",
@@ -78,6 +78,7 @@ SECTIONS = (
       "schedule",
       "warmup_epochs",
       "weight_decay",
+      "weight_decay_mode",
       "grad_clip",
       "optimizer.b1",
       "optimizer.b2",

@@ -68,6 +68,7 @@ def _build_schedule_free_adamw(opt: OptimizerConfig, schedule, sharding):
     b1=opt.b1,
     b2=opt.b2,
     eps=opt.eps,
+    weight_decay=opt.weight_decay,
     weight_lr_power=opt.extra["optimizer.weight_lr_power"],
   )
 
@@ -123,6 +124,7 @@ register(
     update_flops=elementwise_flops,
     state_bytes=traced_state_bytes,  # z, the second moment and the averaging's scalars
     eval_params=_schedule_free_eval_params,
+    own_decoupled_decay=True,
   )
 )
 

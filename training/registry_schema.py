@@ -178,6 +178,10 @@ class Optimizer:
       step passes its update ``batch=`` (the step's ``training.steps.LossBatch``) and ``key=``
       (the key a d-pass would draw its labels with).
     refuses: the settings beyond its own keys it cannot run with (:data:`Refuse`); None: any.
+    own_decoupled_decay: whether its ``build`` applies ``weight_decay_mode=decoupled`` itself,
+      from :attr:`OptimizerConfig.weight_decay` (schedule-free AdamW: its authors' decay, which
+      a decay of the weights after its update would not be: those are its averaged iterate);
+      False: the framework chains ``training.optimizers.decoupled_weight_decay`` after it.
     families: the model families (``model.family``) it can run; None: every one. Its
       ``refuses`` turns the others down, and results/profiles.py scores a workload of another
       family as one it never reaches, as AlgoPerf scores a method that cannot run a workload.
@@ -201,6 +205,7 @@ class Optimizer:
   eval_params: EvalParams | None = None
   traces_loss: bool = False
   refuses: Refuse | None = None
+  own_decoupled_decay: bool = False
   families: tuple[str, ...] | None = None
   lr_key: LrKey | None = None
   compared_with: tuple[tuple[str, Any], ...] | None = None
@@ -241,6 +246,9 @@ class OptimizerConfig:
       (``ginger._src.kernels.resolve_impl``: the Pallas kernels on GPUs, the jnp passes
       elsewhere), also on a state split over several devices, where the kernels run per device
       under ``shard_map`` on each device's rows and are still faster than the jnp passes.
+    weight_decay: the run's ``weight_decay`` for an entry with
+      :attr:`Optimizer.own_decoupled_decay` and ``weight_decay_mode=decoupled``; 0.0 otherwise
+      (the framework applies the decay around the optimizer).
     extra: the values of the keys it reads that none of the fields above holds (an optimizer
       registered with keys of its own), by their dotted key.
   """
@@ -257,17 +265,19 @@ class OptimizerConfig:
   block: str | None = None
   curvature_every: int = 1
   passes: str | None = None
+  weight_decay: float = 0.0
   extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
 
 def _field_types() -> dict[str, type]:
   """The type of each :class:`OptimizerConfig` field a key is read into (by the key's last
   name: both ``tau`` and ``optimizer.b1`` name a field), from the dataclass's annotations
-  (``float | None``: float). ``name`` and ``extra`` are not read from a key of that name."""
+  (``float | None``: float). ``name``, ``extra`` and ``weight_decay`` (the run's, for an entry
+  that applies it itself) are not read from an entry's key of that name."""
   hints = typing.get_type_hints(OptimizerConfig)
   found = {}
   for field in dataclasses.fields(OptimizerConfig):
-    if field.name not in ("name", "extra"):
+    if field.name not in ("name", "extra", "weight_decay"):
       kinds = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
       (found[field.name],) = kinds or [hints[field.name]]  # one type: it converts the value
   return found
@@ -293,6 +303,8 @@ def optimizer_config(config: Mapping) -> OptimizerConfig:
     fields.pop("curvature_every", None)  # 1: every step
   if "passes" in fields:
     fields["passes"] = fields["passes"] or "jnp"
+  if optimizer.own_decoupled_decay and config.get("weight_decay_mode") == "decoupled":
+    fields["weight_decay"] = float(config.get("weight_decay") or 0.0)
   return OptimizerConfig(optimizer.name, **fields, extra=types.MappingProxyType(extra))
 
 

@@ -179,9 +179,10 @@ class RunConfig:
   resume: bool
   precision: str  # the compute dtype: float32 | bfloat16
   lr: float  # the schedule's peak
-  schedule: str  # constant | warmup_constant | cosine
+  schedule: str  # constant | warmup_constant | cosine | warmup_cosine
   warmup_epochs: float
-  weight_decay: float  # decoupled, chained before the optimizer; 0: none
+  weight_decay: float  # 0: none
+  weight_decay_mode: str = "l2"  # l2: added to the gradient before the optimizer | decoupled
   grad_clip: float | None  # the loss gradient's global-norm clip; None: none
   fisher: str  # the d-pass's labels: sampled | empirical
   fisher_forward: str  # eval | shared

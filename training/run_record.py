@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data import cache
 from training import registry
+from training.choices import WARMUP_SCHEDULES
 from training.errors import TrainingError
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ NUMERICS = ("precision", "state_dtype")
 # The identity's field for the optimizer's own keys (registry.Optimizer.keys) that no other
 # field holds, where a run sets them away from its configs/optimizer/<name>.yaml.
 OPTIONS = "optimizer_options"
+# The identity's field for a run's lr schedule and weight decay away from the paper's protocol.
+RECIPE = "recipe"
 OPTIMIZER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "optimizer"
 
 
@@ -181,7 +184,24 @@ def identity(config: Mapping | DictConfig) -> dict[str, Any]:
     **batchnorm(c),
     **numerics(c, name),
     **({OPTIONS: own} if (own := options(c, optimizer)) else {}),
+    **({RECIPE: own} if (own := recipe(c)) else {}),
   }
+
+
+def recipe(config: Mapping) -> dict[str, Any]:
+  """The learning-rate schedule and weight decay of a run that sets them away from the paper's
+  protocol (a constant lr, no weight decay): ``schedule`` (with ``warmup_epochs`` where it warms
+  up), ``weight_decay`` and ``weight_decay_mode``; {} for the paper's."""
+  out: dict[str, Any] = {}
+  schedule = config.get("schedule") or "constant"
+  if schedule != "constant":
+    out["schedule"] = schedule
+    if schedule in WARMUP_SCHEDULES:
+      out["warmup_epochs"] = float(config.get("warmup_epochs") or 0)
+  if config.get("weight_decay"):
+    out["weight_decay"] = float(config["weight_decay"])
+    out["weight_decay_mode"] = config.get("weight_decay_mode") or "l2"
+  return out
 
 
 def fisher_batch(config: Mapping, used: tuple[str, ...]) -> dict[str, Any]:
