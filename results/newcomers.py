@@ -15,21 +15,19 @@ model's parameter shapes (``registry.update_flops``). The arms have rows of thei
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import math
 import statistics
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from results import profiles, stats
 from results.comparisons import accuracies, newcomer_family, newcomer_pairs
 from results.metrics import aggregate, fmt_num, fmt_stat, summary_number
-from results.render import to_latex, to_markdown
-from results.runs import Run, collect_runs, is_number, missing_roots, rfield
+from results.render import tables_command
+from results.runs import Run, is_number, rfield
 from results.selection import (
   ComparisonPair,
   Selection,
@@ -40,7 +38,6 @@ from results.selection import (
   tuple_key,
 )
 from results.table_model import (
-  DEFAULT_OUT,
   MODEL_NAMES,
   Column,
   Row,
@@ -307,20 +304,7 @@ def newcomer_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Scan the roots and write <out>/newcomers_<set>.md and .tex."""
-  parser = argparse.ArgumentParser(prog="python -m results.newcomers", description=__doc__)
-  parser.add_argument("roots", nargs="+", help="dirs (or run archives) to scan")
-  parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the tables")
-  args = parser.parse_args(argv)
-  if error := missing_roots(args.roots):
-    print(f"error: {error}", file=sys.stderr)
-    return 2
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  for name, table in newcomer_tables(collect_runs(args.roots)):
-    (out / f"{name}.md").write_text(to_markdown(table))
-    (out / f"{name}.tex").write_text(to_latex(table))
-    print(f"wrote {out / name}.md and .tex", file=sys.stderr)
-  return 0
+  return tables_command("python -m results.newcomers", __doc__, newcomer_tables, argv)
 
 
 if __name__ == "__main__":

@@ -14,18 +14,16 @@ is an order of means, not a test: the comparisons file says which differences it
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from results import stats
 from results.comparisons import accuracies
 from results.metrics import aggregate, fmt_stat
-from results.render import to_latex, to_markdown
-from results.runs import Run, collect_runs, is_done, missing_roots, rfield
+from results.render import tables_command
+from results.runs import Run, is_done, rfield
 from results.selection import (
   Selection,
   cell_criteria,
@@ -35,7 +33,6 @@ from results.selection import (
   tuple_key,
 )
 from results.table_model import (
-  DEFAULT_OUT,
   MODEL_NAMES,
   Column,
   Row,
@@ -160,20 +157,7 @@ def recipe_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Scan the roots and write <out>/recipe_<set>.md and .tex."""
-  parser = argparse.ArgumentParser(prog="python -m results.recipe", description=__doc__)
-  parser.add_argument("roots", nargs="+", help="dirs (or run archives) to scan")
-  parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the tables")
-  args = parser.parse_args(argv)
-  if error := missing_roots(args.roots):
-    print(f"error: {error}", file=sys.stderr)
-    return 2
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  for name, table in recipe_tables(collect_runs(args.roots)):
-    (out / f"{name}.md").write_text(to_markdown(table))
-    (out / f"{name}.tex").write_text(to_latex(table))
-    print(f"wrote {out / name}.md and .tex", file=sys.stderr)
-  return 0
+  return tables_command("python -m results.recipe", __doc__, recipe_tables, argv)
 
 
 if __name__ == "__main__":

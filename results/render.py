@@ -1,13 +1,18 @@
 """A :class:`~results.table_model.Table` as GitHub markdown and as LaTeX (booktabs), a table
-wider than :data:`MAX_COLUMNS` shown as several."""
+wider than :data:`MAX_COLUMNS` shown as several; written as files (:func:`write_tables`), also
+from a table module's command line (:func:`tables_command`)."""
 
 from __future__ import annotations
 
+import argparse
 import re
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-from results.table_model import Column, Row, Table, slug
+from results.runs import Run, collect_runs, missing_roots
+from results.table_model import DEFAULT_OUT, Column, Row, Table, slug
 
 MAX_COLUMNS = 12  # columns of a rendered table, its row labels included
 
@@ -179,3 +184,31 @@ def to_latex(table: Table) -> str:
     lines += [r"    \bottomrule", r"  \end{tabular}}", r"\end{table*}"]
   lines += [f"% {note}" for note in table.notes]
   return "\n".join(lines) + "\n"
+
+
+def write_tables(tables: Iterable[tuple[str, Table]], out: Path) -> None:
+  """Each ``(name, table)`` as ``<out>/<name>.md`` and ``.tex``, each file named on stderr."""
+  out.mkdir(parents=True, exist_ok=True)
+  for name, table in tables:
+    (out / f"{name}.md").write_text(to_markdown(table))
+    (out / f"{name}.tex").write_text(to_latex(table))
+    print(f"wrote {out / name}.md and .tex", file=sys.stderr)
+
+
+def tables_command(
+  prog: str,
+  description: str,
+  make: Callable[[Sequence[Run]], list[tuple[str, Table]]],
+  argv: Sequence[str] | None = None,
+) -> int:
+  """The command line of a module whose tables ``make`` builds from the runs: scan the roots
+  given, write the tables into ``--out``; 2 where a root does not exist."""
+  parser = argparse.ArgumentParser(prog=prog, description=description)
+  parser.add_argument("roots", nargs="+", help="dirs (or run archives) to scan")
+  parser.add_argument("--out", default=DEFAULT_OUT, help="where to write the tables")
+  args = parser.parse_args(argv)
+  if error := missing_roots(args.roots):
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  write_tables(make(collect_runs(args.roots)), Path(args.out))
+  return 0

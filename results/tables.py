@@ -34,7 +34,7 @@ from pathlib import Path
 from results import records
 from results.comparisons import comparison_tables
 from results.paper_tables import build_all, build_table1, build_table3, build_table4, standin_tables
-from results.render import to_latex, to_markdown
+from results.render import to_latex, to_markdown, write_tables  # noqa: F401 (read through this module too)
 from results.runs import (  # noqa: F401 (the run list, read through this module too)
   DEFAULT_ROOTS,
   DONE_STATUSES,
@@ -145,12 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(run_report(roots, runs), file=sys.stderr)
-  out = Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  for name, table in tables_to_write(args, runs):
-    (out / f"{name}.md").write_text(to_markdown(table))
-    (out / f"{name}.tex").write_text(to_latex(table))
-    print(f"wrote {out / name}.md and .tex", file=sys.stderr)
+  write_tables(tables_to_write(args, runs), Path(args.out))
   return 0
 
 
