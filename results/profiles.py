@@ -225,6 +225,19 @@ def workload_times(
   return times, missing
 
 
+def evaluation_spacings(runs: Sequence[Run], workload: Workload) -> list[int]:
+  """The distinct numbers of steps between evaluations of the runs the profiles time on
+  ``workload``: the resolution of their times, a seed's time being the step of its first
+  evaluation at the target."""
+  found = set()
+  for optimizer, tau in optimizers():
+    criteria = selection.cell_criteria(optimizer, tau, **workload.criteria)
+    for run in selection.select_runs(runs, criteria, (workload.sweep,)).runs:
+      steps = read_series(run["path"], spectrum=False, eval_metric=workload.metric).eval["step"]
+      found.update(int(d) for d in np.diff(steps[np.isfinite(steps)]) if d > 0)
+  return sorted(found)
+
+
 def complete(times: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
   """The optimizers timed on the first workload, over the workloads where each of them is timed
   (a profile over different workloads per optimizer would not compare); {} if none is."""
@@ -309,6 +322,10 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
           f"- {label(optimizer, tau)} cannot run {w.name} (model.family={w.family}): never "
           "reaches its targets there."
         )
+  for w in workloads(dataset, length):
+    if w.name in used and (spacings := evaluation_spacings(runs, w)):
+      every = "/".join(str(s) for s in spacings[:4]) + (" ..." if len(spacings) > 4 else "")
+      notes.append(f"- {w.name}: evaluated every {every} steps, the resolution of its times.")
   left_out = [w for w in times if w not in used]
   if left_out:
     notes.append(

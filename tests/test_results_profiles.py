@@ -68,6 +68,7 @@ def test_profile_of_the_committed_runs(tmp_path, committed):
   assert "### Targets: 85 % (ResNet-18)" in md  # the workloads every optimizer is timed on
   assert "| 1.00 | 1.00 |" in md and "| Muon |" in md
   assert "- ResNet-50, no time for: Adam (no run alone on its GPU);" in md
+  assert "- ResNet-18: evaluated every 390 steps, the resolution of its times." in md
 
 
 def test_a_workload_missing_one_optimizer_is_left_out_not_the_optimizer():
@@ -110,6 +111,7 @@ def test_the_t5_workload_times_its_validation_loss_down_to_the_target(committed)
   assert [profiles.steps_to(r, 4.5, t5) for r in adam] == [450.0] * 3
   assert [profiles.steps_to(r, 6.0, t5) for r in ginger] == [450.0] * 3
   assert all(profiles.steps_to(r, 4.5, t5) == INF for r in ginger)
+  assert profiles.evaluation_spacings(committed, t5) == [225]  # once an epoch: coarse
 
 
 def test_a_configurations_step_time_is_its_newest_runs_alone(committed):
