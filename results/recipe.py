@@ -137,10 +137,11 @@ def _caption() -> str:
     "Best validation accuracy (%), mean ± sample std over seeds (n), under the paper's "
     "protocol (constant lr, no weight decay: the Table 1 cell) and the common recipe "
     "(configs/sweep/recipe.yaml: the same peak lr, 2 epochs of linear warm-up, a cosine decay "
-    "to 0 except for schedule-free AdamW, decoupled weight decay at lr × weight_decay = 5e-5 a "
-    "step); rank: by mean among the optimizers of the table (1: best), an order, not a test. "
-    "recipe − constant: Welch's 95 % interval (uncorrected); Holm: above / below / tie after "
-    "Holm's correction over the table's optimizers (one family); n < 2 where a side has one run."
+    "to 0 except for schedule-free AdamW, decoupled weight decay as each recipe arm sets it: "
+    "lr × weight_decay = 5e-5 a step at the ResNet-18 stand-in's tuned lrs); rank: by mean "
+    "among the optimizers of the table (1: best), an order, not a test. recipe − constant: "
+    "Welch's 95 % interval (uncorrected); Holm: above / below / tie after Holm's correction "
+    "over the table's optimizers (one family); n < 2 where a side has one run."
   )
 
 
