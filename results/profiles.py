@@ -197,6 +197,12 @@ def runs_family(optimizer: str, workload: Workload) -> bool:
   return families is None or workload.family in families
 
 
+def cell_runs(runs: Sequence[Run], workload: Workload, optimizer: str, tau: Any) -> list[Run]:
+  """The runs that time ``optimizer`` (at ``tau``) on ``workload``: its table cell's."""
+  criteria = selection.cell_criteria(optimizer, tau, **workload.criteria)
+  return selection.select_runs(runs, criteria, (workload.sweep,)).runs
+
+
 def workload_times(
   runs: Sequence[Run], dataset: str, length: str | None, level: int
 ) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
@@ -212,8 +218,7 @@ def workload_times(
       if not runs_family(optimizer, workload):
         times[workload.name][label(optimizer, tau)] = math.inf
         continue
-      criteria = selection.cell_criteria(optimizer, tau, **workload.criteria)
-      runs_of = selection.select_runs(runs, criteria, (workload.sweep,)).runs
+      runs_of = cell_runs(runs, workload, optimizer, tau)
       name = label(optimizer, tau)
       step_s = alone_step_time(runs_of, runs) if runs_of else None
       if step_s is None:
@@ -231,8 +236,7 @@ def evaluation_spacings(runs: Sequence[Run], workload: Workload) -> list[int]:
   evaluation at the target."""
   found = set()
   for optimizer, tau in optimizers():
-    criteria = selection.cell_criteria(optimizer, tau, **workload.criteria)
-    for run in selection.select_runs(runs, criteria, (workload.sweep,)).runs:
+    for run in cell_runs(runs, workload, optimizer, tau):
       steps = read_series(run["path"], spectrum=False, eval_metric=workload.metric).eval["step"]
       found.update(int(d) for d in np.diff(steps[np.isfinite(steps)]) if d > 0)
   return sorted(found)
@@ -254,7 +258,7 @@ def level_text(dataset: str, length: str | None, level: int, names: Sequence[str
   for w in workloads(dataset, length):
     if w.name in names:
       by_text.setdefault(w.target_text(w.targets[level]), []).append(w.name)
-  return ", ".join(f"{text} ({', '.join(names)})" for text, names in by_text.items())
+  return ", ".join(f"{text} ({', '.join(ws)})" for text, ws in by_text.items())
 
 
 def _seconds(t: float) -> str:
@@ -322,7 +326,6 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
           f"- {label(optimizer, tau)} cannot run {w.name} (model.family={w.family}): never "
           "reaches its targets there."
         )
-  for w in workloads(dataset, length):
     if w.name in used and (spacings := evaluation_spacings(runs, w)):
       every = "/".join(str(s) for s in spacings[:4]) + (" ..." if len(spacings) > 4 else "")
       notes.append(f"- {w.name}: evaluated every {every} steps, the resolution of its times.")
