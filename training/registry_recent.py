@@ -136,7 +136,7 @@ def _build_soap(opt: OptimizerConfig, schedule, sharding):
   import ginger
 
   own = opt.extra
-  # weight_decay=0: the config's weight_decay is chained before every optimizer.
+  # weight_decay=0: the framework chains the config's weight_decay around every optimizer.
   return ginger.soap(
     schedule,
     b1=opt.b1,
