@@ -14,6 +14,7 @@ import optax
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from sweeps.arms import ARMS
 from training import run_record
@@ -194,3 +195,14 @@ def test_the_recipe_table_compares_each_optimizer_with_its_constant_lr_runs(tmp_
   table1 = build_table1(runs, "cifar100", ["resnet18"])
   adam_cells = next(r.cells for r in table1.rows if r.label == "Adam")
   assert adam_cells[0] == "3" and adam_cells[1].startswith("80.10")
+
+
+def test_the_l2_default_keeps_the_fingerprints_of_runs_made_before_the_mode():
+  """A run dir made before ``weight_decay_mode`` existed resumes: the default ``l2`` is what
+  it ran, so its fingerprint is the same; ``decoupled`` is another configuration."""
+  base = {"name": "demo", "seed": 0, "weight_decay": 0.1, "optimizer": {"name": "adam"}}
+  base |= {"model": {}, "data": {}}
+  before = run_record.fingerprint(OmegaConf.create(base))
+  l2 = run_record.fingerprint(OmegaConf.create({**base, "weight_decay_mode": "l2"}))
+  decoupled = run_record.fingerprint(OmegaConf.create({**base, "weight_decay_mode": "decoupled"}))
+  assert l2 == before and decoupled != before

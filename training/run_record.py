@@ -302,17 +302,24 @@ def curvature_every(config: Mapping) -> int | None:
 # Keys whose null is what runs recorded before the key existed did: left out of the fingerprint
 # while null, so that those runs resume.
 ABSENT_WHEN_NULL = ("eval_examples", "fisher_batch")
+# Keys whose value here is what runs recorded before the key existed did: left out of the
+# fingerprint at that value, so that those runs resume.
+ABSENT_AT = {"weight_decay_mode": "l2"}
 
 
 def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
   """The part of the resolved config that determines the run's result. ``mesh`` is not part
   of it, except the data axis's size under ``batchnorm=per_device`` (the statistics groups);
-  ``fisher_batch`` only where set (null, the whole batch, is what configs without it ran)."""
+  ``fisher_batch`` only where set (null, the whole batch, is what configs without it ran),
+  ``weight_decay_mode`` only where not ``l2`` (what configs without it ran)."""
   c = plain(config)
   out = {k: v for k, v in c.items() if k not in NOT_FINGERPRINTED}
   for key in ABSENT_WHEN_NULL:
     if out.get(key) is None:
       out.pop(key, None)
+  for key, value in ABSENT_AT.items():
+    if out.get(key) == value:
+      out.pop(key)
   if c.get("batchnorm") == "per_device":
     out["batchnorm_groups"] = (c.get("mesh") or {}).get("data")
   return out
