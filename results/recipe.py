@@ -84,13 +84,8 @@ def build_recipe(runs: Sequence[Run], dataset: str, model: str, length: str | No
     for label, c, r in cells
     if accuracies(c) and accuracies(r)
   ]
-  readings = dict(
-    zip(
-      [label for label, _ in tested],
-      stats.holm_verdicts([d for _, d in tested]),
-      strict=True,
-    )
-  )
+  verdicts = stats.holm_verdicts([d for _, d in tested])  # one family: the table's optimizers
+  readings = {label: v for (label, _), v in zip(tested, verdicts, strict=True)}
   diffs = {label: d.text() for label, d in tested}
   means: dict[str, dict[str, float]] = {"constant": {}, "recipe": {}}
   for label, constant, recipe in cells:
