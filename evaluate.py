@@ -32,11 +32,11 @@ def load_run_config(run_dir: Path, overrides: list[str]):
   if not config_file.exists():
     raise RunDirError(f"{run_dir} is not a run dir: {config_file} is missing.")
   cfg = OmegaConf.load(config_file)
-  from training.run_record import ABSENT_WHEN_NULL
+  from training.run_record import ABSENT_AT
 
-  for key in ABSENT_WHEN_NULL:  # keys newer than the run: their null is what it did
+  for key, value in ABSENT_AT.items():  # keys newer than the run, at the value it ran with
     if key not in cfg:
-      cfg[key] = None
+      cfg[key] = value
   for override in overrides:
     _check_key(cfg, override, config_file)
   return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))

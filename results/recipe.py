@@ -28,6 +28,7 @@ from results.selection import (
   Selection,
   cell_criteria,
   image_protocol,
+  matches,
   select_runs,
   table1_cell,
   tuple_key,
@@ -56,9 +57,7 @@ def recipe_runs(runs: Sequence[Run]) -> list[Run]:
 def arms(runs: Sequence[Run], protocol: dict[str, Any]) -> list[tuple[str, Any]]:
   """The (optimizer, tau) pairs with recipe runs of ``protocol``, in the tables' order."""
   found = {
-    (rfield(r, "optimizer"), rfield(r, "tau"))
-    for r in recipe_runs(runs)
-    if all(rfield(r, k) == v for k, v in protocol.items())
+    (rfield(r, "optimizer"), rfield(r, "tau")) for r in recipe_runs(runs) if matches(r, protocol)
   }
   order = {name: k for k, name in enumerate(registry.table_order())}
   return sorted(found, key=lambda arm: (order.get(arm[0], len(order)), tuple_key(arm)))

@@ -299,12 +299,10 @@ def curvature_every(config: Mapping) -> int | None:
 # ----------------------------------------------------------------------------- fingerprint
 
 
-# Keys whose null is what runs recorded before the key existed did: left out of the fingerprint
-# while null, so that those runs resume.
-ABSENT_WHEN_NULL = ("eval_examples", "fisher_batch")
-# Keys whose value here is what runs recorded before the key existed did: left out of the
-# fingerprint at that value, so that those runs resume.
-ABSENT_AT = {"weight_decay_mode": "l2"}
+# Keys newer than some runs, each with the value those runs ran with: left out of the
+# fingerprint at that value, so that those runs resume (evaluate.py fills them in, at that
+# value, into an older run's config).
+ABSENT_AT = {"eval_examples": None, "fisher_batch": None, "weight_decay_mode": "l2"}
 
 
 def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
@@ -314,12 +312,9 @@ def fingerprinted(config: Mapping | DictConfig) -> dict[str, Any]:
   ``weight_decay_mode`` only where not ``l2`` (what configs without it ran)."""
   c = plain(config)
   out = {k: v for k, v in c.items() if k not in NOT_FINGERPRINTED}
-  for key in ABSENT_WHEN_NULL:
-    if out.get(key) is None:
-      out.pop(key, None)
   for key, value in ABSENT_AT.items():
-    if out.get(key) == value:
-      out.pop(key)
+    if out.get(key, value) == value:
+      out.pop(key, None)
   if c.get("batchnorm") == "per_device":
     out["batchnorm_groups"] = (c.get("mesh") or {}).get("data")
   return out
