@@ -42,11 +42,13 @@ _CPU_INIT_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expe
 
 
 def host_cpu():
-  """The host's first CPU device, or None where JAX runs without its CPU backend
+  """This process's first CPU device, or None where JAX runs without its CPU backend
   (``JAX_PLATFORMS=cuda``): where a run's initial values are made before they are placed
-  (``with jax.default_device(host_cpu())``; None there means the default device)."""
+  (``with jax.default_device(host_cpu())``; None there means the default device). Local: in a
+  multi-process CPU run ``jax.devices("cpu")[0]`` is process 0's, which another process cannot
+  read."""
   try:
-    return jax.devices("cpu")[0]
+    return jax.local_devices(backend="cpu")[0]
   except RuntimeError:
     return None
 
