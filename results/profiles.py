@@ -22,7 +22,9 @@ code changes the step. Compilation and evaluations are left out (AlgoPerf leaves
 A profile compares the optimizers timed on its first workload (ResNet-18) over the workloads
 on which every one of them is timed; a workload where one has no time (no runs, or none alone on
 its GPU) is left out of it whole, and the notes name what is missing: a profile over different
-workloads per optimizer would not compare. The runs are the Table 1 cells' and, for T5, Table 2's
+workloads per optimizer would not compare. So is a workload whose optimizers' runs were
+evaluated at different spacings (a time is the step of the first evaluation at the target, so
+its resolution is the spacing). The runs are the Table 1 cells' and, for T5, Table 2's
 full fine-tuning (``results.selection.select_runs``: the configured lr, one run per seed, the
 newest).
 Each workload has a target per level: the image workloads' validation accuracy (``TARGETS``),
@@ -203,43 +205,77 @@ def cell_runs(runs: Sequence[Run], workload: Workload, optimizer: str, tau: Any)
   return selection.select_runs(runs, criteria, (workload.sweep,)).runs
 
 
-def workload_times(
-  runs: Sequence[Run], dataset: str, length: str | None, level: int
-) -> tuple[dict[str, dict[str, float]], dict[str, list[str]]]:
-  """``{workload: {optimizer label: median seconds}}`` at each workload's target of ``level``
-  (an index into its targets), and why an optimizer has no time on a workload (``{workload:
-  ["<label> (no runs)", ...]}``). An optimizer that cannot run a workload's model family (its
-  registry entry's ``families``) never reaches its target there."""
-  times: dict[str, dict[str, float]] = {}
-  missing: dict[str, list[str]] = {}
+class Timing(NamedTuple):
+  """The times at one level of targets: ``times`` ``{workload: {optimizer label: median
+  seconds}}``; ``missing`` why an optimizer has no time on a workload (``{workload: ["<label>
+  (no runs)", ...]}``); ``spacings`` each timed optimizer's steps between evaluations there
+  (``{workload: {label: (45,)}}``), the resolution of its times."""
+
+  times: dict[str, dict[str, float]]
+  missing: dict[str, list[str]]
+  spacings: dict[str, dict[str, tuple[int, ...]]]
+
+
+def workload_times(runs: Sequence[Run], dataset: str, length: str | None, level: int) -> Timing:
+  """Each optimizer's time on each workload at its target of ``level`` (an index into its
+  targets). An optimizer that cannot run a workload's model family (its registry entry's
+  ``families``) never reaches its target there. A workload whose optimizers were evaluated at
+  different spacings gets no times (:func:`same_resolution`)."""
+  timing = Timing({}, {}, {})
   for workload in workloads(dataset, length):
-    times[workload.name] = {}
+    times = timing.times[workload.name] = {}
+    spacings = timing.spacings[workload.name] = {}
     for optimizer, tau in optimizers():
+      name = label(optimizer, tau)
       if not runs_family(optimizer, workload):
-        times[workload.name][label(optimizer, tau)] = math.inf
+        times[name] = math.inf
         continue
       runs_of = cell_runs(runs, workload, optimizer, tau)
-      name = label(optimizer, tau)
       step_s = alone_step_time(runs_of, runs) if runs_of else None
       if step_s is None:
         why = "no runs" if not runs_of else "no run alone on its GPU"
-        missing.setdefault(workload.name, []).append(f"{name} ({why})")
+        timing.missing.setdefault(workload.name, []).append(f"{name} ({why})")
         continue
       seconds = seed_times(runs_of, workload.targets[level], step_s, workload)
-      times[workload.name][name] = stats.median_time(seconds)
-  return times, missing
+      times[name] = stats.median_time(seconds)
+      spacings[name] = evaluation_spacings(runs_of, workload)
+    if not same_resolution(spacings):
+      times.clear()
+  return timing
 
 
-def evaluation_spacings(runs: Sequence[Run], workload: Workload) -> list[int]:
-  """The distinct numbers of steps between evaluations of the runs the profiles time on
+def evaluation_spacings(runs: Sequence[Run], workload: Workload) -> tuple[int, ...]:
+  """The distinct numbers of steps between consecutive evaluations of ``runs`` on
   ``workload``: the resolution of their times, a seed's time being the step of its first
   evaluation at the target."""
   found = set()
-  for optimizer, tau in optimizers():
-    for run in cell_runs(runs, workload, optimizer, tau):
-      steps = read_series(run["path"], spectrum=False, eval_metric=workload.metric).eval["step"]
-      found.update(int(d) for d in np.diff(steps[np.isfinite(steps)]) if d > 0)
-  return sorted(found)
+  for run in runs:
+    steps = read_series(run["path"], spectrum=False, eval_metric=workload.metric).eval["step"]
+    found.update(int(d) for d in np.diff(steps[np.isfinite(steps)]) if d > 0)
+  return tuple(sorted(found))
+
+
+def same_resolution(spacings: Mapping[str, tuple[int, ...]]) -> bool:
+  """Whether every optimizer was evaluated at the same spacings: a time is the step of the first
+  evaluation at the target, so one evaluated every 225 steps is timed up to 225 steps late
+  where one evaluated every 45 is up to 45 late, and their times do not compare."""
+  return len(set(spacings.values())) <= 1
+
+
+def every_text(spacing: tuple[int, ...], unit: str = " steps") -> str:
+  """ "every 45/225 steps": one optimizer's spacings between evaluations."""
+  return f"every {'/'.join(map(str, spacing))}{unit}"
+
+
+def spacing_text(spacings: Mapping[str, tuple[int, ...]]) -> str:
+  """ "every 45 steps: Muon, SOAP; every 225: Adam": the optimizers grouped by their spacings."""
+  groups: dict[tuple[int, ...], list[str]] = {}
+  for name, spacing in spacings.items():
+    groups.setdefault(spacing, []).append(name)
+  return "; ".join(
+    f"{every_text(s, ' steps' if i == 0 else '')}: {', '.join(names)}"
+    for i, (s, names) in enumerate(sorted(groups.items()))
+  )
 
 
 def complete(times: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -311,14 +347,15 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
   """profile_<dataset>_<length>.md and plots/performance_<...>.png; [] without times."""
   profiles, notes = {}, []
   for level in range(len(TARGETS)):  # which optimizers have times does not depend on the level
-    times, missing = workload_times(runs, dataset, length, level)
-    used = complete(times)
+    timing = workload_times(runs, dataset, length, level)
+    used = complete(timing.times)
     profiles[level_text(dataset, length, level, list(used))] = used
   if not any(profiles.values()):
     return []
   first = next(iter(used))
-  for name, why in missing.items():
+  for name, why in timing.missing.items():
     notes.append(f"- {name}, no time for: " + "; ".join(why) + ".")
+  mixed = [w for w, spacings in timing.spacings.items() if not same_resolution(spacings)]
   for w in workloads(dataset, length):
     for optimizer, tau in optimizers():
       if not runs_family(optimizer, w):
@@ -326,10 +363,16 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
           f"- {label(optimizer, tau)} cannot run {w.name} (model.family={w.family}): never "
           "reaches its targets there."
         )
-    if w.name in used and (spacings := evaluation_spacings(runs, w)):
-      every = "/".join(str(s) for s in spacings[:4]) + (" ..." if len(spacings) > 4 else "")
-      notes.append(f"- {w.name}: evaluated every {every} steps, the resolution of its times.")
-  left_out = [w for w in times if w not in used]
+    spacings = timing.spacings[w.name]
+    if w.name in used and spacings:
+      every = every_text(next(iter(spacings.values())))
+      notes.append(f"- {w.name}: evaluated {every}, the resolution of its times.")
+    if w.name in mixed:
+      notes.append(
+        f"- Left out of the profiles: {w.name}, its optimizers evaluated at different spacings "
+        f"({spacing_text(spacings)}), so their times do not compare."
+      )
+  left_out = [w for w in timing.times if w not in used and w not in mixed]
   if left_out:
     notes.append(
       f"- Left out of the profiles (not every optimizer timed on {first} is timed there): "

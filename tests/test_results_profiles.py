@@ -17,6 +17,7 @@ from results.runs import collect_runs
 
 COMMITTED = Path(__file__).resolve().parents[1] / "results" / "cifar10" / "runs"
 INF = math.inf
+PAPER = ("adam", "momentum", "ginger", "qng")
 
 
 def test_ratios_and_scores_by_hand():
@@ -111,7 +112,7 @@ def test_the_t5_workload_times_its_validation_loss_down_to_the_target(committed)
   assert [profiles.steps_to(r, 4.5, t5) for r in adam] == [450.0] * 3
   assert [profiles.steps_to(r, 6.0, t5) for r in ginger] == [450.0] * 3
   assert all(profiles.steps_to(r, 4.5, t5) == INF for r in ginger)
-  assert profiles.evaluation_spacings(committed, t5) == [225]  # once an epoch: coarse
+  assert profiles.evaluation_spacings(adam, t5) == (225,)  # once an epoch: coarse
 
 
 def test_a_configurations_step_time_is_its_newest_runs_alone(committed):
@@ -142,7 +143,43 @@ def test_a_workload_an_optimizer_cannot_run_is_never_reached(committed):
   """K-FAC's entry runs ResNets only (kfac-jax does not support T5's shared weights): on the T5
   workload it counts as never reaching the target, as AlgoPerf scores a method that cannot run
   a workload, not as one still waiting for runs."""
-  times, missing = profiles.workload_times(committed, "cifar10", "30ep", 0)
-  assert times["T5 stand-in"]["K-FAC"] == INF
-  assert not any("K-FAC" in why for why in missing.get("T5 stand-in", []))
-  assert "K-FAC (no runs)" in missing["ResNet-18"]
+  from results.runs import rfield
+
+  t5 = profiles.workloads("cifar10", "30ep")[-1]
+  paper_t5 = [  # T5 at one spacing: its paper arms' runs only
+    r for r in committed if rfield(r, "sweep") != "table2" or rfield(r, "optimizer") in PAPER
+  ]
+  timing = profiles.workload_times(paper_t5, "cifar10", "30ep", 0)
+  assert profiles.same_resolution(timing.spacings[t5.name])
+  assert timing.times[t5.name]["K-FAC"] == INF and timing.times[t5.name]["Adam"] < INF
+  assert not any("K-FAC" in why for why in timing.missing.get(t5.name, []))
+  assert "K-FAC (no runs)" in timing.missing["ResNet-18"]
+
+
+def test_optimizers_evaluated_at_different_spacings_are_not_timed_against_each_other():
+  """A time is the step of the first evaluation at the target: runs evaluated every 225 steps
+  would be timed up to 225 steps late beside runs evaluated every 45, so such a workload gets no
+  times, and the notes group its optimizers by spacing."""
+  assert profiles.same_resolution({"Adam": (390,), "Muon": (390,)})
+  assert profiles.same_resolution({})
+  assert not profiles.same_resolution({"Adam": (225,), "Muon": (45,)})
+  assert not profiles.same_resolution({"Adam": (45,), "Muon": (45, 225)})  # seeds that differ
+  assert profiles.spacing_text({"Muon": (45,), "Adam": (225,), "SOAP": (45,)}) == (
+    "every 45 steps: Muon, SOAP; every 225: Adam"
+  )
+
+
+def test_the_committed_t5_runs_at_two_spacings_leave_t5_out(tmp_path, committed):
+  """The committed T5 stand-in runs of the paper's arms evaluate once an epoch and the newer
+  optimizers' every 45 steps: T5 is out of the profiles, and the notes say why."""
+  t5 = profiles.workloads("cifar10", "30ep")[-1]
+  timing = profiles.workload_times(committed, "cifar10", "30ep", 0)
+  assert timing.spacings[t5.name]["Adam"] == (225,) and timing.spacings[t5.name]["Muon"] == (45,)
+  assert timing.times[t5.name] == {}
+  profiles.write_profiles(committed, "cifar10", "30ep", tmp_path)
+  md = (tmp_path / "profile_cifar10_30ep.md").read_text()
+  assert "### Targets: 85 % (ResNet-18)\n" in md and "### Targets: 88 % (ResNet-18)\n" in md
+  assert (
+    "- Left out of the profiles: T5 stand-in, its optimizers evaluated at different spacings "
+    "(every 45 steps: Muon, SF-AdamW, SOAP; every 225: Adam, Momentum, Ginger (τ=8), QNG (τ=8))"
+  ) in md
