@@ -271,22 +271,29 @@ def test_init_model_is_the_op_by_op_draw():
 
 def test_init_model_runs_where_jax_has_no_cpu_backend(monkeypatch):
   """init_model compiles the initialisation for the host's CPU; under ``JAX_PLATFORMS=cuda``
-  (no CPU backend: ``jax.devices("cpu")`` raises) it builds the same draw on the default
-  device."""
+  (no CPU backend: ``jax.devices("cpu")`` and ``jax.local_devices(backend="cpu")`` raise) it
+  builds the same draw on the default device."""
   from models import tasks
 
   def build(key):
     return nnx.Linear(3, 2, rngs=nnx.Rngs(key))
 
   on_cpu = tasks.init_model(build, 0)
-  real = jax.devices
+  assert tasks.host_cpu() == jax.local_devices(backend="cpu")[0]  # this process's own
+  real, real_local = jax.devices, jax.local_devices
 
   def no_cpu(backend=None):
     if backend == "cpu":
       raise RuntimeError("Unknown backend cpu")
     return real(backend)
 
+  def no_local_cpu(process_index=None, backend=None):
+    if backend == "cpu":
+      raise RuntimeError("Unknown backend cpu")
+    return real_local(process_index, backend)
+
   monkeypatch.setattr(jax, "devices", no_cpu)
+  monkeypatch.setattr(jax, "local_devices", no_local_cpu)
   assert tasks.host_cpu() is None
   default = tasks.init_model(build, 0)
   np.testing.assert_array_equal(on_cpu.kernel.value, default.kernel.value)
