@@ -16,9 +16,10 @@ so ``B_s = 1`` for an optimizer fastest on every workload and 0 for one that nev
 A seed's time is its steps to its first evaluation at the target (an accuracy at or above it,
 a loss at or below it) times the
 configuration's current step time on a device of its own (:func:`alone_step_time`: the median
-``step_time_s`` of its runs with ``device_shared`` false, from any sweep, at the newest commit
-among them): the runs of the tables shared GPUs, so their wall clocks are not their own, and
-code changes the step. Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
+``step_time_s`` of the runs with its step, ``device_shared`` false, from any sweep and length,
+at the newest commit among them; ``make steptime`` runs 600 steps of each alone): the runs of
+the tables shared GPUs, so their wall clocks are not their own, and code changes the step.
+Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
 A profile compares the optimizers timed on its first workload (ResNet-18) over the workloads
 on which every one of them is timed; a workload where one has no time (no runs, or none alone on
 its GPU) is left out of it whole, and the notes name what is missing: a profile over different
@@ -139,12 +140,13 @@ def score(ratios: Mapping[str, float], r_max: float = R_MAX) -> float:
 
 def current_alone_runs(runs: Sequence[Run], pool: Sequence[Run] = ()) -> list[Run]:
   """The runs that time the configuration of ``runs`` as its code stands: those that had their
-  device alone, among ``runs`` and the runs of the same configuration in ``pool`` (any sweep: a
-  cold race's runs time the same program), at the newest commit among them (the newest run's:
-  code changes the step); [] without a run alone."""
-  keys, mine = {selection.config_key(r) for r in runs}, {id(r) for r in runs}
+  device alone, among ``runs`` and the runs of ``pool`` with the same step
+  (:func:`results.selection.step_key`; any sweep and length: a cold race's runs and the
+  steptime sweep's short runs time the same program), at the newest commit among them (the
+  newest run's: code changes the step); [] without a run alone."""
+  keys, mine = {selection.step_key(r) for r in runs}, {id(r) for r in runs}
   others = (r for r in pool if id(r) not in mine and is_done(r))
-  same = [*runs, *(r for r in others if selection.config_key(r) in keys)]
+  same = [*runs, *(r for r in others if selection.step_key(r) in keys)]
   alone = [r for r in same if is_number(r.get("step_time_s")) and not is_shared(r)]
   if not alone:
     return []

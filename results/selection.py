@@ -9,6 +9,7 @@ row is looked up in ``results/paper/<name>.csv``. The paper's protocols (:data:`
 from __future__ import annotations
 
 import csv
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,10 +26,10 @@ TAUS = (1, 2, 4, 8, 16, 32)
 SENSITIVITY_ALPHAS = (0.9, 0.99, 0.999)
 SENSITIVITY_TAUS = (2, 4, 8)
 PAPER_ALPHA = 0.99  # the paper's "second moment" for all optimizers
-# Never in a paper table: lr_tune's candidates, and the studies beyond the paper, which have
-# their own tables (curvature_every: build_curvature_every; recipe: warm-up, cosine decay and
-# weight decay).
-EXCLUDED_SWEEPS = frozenset({"lr_tune", "curvature_every", "recipe"})
+# Never in a paper table: lr_tune's candidates, the studies beyond the paper, which have their
+# own tables (curvature_every: build_curvature_every; recipe: warm-up, cosine decay and weight
+# decay), and steptime's short runs alone, which only time their configurations (step_key).
+EXCLUDED_SWEEPS = frozenset({"lr_tune", "curvature_every", "recipe", "steptime"})
 # The variant an optimizer's cells in Tables 1-4 stand for: Ginger's config defaults, as the
 # authors' code runs it (clip rho=1, one (U, sigma) per tensor). The other variants (sweep
 # ablation) share tau and alpha with it and belong to the ablation table.
@@ -96,6 +97,18 @@ def config_key(run: Run) -> tuple:
   """The run's hyperparameters (everything but the seed), hashable (a mapping as its sorted
   items)."""
   return tuple(_hashable(rfield(run, k)) for k in CONFIG_KEYS)
+
+
+def step_key(run: Run) -> tuple:
+  """:func:`config_key` without what leaves a training step's program and cost as they are: the
+  run's length and its evaluation spacing. Runs with one step key time each other's steps (a
+  short run alone of the steptime sweep times a 30-epoch cell whose runs shared a GPU)."""
+  settings = rfield(run, "settings")
+  if isinstance(settings, str):
+    settings = json.dumps({k: v for k, v in json.loads(settings).items() if k != "eval_every"})
+  return tuple(
+    _hashable(settings if k == "settings" else rfield(run, k)) for k in CONFIG_KEYS if k != "length"
+  )
 
 
 def _hashable(value: Any) -> Any:

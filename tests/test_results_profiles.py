@@ -183,3 +183,30 @@ def test_the_committed_t5_runs_at_two_spacings_leave_t5_out(tmp_path, committed)
     "- Left out of the profiles: T5 stand-in, its optimizers evaluated at different spacings "
     "(every 45 steps: Muon, SF-AdamW, SOAP; every 225: Adam, Momentum, Ginger (τ=8), QNG (τ=8))"
   ) in md
+
+
+def test_a_short_run_alone_times_its_configurations_cells(committed):
+  """A configuration's step time alone may come from a short run of the step-time sweep: the
+  same configuration but for its length and evaluation spacing (neither changes the step's
+  program). A run of another lr times nothing else; a step-time run never fills a table cell."""
+  import copy
+  import json
+
+  from results import selection
+  from results.runs import rfield
+
+  protocol = {**selection.image_protocol("cifar10", "30ep"), "model": "resnet18"}
+  cell = selection.table1_cell(committed, "muon", **protocol).runs
+  short = copy.deepcopy(next(r for r in cell if not r.get("device_shared")))
+  settings = json.loads(short["run"]["settings"])
+  settings["eval_every"] = 100
+  short["run"].update(sweep="steptime", length="600steps", seed=0, settings=json.dumps(settings))
+  short.update(step_time_s=1e-3, mtime=1e12, git_commit="f" * 40, path="steptime/muon")
+  other_lr = copy.deepcopy(short)
+  other_lr["run"]["lr"], other_lr["step_time_s"], other_lr["mtime"] = 0.5, 9.0, 2e12
+  pool = [*committed, short, other_lr]
+  assert profiles.alone_step_time(cell, pool) == 1e-3
+  assert selection.step_key(short) == selection.step_key(cell[0])
+  assert selection.step_key(other_lr) != selection.step_key(cell[0])
+  assert selection.table1_cell(pool, "muon", **protocol).runs == cell
+  assert rfield(short, "sweep") in selection.EXCLUDED_SWEEPS

@@ -172,6 +172,33 @@ def test_lr_tune_protocol(cfg_dir):
   assert smoke.config["data"]["holdout"] == 300 and smoke.run["dataset"] == "digits"
 
 
+def test_steptime_runs_time_the_cells_of_their_configuration(cfg_dir):
+  """The steptime sweep's short runs (every profiled optimizer on both ResNets) have the step
+  key of their Table 1 cell: only the length and the evaluation spacing differ, which leave
+  the step's program as it is; no table takes them."""
+  jobs = job_overrides(["+sweep=steptime"], cfg_dir)
+  assert len(jobs) == 2 * 8
+  for arm in ("muon", "ginger_tau8", "kfac"):
+    exp = ["+sweep/exp=standin/cifar100_resnet50", f"+sweep/arm={arm}", "scale=standin"]
+    short = compose_job(["+sweep=steptime", *exp], cfg_dir)
+    cell = compose_job(["+sweep=table1", *exp], cfg_dir)
+    assert short.config["max_steps"] == 600 and short.run["sweep"] in selection.EXCLUDED_SWEEPS
+    short, cell = as_loaded(short), as_loaded(cell)
+    assert short["run"]["length"] == "600steps" and cell["run"]["length"] == "30ep"
+    assert selection.config_key(short) != selection.config_key(cell)
+    assert selection.step_key(short) == selection.step_key(cell)
+
+
+def as_loaded(job):
+  """The job's run block as results.runs.load_summary reads it back: with its length and its
+  settings (derived from the config)."""
+  from results.runs import run_length, settings_of
+  from training import run_record
+
+  settings = json.dumps(run_record.canonical(settings_of(job.config)), sort_keys=True)
+  return {"run": {**job.run, "length": run_length({"config": job.config}), "settings": settings}}
+
+
 def test_qng_control_is_clipped_per_tensor_qng_with_its_own_lr(cfg_dir, tmp_path):
   tune = job_overrides(["+sweep=lr_tune", "+sweep/arm=qng_clip"], cfg_dir)
   assert len(tune) == 4 * 8  # experiments x lrs, the one arm
