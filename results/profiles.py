@@ -163,9 +163,18 @@ def alone_step_time(runs: Sequence[Run], pool: Sequence[Run] = ()) -> float | No
 IMAGE = Workload("image", "resnet", {}, "table1", "val_accuracy", TARGETS)
 
 
+def eval_series(run: Run, workload: Workload = IMAGE) -> dict[str, np.ndarray]:
+  """The run's evaluations of ``workload``'s metric: their ``step`` and ``value`` arrays."""
+  return read_series(run["path"], spectrum=False, eval_metric=workload.metric).eval
+
+
 def steps_to(run: Run, target: float, workload: Workload = IMAGE) -> float:
   """Training steps to the run's first evaluation at ``target`` or past it (inf if never)."""
-  evals = read_series(run["path"], spectrum=False, eval_metric=workload.metric).eval
+  return first_step(eval_series(run, workload), target, workload)
+
+
+def first_step(evals: dict[str, np.ndarray], target: float, workload: Workload = IMAGE) -> float:
+  """The step of the first of ``evals`` (:func:`eval_series`) at ``target`` (inf if none)."""
   if "value" not in evals or not evals["value"].size:
     return math.inf
   hit = np.flatnonzero(workload.reached(evals["value"], target))
@@ -208,29 +217,30 @@ def cell_runs(runs: Sequence[Run], workload: Workload, optimizer: str, tau: Any)
 
 
 class Timing(NamedTuple):
-  """The times at one level of targets: ``times`` ``{workload: {optimizer label: median
-  seconds}}``; ``missing`` why an optimizer has no time on a workload (``{workload: ["<label>
-  (no runs)", ...]}``); ``spacings`` each timed optimizer's steps between evaluations there
-  (``{workload: {label: (45,)}}``), the resolution of its times."""
+  """The times at each level of targets: ``times[level]`` ``{workload: {optimizer label:
+  median seconds}}``; ``missing`` why an optimizer has no time on a workload (``{workload:
+  ["<label> (no runs)", ...]}``); ``spacings`` each timed optimizer's steps between evaluations
+  there (``{workload: {label: (45,)}}``), the resolution of its times."""
 
-  times: dict[str, dict[str, float]]
+  times: list[dict[str, dict[str, float]]]
   missing: dict[str, list[str]]
   spacings: dict[str, dict[str, tuple[int, ...]]]
 
 
-def workload_times(runs: Sequence[Run], dataset: str, length: str | None, level: int) -> Timing:
-  """Each optimizer's time on each workload at its target of ``level`` (an index into its
-  targets). An optimizer that cannot run a workload's model family (its registry entry's
-  ``families``) never reaches its target there. A workload whose optimizers were evaluated at
-  different spacings gets no times (:func:`same_resolution`)."""
-  timing = Timing({}, {}, {})
+def workload_times(runs: Sequence[Run], dataset: str, length: str | None) -> Timing:
+  """Each optimizer's time on each workload at each of its targets (one level per TARGETS),
+  each run's evaluations read once. An optimizer that cannot run a workload's model family (its
+  registry entry's ``families``) never reaches its targets there. A workload whose optimizers
+  were evaluated at different spacings gets no times (:func:`same_resolution`)."""
+  timing = Timing([{} for _ in TARGETS], {}, {})
   for workload in workloads(dataset, length):
-    times = timing.times[workload.name] = {}
+    levels = [by_workload.setdefault(workload.name, {}) for by_workload in timing.times]
     spacings = timing.spacings[workload.name] = {}
     for optimizer, tau in optimizers():
       name = label(optimizer, tau)
       if not runs_family(optimizer, workload):
-        times[name] = math.inf
+        for times in levels:
+          times[name] = math.inf
         continue
       runs_of = cell_runs(runs, workload, optimizer, tau)
       step_s = alone_step_time(runs_of, runs) if runs_of else None
@@ -238,21 +248,23 @@ def workload_times(runs: Sequence[Run], dataset: str, length: str | None, level:
         why = "no runs" if not runs_of else "no run alone on its GPU"
         timing.missing.setdefault(workload.name, []).append(f"{name} ({why})")
         continue
-      seconds = seed_times(runs_of, workload.targets[level], step_s, workload)
-      times[name] = stats.median_time(seconds)
-      spacings[name] = evaluation_spacings(runs_of, workload)
+      evals = [eval_series(r, workload) for r in runs_of]
+      for times, target in zip(levels, workload.targets, strict=True):
+        times[name] = stats.median_time([first_step(e, target, workload) * step_s for e in evals])
+      spacings[name] = evaluation_spacings(evals)
     if not same_resolution(spacings):
-      times.clear()
+      for times in levels:
+        times.clear()
   return timing
 
 
-def evaluation_spacings(runs: Sequence[Run], workload: Workload) -> tuple[int, ...]:
-  """The distinct numbers of steps between consecutive evaluations of ``runs`` on
-  ``workload``: the resolution of their times, a seed's time being the step of its first
-  evaluation at the target."""
+def evaluation_spacings(evals: Sequence[dict[str, np.ndarray]]) -> tuple[int, ...]:
+  """The distinct numbers of steps between consecutive evaluations of runs' ``evals``
+  (:func:`eval_series`): the resolution of their times, a seed's time being the step of its
+  first evaluation at the target."""
   found = set()
-  for run in runs:
-    steps = read_series(run["path"], spectrum=False, eval_metric=workload.metric).eval["step"]
+  for e in evals:
+    steps = e["step"]
     found.update(int(d) for d in np.diff(steps[np.isfinite(steps)]) if d > 0)
   return tuple(sorted(found))
 
@@ -348,9 +360,9 @@ def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
 def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: Path) -> list[Path]:
   """profile_<dataset>_<length>.md and plots/performance_<...>.png; [] without times."""
   profiles, notes = {}, []
-  for level in range(len(TARGETS)):  # which optimizers have times does not depend on the level
-    timing = workload_times(runs, dataset, length, level)
-    used = complete(timing.times)
+  timing = workload_times(runs, dataset, length)
+  for level, times in enumerate(timing.times):  # which optimizers have times: every level alike
+    used = complete(times)
     profiles[level_text(dataset, length, level, list(used))] = used
   if not any(profiles.values()):
     return []
@@ -374,7 +386,7 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
         f"- Left out of the profiles: {w.name}, its optimizers evaluated at different spacings "
         f"({spacing_text(spacings)}), so their times do not compare."
       )
-  left_out = [w for w in timing.times if w not in used and w not in mixed]
+  left_out = [w for w in timing.times[0] if w not in used and w not in mixed]
   if left_out:
     notes.append(
       f"- Left out of the profiles (not every optimizer timed on {first} is timed there): "
