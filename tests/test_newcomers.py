@@ -72,7 +72,12 @@ def test_the_table_of_todays_optimizers(runs):
   assert rows["Adam"][2:6] == ["", "", "", ""]  # an arm is not compared with itself
   assert rows["SF-AdamW"][:2] == ["4", "89.06 ± 0.16"]
   assert rows["SOAP"][:2] == ["4", "89.04 ± 0.24"]
-  assert any("K-FAC" in note for note in table.notes)  # registered, no runs yet
+  assert rows["K-FAC"][:2] == ["2", "89.28 ± 0.22"]
+  assert not any("no completed runs" in note for note in table.notes)
+  # a registered optimizer without runs of the set is named, not silently left out
+  [(_, table)] = newcomers.newcomer_tables([r for r in runs if rfield(r, "optimizer") != "kfac"])
+  assert "K-FAC" not in {r.label for r in table.rows}
+  assert any("no completed runs" in note and "K-FAC" in note for note in table.notes)
 
 
 def test_the_table_times_each_optimizer_to_the_profiles_targets(runs):
