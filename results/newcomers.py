@@ -3,11 +3,13 @@
 Every registered optimizer beyond the paper's four (Muon, schedule-free AdamW, ... : the entries
 of training/registry.py whose ``compared_with`` names arms) gets a row once it has completed
 runs of the set: its best validation accuracy over seeds, its difference from each arm it is
-compared with (Adam and Ginger τ=8 by default) with Welch's 95 % interval and the reading after
-Holm's correction over the family of every optimizer compared with that arm (the families of
-the comparisons file, :func:`results.comparisons.newcomer_pairs`), its step time and memory
-(from runs alone on their device), its optimizer state and its FLOPs per step counted from the
-model's parameter shapes (``registry.update_flops``). The arms have rows of their own above.
+compared with (Adam and Ginger τ=8 by default) with Welch's 95 % interval, the family's
+simultaneous 95 % interval (Bonferroni) and the reading after Holm's correction over the family
+of every optimizer compared with that arm (the families of the comparisons file,
+:func:`results.comparisons.newcomer_pairs`), its times to the profiles' targets, its step
+time and memory (from runs alone on their device), its optimizer state and its FLOPs per step
+counted from the model's parameter shapes (``registry.update_flops``). The arms have rows of
+their own above.
 ``make tables`` writes ``newcomers_<dataset>_<length>.md`` and ``.tex``::
 
     python -m results.newcomers results/cifar10/runs --out results/cifar10
@@ -120,20 +122,31 @@ def _stat(runs: Sequence[Run], value, style: str) -> str:
 
 def _differences(
   pairs: Sequence[ComparisonPair],
-) -> dict[tuple[str, str], tuple[str, str]]:
-  """(optimizer label, family) -> (Welch interval text, Holm reading) for the newcomers'
-  comparisons with runs on both sides, Holm's correction run over each family."""
+) -> dict[tuple[str, str], tuple[str, str, str]]:
+  """(optimizer label, family) -> (Welch interval text, the family's simultaneous interval,
+  Holm reading) for the newcomers' comparisons with runs on both sides. Holm's correction and
+  the simultaneous intervals (Bonferroni: each at 1 - 0.05 / m) run over each family's m
+  tested comparisons."""
   tested = collections.defaultdict(list)
   for family, label, a, b in pairs:
     va, vb = accuracies(a), accuracies(b)
     if va and vb:
-      tested[family].append((label, stats.welch(va, vb)))
+      tested[family].append((label, va, vb, stats.welch(va, vb)))
   out = {}
   for family, rows in tested.items():
-    readings = stats.holm_verdicts([d for _, d in rows])
-    for (label, diff), reading in zip(rows, readings, strict=True):
-      out[(label, family)] = (diff.text(), reading)
+    readings = stats.holm_verdicts([d for *_, d in rows])
+    m = sum(d.p is not None for *_, d in rows)
+    for (label, va, vb, diff), reading in zip(rows, readings, strict=True):
+      wide = stats.bonferroni(va, vb, m) if diff.p is not None else None
+      out[(label, family)] = (diff.text(), _interval(wide), reading)
   return out
+
+
+def _interval(diff: stats.Difference | None) -> str:
+  """``[-0.23, +0.62]``; blank without an interval."""
+  if diff is None or diff.low is None or diff.high is None:
+    return ""
+  return f"[{diff.low:+.2f}, {diff.high:+.2f}]"
 
 
 def build_newcomers(
@@ -185,6 +198,7 @@ def _columns(arm_labels: Sequence[str]) -> list[Column]:
   for label in arm_labels:
     columns += [
       Column(f"− {label}", "[95 % CI]", part=ACCURACY),
+      Column(f"− {label}", "[simultaneous 95 %]", part=ACCURACY),
       Column(f"− {label}", "Holm", part=ACCURACY),
     ]
   for target in profiles.TARGETS:
@@ -235,7 +249,8 @@ def _row_cells(
   times: Sequence[str],
   alone: Sequence[Run],
 ) -> list[str]:
-  """One row's cells: seeds, accuracy, the difference and Holm reading against each arm
+  """One row's cells: seeds, accuracy, the difference, its simultaneous interval and Holm
+  reading against each arm
   (blank for an arm itself, or without runs), the ``times`` to the targets, then the costs:
   step time and memory from the configuration's current runs ``alone`` on their device."""
   runs = sel.runs
@@ -243,7 +258,7 @@ def _row_cells(
   for arm in arms:
     reference = optimizer_label(*arm)
     key = (f"{label} − {reference}", newcomer_family(arm))
-    cells += list(diffs.get(key, ("", "")))
+    cells += list(diffs.get(key, ("", "", "")))
   costs = [
     _median(alone, summary_number("step_time_s", 1e3), "f2"),
     _median(alone, summary_number("step_memory_bytes", 1e-9), "f2"),
@@ -267,9 +282,12 @@ def _caption(arm_labels: Sequence[str]) -> str:
   arms = " and ".join(arm_labels)
   return (
     "Best validation accuracy (%), mean ± sample std over seeds (n). − arm: the difference of"
-    f" means from {arms} [Welch 95 % interval, uncorrected]; Holm: its reading after Holm's "
+    f" means from {arms} [Welch 95 % interval, uncorrected]; [simultaneous 95 %]: the family's"
+    " intervals, each at 1 − 0.05 / m over the family's m comparisons (Bonferroni: all m cover"
+    " their differences together with probability at least 95 %); Holm: the reading after Holm's "
     "correction over the family of every optimizer compared with that arm (above / below "
-    "where the adjusted p is below 0.05, tie otherwise; n < 2 where a side has one run). s to"
+    "where the adjusted p is below 0.05, tie otherwise; n < 2 where a side has one run; Holm "
+    "can read above or below where the simultaneous interval still holds 0). s to"
     " T %: time to a validation accuracy of T % as AlgoPerf scores it (results/profiles.py): "
     "the median over seeds of each seed's steps to the target times its configuration's step "
     "time alone, a seed that misses counting as infinitely slow, then (reached / seeds); − "

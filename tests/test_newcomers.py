@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from results import newcomers
@@ -65,11 +66,11 @@ def test_the_table_of_todays_optimizers(runs):
   assert name == "newcomers_cifar10_30ep"
   rows = {r.label: r.cells for r in table.rows}
   assert list(rows)[:2] == ["Adam", "Ginger (τ=8)"] and "Muon" in rows
-  n, acc, adam, adam_holm, ginger, ginger_holm = rows["Muon"][:6]
+  n, acc, adam, _, adam_holm, ginger, _, ginger_holm = rows["Muon"][:8]
   assert n == "4" and acc.startswith("89.00")
   assert adam.startswith("+1.03 [") and ginger.startswith("+0.88 [")
   assert adam_holm in ("above", "tie", "below") and ginger_holm in ("above", "tie", "below")
-  assert rows["Adam"][2:6] == ["", "", "", ""]  # an arm is not compared with itself
+  assert rows["Adam"][2:8] == [""] * 6  # an arm is not compared with itself
   assert rows["SF-AdamW"][:2] == ["4", "89.06 ± 0.16"]
   assert rows["SOAP"][:2] == ["4", "89.04 ± 0.24"]
   assert rows["K-FAC"][:2] == ["2", "89.28 ± 0.22"]
@@ -78,6 +79,43 @@ def test_the_table_of_todays_optimizers(runs):
   [(_, table)] = newcomers.newcomer_tables([r for r in runs if rfield(r, "optimizer") != "kfac"])
   assert "K-FAC" not in {r.label for r in table.rows}
   assert any("no completed runs" in note and "K-FAC" in note for note in table.notes)
+
+
+def test_each_difference_has_its_familys_simultaneous_interval(runs):
+  """Beside Welch's 95 % interval, each difference has the family's simultaneous one
+  (Bonferroni: each of the family's m comparisons at 1 - 0.05 / m, so that all m cover their
+  true differences together with probability >= 95 %), computed here from scipy's t with
+  Welch's degrees of freedom; it holds the uncorrected interval."""
+  from scipy import stats as sps
+
+  from results import selection
+
+  [(_, table)] = newcomers.newcomer_tables(runs)
+  heads = [f"{c.group} {c.label}".strip() for c in table.columns]
+  rows = {r.label: dict(zip(heads, r.cells, strict=True)) for r in table.rows}
+  protocol = {**selection.image_protocol("cifar10", "30ep"), "model": "resnet18"}
+
+  def accuracies(optimizer, tau=None):
+    sel = selection.table1_cell(runs, optimizer, tau, **protocol)
+    return np.array([r["best_val_accuracy"] for r in sel.runs])
+
+  newcomer_rows = {"Muon": "muon", "SF-AdamW": "schedule_free_adamw", "SOAP": "soap"}
+  newcomer_rows["K-FAC"] = "kfac"
+  m = len(newcomer_rows)  # every newcomer has two runs or more: the whole family is tested
+  for arm, (optimizer, tau) in {"Adam": ("adam", None), "Ginger (τ=8)": ("ginger", 8)}.items():
+    b = accuracies(optimizer, tau)
+    assert rows["Adam"][f"− {arm} [simultaneous 95 %]"] == ""
+    for label, name in newcomer_rows.items():
+      a = accuracies(name)
+      va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+      df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+      half = sps.t.ppf(1 - 0.05 / (2 * m), df) * math.sqrt(va + vb)
+      delta = a.mean() - b.mean()
+      expected = f"[{delta - half:+.2f}, {delta + half:+.2f}]"
+      assert rows[label][f"− {arm} [simultaneous 95 %]"] == expected, (label, arm)
+      low, high = (float(x) for x in expected.strip("[]").split(", "))
+      welch = rows[label][f"− {arm} [95 % CI]"].split("[")[1].rstrip("]").split(", ")
+      assert low <= float(welch[0]) and float(welch[1]) <= high
 
 
 def test_the_table_times_each_optimizer_to_the_profiles_targets(runs):
