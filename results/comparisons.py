@@ -1,5 +1,6 @@
-"""Every comparison of best validation accuracy the results make, with its Welch 95 % interval
-and its reading after Holm's correction over its family (results/stats.py)."""
+"""Every comparison of best validation accuracy the results make, with its Welch 95 % interval,
+its reading after Holm's correction over its family and the family's simultaneous 95 % interval
+(Bonferroni; results/stats.py)."""
 
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ COMPARISON_LABELS = (
   "Family (m)",
   "p (Holm)",
   "Reading (Holm)",
+  "Simultaneous 95 %",
 )
 
 
@@ -172,7 +174,10 @@ def build_comparisons(
     "them tested; p (Holm): Welch's p-value adjusted by Holm's step-down procedure over the "
     "family, which keeps the chance of any false above / below in the family at 5 %; reading "
     "(Holm): above / below where it is below 0.05. A sentence about a family uses the Holm "
-    "reading. A cell pools the runs of one resolved configuration (the cell of Tables 1 and 3 "
+    "reading. Simultaneous 95 %: A − B's interval at 1 − 0.05 / m (Bonferroni), so that the "
+    "family's m intervals cover their differences together with probability at least 95 % "
+    "(Holm, the more powerful, can read above or below where it still holds 0). A cell pools "
+    "the runs of one resolved configuration (the cell of Tables 1 and 3 "
     "it comes from; a rerun of a seed replaces the earlier run), on any card: accuracy does "
     "not depend on the card's kind."
   )
@@ -217,26 +222,30 @@ def _comparison_rows(
   for family, label, a, b in pairs:
     va, vb = values(a), values(b)
     if va and vb:
-      tested.append((family, label, va, vb, stats.welch(va, vb)))
+      tested.append((family, label, va, vb))
       used += [r for r in a.runs + b.runs if r not in used]
   by_family: dict[str, list[int]] = collections.defaultdict(list)
   for k, (family, *_rest) in enumerate(tested):
     by_family[family].append(k)
-  holm: dict[int, tuple[float | None, str, int]] = {}
+  read: dict[int, stats.FamilyComparison] = {}
   for ks in by_family.values():
-    diffs = [tested[k][4] for k in ks]
-    m = sum(d.p is not None for d in diffs)
-    for k, p, reading in zip(
-      ks, stats.holm([d.p for d in diffs]), stats.holm_verdicts(diffs), strict=True
-    ):
-      holm[k] = (p, reading, m)
+    family = stats.read_family([(tested[k][2], tested[k][3]) for k in ks])
+    read.update(zip(ks, family, strict=True))
   out = []
-  for k, (family, label, va, vb, diff) in enumerate(tested):
-    p, reading, m = holm[k]
-    cells = [_sample_text(va), _sample_text(vb), diff.text(), diff.verdict]
-    cells += [f"{family} ({m})", "" if p is None else _p_text(p), reading]
+  for k, (family, label, va, vb) in enumerate(tested):
+    c = read[k]
+    cells = [_sample_text(va), _sample_text(vb), c.welch.text(), c.welch.verdict]
+    cells += [f"{family} ({c.m})", "" if c.p_holm is None else _p_text(c.p_holm), c.reading]
+    cells.append(interval_text(c.simultaneous))
     out.append((label, cells))
   return out, used
+
+
+def interval_text(diff: stats.Difference | None) -> str:
+  """``[-0.23, +0.62]``: a difference's interval alone; blank without one."""
+  if diff is None or diff.low is None or diff.high is None:
+    return ""
+  return f"[{diff.low:+.2f}, {diff.high:+.2f}]"
 
 
 def _p_text(p: float) -> str:
@@ -276,8 +285,9 @@ def build_dpass(runs: Sequence[Run], dataset: str, length: str | None = None) ->
     "Best validation accuracy (%) of Ginger with another d-pass (A) and with the paper's (B: "
     "over the whole batch, with a forward of its own in evaluation mode, the authors' code) at "
     "the same tau and curvature_every K: mean ± sample std (n seeds), A − B [Welch 95 % "
-    "interval], and the reading after Holm's correction over the family (as the comparisons "
-    "table). The runs shared a GPU: their step times are in docs/benchmarks.md "
+    "interval], the reading after Holm's correction over the family and the family's "
+    "simultaneous interval (as the comparisons table). The runs shared a GPU: their step "
+    "times are in docs/benchmarks.md "
     "(bench.train_step, each run alone)."
   )
   title = f"Ginger's d-pass: the shared forward and part of the batch, {what} - beyond the paper"
@@ -322,8 +332,8 @@ def loss_comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
       "Minimum training loss (lower is better): A and B as mean ± sample std (n seeds); A − B "
       "[Welch 95 % interval, uncorrected]; reading: below (A's loss lower) / above where that "
       "interval excludes 0, tie where it contains 0, n < 2 where a side has one run. Family "
-      "(m) and p (Holm) as in the image comparisons: Holm's correction over each setting's "
-      "Ginger − Adam comparisons and over its pairs of taus."
+      "(m), p (Holm) and the simultaneous interval as in the image comparisons: over each "
+      "setting's Ginger − Adam comparisons and over its pairs of taus."
     )
     title = (
       f"Training loss compared, Holm-corrected by family: XSUM, {model}, {length_text(length)}"

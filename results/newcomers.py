@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from results import profiles, stats
-from results.comparisons import accuracies, newcomer_family, newcomer_pairs
+from results.comparisons import accuracies, interval_text, newcomer_family, newcomer_pairs
 from results.metrics import aggregate, fmt_num, fmt_stat, summary_number
 from results.render import tables_command
 from results.runs import Run, is_number, rfield
@@ -124,29 +124,18 @@ def _differences(
   pairs: Sequence[ComparisonPair],
 ) -> dict[tuple[str, str], tuple[str, str, str]]:
   """(optimizer label, family) -> (Welch interval text, the family's simultaneous interval,
-  Holm reading) for the newcomers' comparisons with runs on both sides. Holm's correction and
-  the simultaneous intervals (Bonferroni: each at 1 - 0.05 / m) run over each family's m
-  tested comparisons."""
+  Holm reading) for the newcomers' comparisons with runs on both sides, each family read at
+  once (:func:`results.stats.read_family`)."""
   tested = collections.defaultdict(list)
   for family, label, a, b in pairs:
     va, vb = accuracies(a), accuracies(b)
     if va and vb:
-      tested[family].append((label, va, vb, stats.welch(va, vb)))
+      tested[family].append((label, (va, vb)))
   out = {}
   for family, rows in tested.items():
-    readings = stats.holm_verdicts([d for *_, d in rows])
-    m = sum(d.p is not None for *_, d in rows)
-    for (label, va, vb, diff), reading in zip(rows, readings, strict=True):
-      wide = stats.bonferroni(va, vb, m) if diff.p is not None else None
-      out[(label, family)] = (diff.text(), _interval(wide), reading)
+    for (label, _), c in zip(rows, stats.read_family([s for _, s in rows]), strict=True):
+      out[(label, family)] = (c.welch.text(), interval_text(c.simultaneous), c.reading)
   return out
-
-
-def _interval(diff: stats.Difference | None) -> str:
-  """``[-0.23, +0.62]``; blank without an interval."""
-  if diff is None or diff.low is None or diff.high is None:
-    return ""
-  return f"[{diff.low:+.2f}, {diff.high:+.2f}]"
 
 
 def build_newcomers(

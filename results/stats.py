@@ -17,7 +17,8 @@ with the m p-values sorted, ``p_(1) <= ... <= p_(m)``, the adjusted p-values are
 ``p~_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))``, and a comparison is read as above / below
 when ``p~ < alpha``. Holm rejects everything Bonferroni (``m p < alpha``) rejects, and more.
 Bonferroni's simultaneous intervals (each at confidence ``1 - alpha / m``) all cover their
-true differences with probability ``>= 1 - alpha``: :func:`bonferroni`.
+true differences with probability ``>= 1 - alpha``: :func:`bonferroni`. :func:`read_family`
+reads a family at once: Welch, Holm and the simultaneous intervals over its tested m.
 
 **Time to a target (AlgoPerf's rule).** A run that does not reach the target within its
 budget has time ``inf`` (a miss), not a dropped run: :func:`time_to_target`. An arm's summary
@@ -131,6 +132,42 @@ def holm_verdicts(differences: Sequence[Difference], alpha: float = ALPHA) -> li
   return [
     _reading(d.delta, p, alpha, ("above", "below"))
     for d, p in zip(differences, adjusted, strict=True)
+  ]
+
+
+@dataclass(frozen=True)
+class FamilyComparison:
+  """One comparison read within its family (module docstring): Welch's uncorrected interval,
+  the family's simultaneous one (Bonferroni over the m tested comparisons; None without a
+  test), the Holm-adjusted p-value and its reading, and m."""
+
+  welch: Difference
+  simultaneous: Difference | None
+  p_holm: float | None
+  reading: str
+  m: int
+
+
+def read_family(
+  samples: Sequence[tuple[Sequence[float], Sequence[float]]],
+  alpha: float = ALPHA,
+  confidence: float = CONFIDENCE,
+) -> list[FamilyComparison]:
+  """Each ``(a, b)`` of one family compared (``mean(a) - mean(b)``) and read together: the
+  comparisons with a test (two runs a side) are the family's m, over which Holm's correction
+  and the simultaneous intervals run."""
+  diffs = [welch(a, b, confidence) for a, b in samples]
+  m = sum(d.p is not None for d in diffs)
+  adjusted = holm([d.p for d in diffs])
+  return [
+    FamilyComparison(
+      d,
+      bonferroni(a, b, m, confidence) if d.p is not None else None,
+      p,
+      _reading(d.delta, p, alpha, ("above", "below")),
+      m,
+    )
+    for (a, b), d, p in zip(samples, diffs, adjusted, strict=True)
   ]
 
 

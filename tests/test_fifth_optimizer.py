@@ -138,5 +138,5 @@ def test_it_trains_and_is_counted_and_tabulated(adopt, tmp_path):
   rows = {r.label: r.cells for r in table.rows}
   assert list(rows) == ["Adam", "Ginger (τ=8)", "ADOPT"]
   assert rows["ADOPT"][:2] == ["1", f"{summary['best_val_accuracy']:.2f}"]
-  assert rows["ADOPT"][2:6] == ["+1.00", "n < 2", "+2.00", "n < 2"]
+  assert rows["ADOPT"][2:8] == ["+1.00", "", "n < 2", "+2.00", "", "n < 2"]
   assert rows["ADOPT"][-2] == f"{summary['optimizer_state_bytes_per_device'] * 1e-6:.1f}"

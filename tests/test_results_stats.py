@@ -17,6 +17,7 @@ from results.stats import (
   median_time,
   race_difference,
   rank_sum_p,
+  read_family,
   time_to_target,
   welch,
 )
@@ -127,6 +128,24 @@ def test_bonferroni_interval_is_welch_at_one_minus_alpha_over_m():
   assert d.high - d.low > welch(a, b).high - welch(a, b).low
   with pytest.raises(ValueError, match="m >= 1"):
     bonferroni(a, b, 0)
+
+
+def test_a_family_is_read_once_welch_holm_and_bonferroni_over_its_tested_m():
+  """Each comparison of a family gets Welch's interval, Holm's adjusted p and reading, and the
+  simultaneous interval at 1 - 0.05 / m, m counting only the comparisons with a test (a side
+  with one run has none, and no simultaneous interval)."""
+  base = [87.9, 88.1, 88.0]
+  samples = [([88.6, 88.9, 88.7], base), ([88.0, 88.3], base), ([89.0], base)]
+  family = read_family(samples)
+  assert [c.m for c in family] == [2, 2, 2]
+  diffs = [welch(a, b) for a, b in samples]
+  assert [c.welch for c in family] == diffs
+  assert [c.p_holm for c in family] == holm([d.p for d in diffs])
+  assert [c.reading for c in family] == holm_verdicts(diffs)
+  assert family[0].simultaneous == bonferroni(*samples[0], 2)
+  assert family[1].simultaneous == bonferroni(*samples[1], 2)
+  assert family[2].simultaneous is None and family[2].reading == "n < 2"
+  assert read_family([]) == []
 
 
 # ------------------------------------------------------------------------ time to a target

@@ -899,6 +899,7 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
     "Ginger − Adam over τ (1)",
     f"{tie.p:.2g}",
     "tie",
+    f"[{tie.low:+.2f}, {tie.high:+.2f}]",  # a family of one: its simultaneous interval is Welch's
   ]
   assert rows["Ginger τ=8 − QNG τ=8"][3] == "above"
   assert rows["QNG τ=8 − Adam"][3] == "below"
@@ -919,9 +920,9 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
 
 def test_comparisons_read_each_family_after_holms_correction(tmp_path):
   """Ginger against Adam at three taus is one family of m = 3: each row keeps its uncorrected
-  Welch interval and reading beside the Holm-adjusted p-value and reading; a margin that
-  clears 0.05 alone but not after the correction reads as a tie; the pairs of taus form a
-  family of their own."""
+  Welch interval and reading beside the Holm-adjusted p-value and reading and the simultaneous
+  interval (each at 1 - 0.05 / 3); a margin that clears 0.05 alone but not after the correction
+  reads as a tie; the pairs of taus form a family of their own."""
   root = tmp_path / "runs"
   ginger = {"optimizer": "ginger", "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
   adam = [88.0, 87.9, 88.1]
@@ -942,6 +943,9 @@ def test_comparisons_read_each_family_after_holms_correction(tmp_path):
       "Ginger − Adam over τ (3)",
       f"{p:.2g}",
       stats.holm_verdicts(diffs)[k],
+      "[{0.low:+.2f}, {0.high:+.2f}]".format(
+        stats.welch(samples[f"g{tau}"][1], adam, 1 - 0.05 / 3)
+      ),
     ]
   assert rows["Ginger τ=2 − Adam"][3] == "above" and rows["Ginger τ=2 − Adam"][6] == "tie"
   assert rows["Ginger τ=4 − Adam"][6] == "above"
