@@ -5,7 +5,8 @@ weight decay: the sweep's runs, ``run.recipe`` in their summary.json).
 
 Per optimizer: the best validation accuracy over seeds under each protocol and its rank among
 the optimizers by mean (1: best), and the difference recipe − constant with Welch's 95 %
-interval, read after Holm's correction over the optimizers of the table (one family). A rank
+interval and the family's simultaneous one, read after Holm's correction over the optimizers of
+the table (one family). A rank
 is an order of means, not a test: the comparisons file says which differences its seeds show.
 ``make tables`` writes ``recipe_<dataset>_<length>.md`` and ``.tex`` once recipe runs exist::
 
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from results import stats
-from results.comparisons import accuracies
+from results.comparisons import accuracies, interval_text
 from results.metrics import aggregate, fmt_stat
 from results.render import tables_command
 from results.runs import Run, is_done, rfield
@@ -78,14 +79,10 @@ def build_recipe(runs: Sequence[Run], dataset: str, model: str, length: str | No
     constant = table1_cell(runs, optimizer, tau, **protocol)
     recipe = select_runs(pool, cell_criteria(optimizer, tau, **protocol), (SWEEP,))
     cells.append((optimizer_label(optimizer, tau), constant, recipe))
-  tested = [
-    (label, stats.welch(accuracies(r), accuracies(c)))
-    for label, c, r in cells
-    if accuracies(c) and accuracies(r)
-  ]
-  verdicts = stats.holm_verdicts([d for _, d in tested])  # one family: the table's optimizers
-  readings = {label: v for (label, _), v in zip(tested, verdicts, strict=True)}
-  diffs = {label: d.text() for label, d in tested}
+  samples = {label: (accuracies(recipe), accuracies(constant)) for label, constant, recipe in cells}
+  tested = {label: (r, c) for label, (r, c) in samples.items() if r and c}
+  # one family: the table's optimizers, recipe − constant
+  compared = dict(zip(tested, stats.read_family(list(tested.values())), strict=True))
   means: dict[str, dict[str, float]] = {"constant": {}, "recipe": {}}
   for label, constant, recipe in cells:
     for side, sel in (("constant", constant), ("recipe", recipe)):
@@ -100,6 +97,7 @@ def build_recipe(runs: Sequence[Run], dataset: str, model: str, length: str | No
     Column("recipe", "Acc"),
     Column("recipe", "rank"),
     Column(FAMILY, "[95 % CI]"),
+    Column(FAMILY, "[simultaneous 95 %]"),
     Column(FAMILY, "Holm"),
   ]
   table = Table(
@@ -120,7 +118,10 @@ def build_recipe(runs: Sequence[Run], dataset: str, model: str, length: str | No
         fmt_stat(aggregate(values), "f2") if values else "",
         str(rank[side][label]) if label in rank[side] else "",
       ]
-    row += [diffs.get(label, ""), readings.get(label, "")]
+    if read := compared.get(label):
+      row += [read.welch.text(), interval_text(read.simultaneous), read.reading]
+    else:
+      row += ["", "", ""]
     table.rows.append(Row(label, row))
     used += [r for r in (*constant.runs, *recipe.runs) if r not in used]
   return finish(table, used, [])
@@ -134,8 +135,9 @@ def _caption() -> str:
     "to 0 except for schedule-free AdamW, decoupled weight decay as each recipe arm sets it: "
     "lr × weight_decay = 5e-5 a step at the ResNet-18 stand-in's tuned lrs); rank: by mean "
     "among the optimizers of the table (1: best), an order, not a test. recipe − constant: "
-    "Welch's 95 % interval (uncorrected); Holm: above / below / tie after Holm's correction "
-    "over the table's optimizers (one family); n < 2 where a side has one run."
+    "Welch's 95 % interval (uncorrected) and the family's simultaneous one (Bonferroni, each "
+    "at 1 − 0.05 / m); Holm: above / below / tie after Holm's correction over the table's "
+    "optimizers (one family); n < 2 where a side has one run."
   )
 
 

@@ -165,8 +165,8 @@ def test_recipe_arms_decay_alike_at_their_tuned_lrs():
 def test_the_recipe_table_compares_each_optimizer_with_its_constant_lr_runs(tmp_path):
   """Adam: three constant-lr seeds (Table 1) and three recipe seeds 1 point higher, Muon: the
   reverse order of means with a recipe seed short. The table gives each protocol's ranks, the
-  recipe − constant difference with its Welch interval and the Holm reading over the table's
-  optimizers; a recipe run never fills a Table 1 cell."""
+  recipe − constant difference with its Welch interval, the family's simultaneous interval and
+  the Holm reading over the table's optimizers; a recipe run never fills a Table 1 cell."""
   from test_results_tables import image, make_run
 
   from results import recipe
@@ -190,8 +190,13 @@ def test_the_recipe_table_compares_each_optimizer_with_its_constant_lr_runs(tmp_
   assert list(rows) == ["Adam", "Muon"]
   assert rows["Adam"][:6] == ["3", "80.10 ± 0.10", "2", "3", "81.10 ± 0.10", "1"]
   assert rows["Muon"][:6] == ["3", "81.00 ± 0.10", "1", "2", "80.35 ± 0.07", "2"]
-  assert rows["Adam"][6].startswith("+1.00 [") and rows["Adam"][7] == "above"
-  assert rows["Muon"][6].startswith("-0.65 [") and rows["Muon"][7] in ("below", "tie")
+  assert rows["Adam"][6].startswith("+1.00 [") and rows["Adam"][8] == "above"
+  assert rows["Muon"][6].startswith("-0.65 [") and rows["Muon"][8] in ("below", "tie")
+  # the family's simultaneous interval: each of its two at 1 - 0.05 / 2
+  from results import stats
+
+  wide = stats.welch([81.0, 81.2, 81.1], [80.0, 80.2, 80.1], 1 - 0.05 / 2)
+  assert rows["Adam"][7] == f"[{wide.low:+.2f}, {wide.high:+.2f}]"
   table1 = build_table1(runs, "cifar100", ["resnet18"])
   adam_cells = next(r.cells for r in table1.rows if r.label == "Adam")
   assert adam_cells[0] == "3" and adam_cells[1].startswith("80.10")
