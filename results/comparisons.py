@@ -236,16 +236,8 @@ def _comparison_rows(
     c = read[k]
     cells = [_sample_text(va), _sample_text(vb), c.welch.text(), c.welch.verdict]
     cells += [f"{family} ({c.m})", "" if c.p_holm is None else _p_text(c.p_holm), c.reading]
-    cells.append(interval_text(c.simultaneous))
-    out.append((label, cells))
+    out.append((label, [*cells, c.simultaneous.interval_text()]))
   return out, used
-
-
-def interval_text(diff: stats.Difference | None) -> str:
-  """``[-0.23, +0.62]``: a difference's interval alone; blank without one."""
-  if diff is None or diff.low is None or diff.high is None:
-    return ""
-  return f"[{diff.low:+.2f}, {diff.high:+.2f}]"
 
 
 def _p_text(p: float) -> str:

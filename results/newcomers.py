@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from results import profiles, stats
-from results.comparisons import accuracies, interval_text, newcomer_family, newcomer_pairs
+from results.comparisons import accuracies, newcomer_family, newcomer_pairs
 from results.metrics import aggregate, fmt_num, fmt_stat, summary_number
 from results.render import tables_command
 from results.runs import Run, is_number, rfield
@@ -134,7 +134,7 @@ def _differences(
   out = {}
   for family, rows in tested.items():
     for (label, _), c in zip(rows, stats.read_family([s for _, s in rows]), strict=True):
-      out[(label, family)] = (c.welch.text(), interval_text(c.simultaneous), c.reading)
+      out[(label, family)] = (c.welch.text(), c.simultaneous.interval_text(), c.reading)
   return out
 
 
@@ -239,9 +239,9 @@ def _row_cells(
   alone: Sequence[Run],
 ) -> list[str]:
   """One row's cells: seeds, accuracy, the difference, its simultaneous interval and Holm
-  reading against each arm
-  (blank for an arm itself, or without runs), the ``times`` to the targets, then the costs:
-  step time and memory from the configuration's current runs ``alone`` on their device."""
+  reading against each arm (blank for an arm itself, or without runs), the ``times`` to the
+  targets, then the costs: step time and memory from the configuration's current runs
+  ``alone`` on their device."""
   runs = sel.runs
   cells = [str(len(runs)), _stat(runs, summary_number("best_val_accuracy"), "f2")]
   for arm in arms:

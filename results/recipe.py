@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from results import stats
-from results.comparisons import accuracies, interval_text
+from results.comparisons import accuracies
 from results.metrics import aggregate, fmt_stat
 from results.render import tables_command
 from results.runs import Run, is_done, rfield
@@ -119,7 +119,7 @@ def build_recipe(runs: Sequence[Run], dataset: str, model: str, length: str | No
         str(rank[side][label]) if label in rank[side] else "",
       ]
     if read := compared.get(label):
-      row += [read.welch.text(), interval_text(read.simultaneous), read.reading]
+      row += [read.welch.text(), read.simultaneous.interval_text(), read.reading]
     else:
       row += ["", "", ""]
     table.rows.append(Row(label, row))

@@ -77,10 +77,13 @@ class Difference:
 
   def text(self, digits: int = 2) -> str:
     """``+0.20 [-0.23, +0.62]`` (the interval left out where there is none)."""
-    out = f"{self.delta:+.{digits}f}"
-    if self.low is not None and self.high is not None:
-      out += f" [{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
-    return out
+    return f"{self.delta:+.{digits}f} {self.interval_text(digits)}".rstrip()
+
+  def interval_text(self, digits: int = 2) -> str:
+    """``[-0.23, +0.62]``; blank where there is no interval."""
+    if self.low is None or self.high is None:
+      return ""
+    return f"[{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
 
 
 def welch(a: Iterable[float], b: Iterable[float], confidence: float = CONFIDENCE) -> Difference:
@@ -138,11 +141,11 @@ def holm_verdicts(differences: Sequence[Difference], alpha: float = ALPHA) -> li
 @dataclass(frozen=True)
 class FamilyComparison:
   """One comparison read within its family (module docstring): Welch's uncorrected interval,
-  the family's simultaneous one (Bonferroni over the m tested comparisons; None without a
-  test), the Holm-adjusted p-value and its reading, and m."""
+  the family's simultaneous one (Bonferroni over the m tested comparisons; no interval without
+  a test), the Holm-adjusted p-value and its reading, and m."""
 
   welch: Difference
-  simultaneous: Difference | None
+  simultaneous: Difference
   p_holm: float | None
   reading: str
   m: int
@@ -160,7 +163,7 @@ def read_family(
   m = sum(d.p is not None for d in diffs)
   adjusted, readings = holm([d.p for d in diffs]), holm_verdicts(diffs, alpha)
   return [
-    FamilyComparison(d, bonferroni(a, b, m, confidence) if d.p is not None else None, p, r, m)
+    FamilyComparison(d, bonferroni(a, b, m, confidence) if d.p is not None else d, p, r, m)
     for (a, b), d, p, r in zip(samples, diffs, adjusted, readings, strict=True)
   ]
 
