@@ -2,8 +2,10 @@
 
     python -m bench.race multirun/curvature_every [--target 85]
     python -m bench.race races/cold races/warm      # run dirs collected into folders by kind
+    python -m bench.race results/cifar10/runs/race_cold   # committed runs, as packed
 
-Every folder below the given ones that holds a run's ``summary.json`` and ``metrics.jsonl`` is
+Every folder below the given ones that holds a run's ``summary.json`` and ``metrics.jsonl``, and
+every run packed into an archive there (results.records: read as the run dir it was), is
 one row, grouped by the given folder and the first folder below it (a sweep's experiment,
 ``curvature_every/cifar10_resnet18_30ep``, whose arms and seeds lie deeper; or ``races/cold``
 and ``races/warm``: whether the compilation cache held the run's programs); a run directly
@@ -27,14 +29,13 @@ correction over the group's comparisons with the baseline, the family.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
-from results import stats
+from results import records, stats
 from training import run_record
 
 HEADER = (
@@ -72,9 +73,8 @@ def run_label(summary: dict) -> str:
 
 
 def race(run_dir: Path, target: float, group: str) -> Race:
-  summary = json.loads((run_dir / "summary.json").read_text())
-  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-  evals = [e for e in map(json.loads, lines) if e["event"] == "eval"]
+  summary = records.read_summary(run_dir)
+  evals = [e for e in records.read_events(run_dir) if e.get("event") == "eval"]
   if not evals:
     raise ValueError(f"{run_dir}: no evaluation in metrics.jsonl")
   per_epoch = summary["steps_per_epoch"]
@@ -109,11 +109,12 @@ def group_of(run_dir: Path, folder: Path) -> str:
 
 
 def collect(folders: list[Path], target: float) -> list[Race]:
+  """A row per run dir below ``folders`` with a summary.json and a metrics.jsonl: plain run
+  dirs and those packed into archives there (results.records), read alike."""
   rows = []
   for folder in folders:
-    for summary in sorted(folder.rglob("summary.json")):
-      run_dir = summary.parent
-      if (run_dir / "metrics.jsonl").is_file():
+    for run_dir in records.find_run_dirs([folder]):
+      if records.has_summary(run_dir) and next(records.read_events(run_dir), None) is not None:
         rows.append(race(run_dir, target, group_of(run_dir, folder)))
   return sorted(rows, key=lambda r: (r.group, r.run, r.seed))
 

@@ -271,6 +271,23 @@ def test_race_reads_time_to_accuracy_from_run_records(tmp_path, capsys):
   )
 
 
+def test_race_reads_packed_runs_as_the_run_dirs_they_were(tmp_path):
+  """Run dirs packed into an archive (results.records, as the committed races are) race as the
+  plain run dirs they were packed from, without extracting them."""
+  from bench import race
+  from results import records
+
+  plain = tmp_path / "multirun" / "race"
+  _race_run(plain / "exp" / "a0", "adam", 0, [50.0, 86.0])
+  _race_run(plain / "exp" / "g0", "ginger", 0, [80.0, 84.9], tau=8, curvature_every=8)
+  packed = tmp_path / "runs" / "race"
+  packed.mkdir(parents=True)
+  records.add(packed / "exp.runs.jsonl.gz", [plain / "exp" / "a0", plain / "exp" / "g0"])
+  assert not (packed / "exp").exists()
+  rows = race.collect([packed], target=85.0)
+  assert rows == race.collect([plain], target=85.0) and len(rows) == 2
+
+
 def test_startup_rows_match_the_header():
   """bench.startup's table: one row per program (how it was lowered: traced, or with the
   run's own compilation_cache_dir exported or read back), a failed measurement one row."""
