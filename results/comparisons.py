@@ -215,22 +215,21 @@ def _fill(
 def _comparison_rows(
   pairs: Sequence[ComparisonPair], values: Callable[[Selection], list[float]] = accuracies
 ) -> tuple[list[tuple[str, list[str]]], list[Run]]:
-  """(label, cells) of the comparisons with runs on both sides, in order, the Holm columns
-  computed over each family's comparisons of ``values`` (best accuracy by default); and the
-  runs they use."""
+  """(label, cells) of the comparisons with runs on both sides, in order, the Holm and
+  simultaneous columns computed over each family's comparisons of ``values`` (best accuracy by
+  default); and the runs they use."""
   tested, used = [], []
+  by_family: dict[str, list[int]] = collections.defaultdict(list)
   for family, label, a, b in pairs:
     va, vb = values(a), values(b)
     if va and vb:
+      by_family[family].append(len(tested))
       tested.append((family, label, va, vb))
       used += [r for r in a.runs + b.runs if r not in used]
-  by_family: dict[str, list[int]] = collections.defaultdict(list)
-  for k, (family, *_rest) in enumerate(tested):
-    by_family[family].append(k)
   read: dict[int, stats.FamilyComparison] = {}
   for ks in by_family.values():
-    family = stats.read_family([(tested[k][2], tested[k][3]) for k in ks])
-    read.update(zip(ks, family, strict=True))
+    samples = [(tested[k][2], tested[k][3]) for k in ks]
+    read.update(zip(ks, stats.read_family(samples), strict=True))
   out = []
   for k, (family, label, va, vb) in enumerate(tested):
     c = read[k]
