@@ -72,9 +72,9 @@ def run_label(summary: dict) -> str:
   return label + "".join(f", {value} {names[key]}" for key, value in narrow.items())
 
 
-def race(run_dir: Path, target: float, group: str) -> Race:
-  summary = records.read_summary(run_dir)
-  evals = [e for e in records.read_events(run_dir) if e.get("event") == "eval"]
+def race(run_dir: Path, summary: dict, events: list[dict], target: float, group: str) -> Race:
+  """One run's row from its summary.json and its metrics.jsonl ``events``."""
+  evals = [e for e in events if e.get("event") == "eval"]
   if not evals:
     raise ValueError(f"{run_dir}: no evaluation in metrics.jsonl")
   per_epoch = summary["steps_per_epoch"]
@@ -114,8 +114,9 @@ def collect(folders: list[Path], target: float) -> list[Race]:
   rows = []
   for folder in folders:
     for run_dir in records.find_run_dirs([folder]):
-      if records.has_summary(run_dir) and next(records.read_events(run_dir), None) is not None:
-        rows.append(race(run_dir, target, group_of(run_dir, folder)))
+      summary, events = records.read_summary(run_dir), list(records.read_events(run_dir))
+      if summary is not None and events:
+        rows.append(race(run_dir, summary, events, target, group_of(run_dir, folder)))
   return sorted(rows, key=lambda r: (r.group, r.run, r.seed))
 
 

@@ -99,8 +99,12 @@ def test_each_difference_has_its_familys_simultaneous_interval(runs):
     sel = selection.table1_cell(runs, optimizer, tau, **protocol)
     return np.array([r["best_val_accuracy"] for r in sel.runs])
 
-  newcomer_rows = {"Muon": "muon", "SF-AdamW": "schedule_free_adamw", "SOAP": "soap"}
-  newcomer_rows["K-FAC"] = "kfac"
+  newcomer_rows = {
+    "Muon": "muon",
+    "SF-AdamW": "schedule_free_adamw",
+    "SOAP": "soap",
+    "K-FAC": "kfac",
+  }
   m = len(newcomer_rows)  # every newcomer has two runs or more: the whole family is tested
   for arm, (optimizer, tau) in {"Adam": ("adam", None), "Ginger (τ=8)": ("ginger", 8)}.items():
     b = accuracies(optimizer, tau)
