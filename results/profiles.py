@@ -23,11 +23,12 @@ Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
 A profile compares the optimizers timed on its first workload (ResNet-18) over the workloads
 on which every one of them is timed; a workload where one has no time (no runs, or none alone on
 its GPU) is left out of it whole, and the notes name what is missing: a profile over different
-workloads per optimizer would not compare. So is a workload whose optimizers' runs were
-evaluated at different spacings (a time is the step of the first evaluation at the target, so
-its resolution is the spacing). The runs are the Table 1 cells' and, for T5, Table 2's
-full fine-tuning (``results.selection.select_runs``: the configured lr, one run per seed, the
-newest).
+workloads per optimizer would not compare. Where that leaves a workload out, a second profile
+per level compares the optimizers timed on every workload over all of them (:func:`everywhere`).
+A workload whose optimizers' runs were evaluated at different spacings is left out of both (a
+time is the step of the first evaluation at the target, so its resolution is the spacing). The
+runs are the Table 1 cells' and, for T5, Table 2's full fine-tuning
+(``results.selection.select_runs``: the configured lr, one run per seed, the newest).
 Each workload has a target per level: the image workloads' validation accuracy (``TARGETS``),
 T5's validation loss (``TEXT_WORKLOADS``). ``make tables`` writes
 ``profile_<dataset>_<length>.md`` and its plot::
@@ -301,6 +302,20 @@ def complete(times: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
   return {w: {o: ts[o] for o in first} for w, ts in times.items() if set(first) <= set(ts)}
 
 
+def everywhere(times: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+  """The optimizers timed on every workload that has times, over all of those workloads (as
+  AlgoPerf compares its submissions over the full set, the fastest among them setting each
+  ratio); {} unless two optimizers are. Where :func:`complete` leaves a workload out (one that
+  only some optimizers ran, such as ResNet-50 for the two best newer optimizers), this profile
+  keeps it and leaves out the optimizers without a time there instead."""
+  timed = {w: ts for w, ts in times.items() if ts}
+  first = next(iter(timed.values()), {})
+  common = [o for o in first if all(o in ts for ts in timed.values())]
+  if len(common) < 2:
+    return {}
+  return {w: {o: ts[o] for o in common} for w, ts in timed.items()}
+
+
 def level_text(dataset: str, length: str | None, level: int, names: Sequence[str]) -> str:
   """ "85 % (ResNet-18, ResNet-50), validation loss 6 (T5 stand-in)": a level's targets on the
   workloads ``names``."""
@@ -343,12 +358,18 @@ def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
 
   from results.plots import distinct_colors
 
-  fig, axes = plt.subplots(1, len(profiles), figsize=(5.5 * len(profiles), 4), squeeze=False)
+  cols = min(2, len(profiles))
+  rows = math.ceil(len(profiles) / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
   taus = np.linspace(1.0, R_MAX, 601)
-  for ax, (title, times) in zip(axes[0], profiles.items(), strict=True):
+  for ax in axes.flat[len(profiles) :]:
+    ax.set_axis_off()
+  names = sorted({name for times in profiles.values() for ts in times.values() for name in ts})
+  colors = dict(zip(names, distinct_colors(len(names)), strict=True))  # one per optimizer
+  for ax, (title, times) in zip(axes.flat, profiles.items(), strict=False):
     ratios = performance_ratios(times)
-    for color, name in zip(distinct_colors(len(ratios)), sorted(ratios), strict=True):
-      ax.step(taus, profile(ratios[name], taus), where="post", color=color, label=name)
+    for name in sorted(ratios):
+      ax.step(taus, profile(ratios[name], taus), where="post", color=colors[name], label=name)
     ax.set(xlabel="ratio to the fastest, tau", ylabel="fraction of workloads, rho(tau)")
     ax.set(title=textwrap.fill(f"targets: {title}", 60), xlim=(1.0, R_MAX), ylim=(-0.02, 1.02))
     ax.legend(fontsize=7)
@@ -359,17 +380,21 @@ def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
 
 def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: Path) -> list[Path]:
   """profile_<dataset>_<length>.md and plots/performance_<...>.png; [] without times."""
-  profiles, notes = {}, []
+  profiles, wide, notes = {}, {}, []
   timing = workload_times(runs, dataset, length)
   for level, times in enumerate(timing.times):  # which optimizers have times: every level alike
     used = complete(times)
     profiles[level_text(dataset, length, level, list(used))] = used
+    if set(everywhere(times)) - set(used):
+      every = everywhere(times)
+      wide[f"{level_text(dataset, length, level, list(every))}, {len(every)} workloads"] = every
   if not any(profiles.values()):
     return []
   first = next(iter(used))
   for name, why in timing.missing.items():
     notes.append(f"- {name}, no time for: " + "; ".join(why) + ".")
   mixed = [w for w, spacings in timing.spacings.items() if not same_resolution(spacings)]
+  profiled = {w for times in (used, *wide.values()) for w in times}
   for w in workloads(dataset, length):
     for optimizer, tau in optimizers():
       if not runs_family(optimizer, w):
@@ -378,7 +403,7 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
           "reaches its targets there."
         )
     spacings = timing.spacings[w.name]
-    if w.name in used and spacings:
+    if w.name in profiled and spacings:
       every = every_text(next(iter(spacings.values())))
       notes.append(f"- {w.name}: evaluated {every}, the resolution of its times.")
     if w.name in mixed:
@@ -388,10 +413,17 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
       )
   left_out = [w for w in timing.times[0] if w not in used and w not in mixed]
   if left_out:
+    where = "the first profiles" if wide else "the profiles"
     notes.append(
-      f"- Left out of the profiles (not every optimizer timed on {first} is timed there): "
+      f"- Left out of {where} (not every optimizer timed on {first} is timed there): "
       + ", ".join(left_out)
       + "."
+    )
+  if wide:
+    every = next(iter(wide.values()))
+    notes.append(
+      f"- Over {len(every)} workloads ({', '.join(every)}): the optimizers timed on each of "
+      f"them, {', '.join(next(iter(every.values())))}; each ratio to the fastest among them."
     )
   name = table_model.set_name("profile", dataset, length)
   lines = [
@@ -406,7 +438,7 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
     f"optimizers timed on {first}, over the workloads where each of them is timed.",
     "",
   ]
-  for title, times in profiles.items():
+  for title, times in {**profiles, **wide}.items():
     lines += target_table(times, title) if times else []
   lines += notes
   out.mkdir(parents=True, exist_ok=True)
@@ -414,7 +446,7 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
   path.write_text("\n".join(lines).rstrip() + "\n")
   plot = out / "plots" / f"performance_{name}.png"
   plot.parent.mkdir(parents=True, exist_ok=True)
-  draw({t: ts for t, ts in profiles.items() if ts}, plot)
+  draw({t: ts for t, ts in {**profiles, **wide}.items() if ts}, plot)
   return [path, plot]
 
 

@@ -88,6 +88,66 @@ def test_a_workload_missing_one_optimizer_is_left_out_not_the_optimizer():
   assert profiles.complete({"ResNet-18": {}, "T5": {"adam": 3.0}}) == {}
 
 
+def test_a_workload_only_some_ran_enters_a_second_profile_of_those_timed_everywhere():
+  """ResNet-50 run by the paper's arms and two newer optimizers only: the first profile leaves
+  it out; the second keeps every workload with times and the optimizers timed on each (an
+  optimizer that cannot run a workload is timed there, at inf), its ratios to the fastest among
+  them. Fewer than two such optimizers give no second profile."""
+  times = {
+    "ResNet-18": {"adam": 10.0, "muon": 5.0, "soap": 4.0, "kfac": 40.0},
+    "ResNet-50": {"adam": 20.0, "muon": 30.0},
+    "T5": {"adam": 3.0, "muon": 2.0, "soap": 1.0, "kfac": INF},
+  }
+  assert list(profiles.complete(times)) == ["ResNet-18", "T5"]
+  wide = profiles.everywhere(times)
+  assert wide == {
+    "ResNet-18": {"adam": 10.0, "muon": 5.0},
+    "ResNet-50": {"adam": 20.0, "muon": 30.0},
+    "T5": {"adam": 3.0, "muon": 2.0},
+  }
+  assert profiles.performance_ratios(wide)["adam"] == {
+    "ResNet-18": 2.0,
+    "ResNet-50": 1.0,
+    "T5": 1.5,
+  }
+  assert profiles.everywhere({**times, "ResNet-50": {"adam": 20.0}}) == {}
+  assert profiles.everywhere({"ResNet-18": {}, "T5": {}}) == {}
+  with_empty = {**times, "ResNet-50": {}}  # a workload without times (T5 at mixed spacings)
+  assert list(profiles.everywhere(with_empty)) == ["ResNet-18", "T5"]
+
+
+def test_the_written_profiles_add_the_second_profile_where_a_workload_is_left_out(
+  tmp_path, monkeypatch
+):
+  """write_profiles: the first profile's tables per level, then the second's over every
+  workload, with its note naming its optimizers; the plot has a panel for each (four)."""
+  r18 = {"Adam": 26.0, "Muon": 15.0, "SOAP": 33.0, "K-FAC": 124.0}
+  r50 = {"Adam": 80.0, "Muon": 60.0}
+  timing = profiles.Timing(
+    [{"ResNet-18": r18, "ResNet-50": r50, "T5 stand-in": {}} for _ in profiles.TARGETS],
+    {"ResNet-50": ["SOAP (no runs)", "K-FAC (no runs)"]},
+    {
+      "ResNet-18": {n: (390,) for n in r18},
+      "ResNet-50": {n: (390,) for n in r50},
+      "T5 stand-in": {},
+    },
+  )
+  monkeypatch.setattr(profiles, "workload_times", lambda *args: timing)
+  written = profiles.write_profiles([], "cifar10", "30ep", tmp_path)
+  md = written[0].read_text()
+  assert "### Targets: 85 % (ResNet-18)\n" in md and "### Targets: 88 % (ResNet-18)\n" in md
+  assert "### Targets: 85 % (ResNet-18, ResNet-50), 2 workloads\n" in md
+  assert "| Muon | 15 | 1.00 | 60 | 1.00 | 1.00 |" in md
+  assert "- Left out of the first profiles (not every optimizer timed on ResNet-18 is timed" in md
+  assert "- Over 2 workloads (ResNet-18, ResNet-50): the optimizers timed on each of them, " in md
+  assert "Adam, Muon; each ratio to the fastest among them." in md
+  assert "- ResNet-50: evaluated every 390 steps, the resolution of its times." in md
+  import matplotlib.image
+
+  height, width = matplotlib.image.imread(written[1]).shape[:2]
+  assert (width, height) == (1210, 880)  # two rows of two 5.5 x 4 inch panels at 110 dpi
+
+
 def test_the_t5_workload_times_its_validation_loss_down_to_the_target(committed):
   """T5's targets are on the validation loss, lower is better: the committed stand-in runs
   evaluate after each of their two epochs (225 steps each), Adam's three seeds end at 4.37-4.38
