@@ -44,6 +44,7 @@ from results.table_model import (
   Column,
   Row,
   Table,
+  device_name,
   finish,
   optimizer_label,
   set_name,
@@ -167,14 +168,13 @@ def build_newcomers(
   rows = [(optimizer_label(*arm), cell(*arm)) for arm in arms]
   rows += [(registry.display_name(n), cell(n)) for n in newcomers if n in have]
   alone = {label: profiles.current_alone_runs(sel.runs, runs) for label, sel in rows}
-  times = _times_to_targets(rows, alone, baseline=optimizer_label("adam", None))
+  times, notes = _times_to_targets(rows, alone, baseline=optimizer_label("adam", None))
   used = []
   for k, (label, sel) in enumerate(rows):
     cells = _row_cells(label, sel, arms, diffs, times[label], alone[label])
     table.rows.append(Row(label, cells, rule_before=k == len(arms)))
     used += [r for r in sel.runs if r not in used]
   missing = [registry.display_name(n) for n in newcomers if n not in have]
-  notes = []
   if missing:
     notes.append(f"Registered, no completed runs of this set yet: {', '.join(missing)}.")
   return finish(table, used, notes)
@@ -201,21 +201,27 @@ def _columns(arm_labels: Sequence[str]) -> list[Column]:
 
 def _times_to_targets(
   rows: Sequence[tuple[str, Selection]], alone: dict[str, list[Run]], baseline: str
-) -> dict[str, list[str]]:
+) -> tuple[dict[str, list[str]], list[str]]:
   """Per row label, for each of :data:`results.profiles.TARGETS`: the median seconds to the
   target over seeds (each seed's steps to it times the median step of the row's current runs
   ``alone``, misses infinite: :func:`results.profiles.seed_times`) with reached / seeds,
   and its reading against ``baseline``'s (the exact rank test, misses counted, Holm over the
-  rows at that target); blank cells without a run alone, and for the baseline's reading."""
+  rows at that target); blank cells without a run alone, and for the baseline's reading. A row
+  whose step time was measured on another device than the baseline's gets no reading (an
+  H100's step is not an H200's): the notes name it."""
   out: dict[str, list[str]] = {label: [] for label, _ in rows}
   step_s = {label: profiles.alone_step_time(runs) for label, runs in alone.items()}
+  device = {label: device_name(runs[0]) for label, runs in alone.items() if runs}
+  elsewhere = [
+    label for label in device if baseline in device and device[label] != device[baseline]
+  ]
   for target in profiles.TARGETS:
     seconds = {label: profiles.seed_times(sel.runs, target, step_s[label]) for label, sel in rows}
     base = seconds.get(baseline)
     tested = {
       label: stats.race_difference(t, base)
       for label, t in seconds.items()
-      if t and base and label != baseline
+      if t and base and label != baseline and label not in elsewhere
     }
     adjusted = dict(zip(tested, stats.holm([d.p for d in tested.values()]), strict=True))
     for label, t in seconds.items():
@@ -227,7 +233,12 @@ def _times_to_targets(
       reached = sum(math.isfinite(x) for x in t)
       reading = stats.race_verdict(tested[label], adjusted[label]) if label in tested else ""
       out[label] += [f"{shown} ({reached}/{len(t)})", reading]
-  return out
+  notes = [
+    f"Step time measured on {device[label]}, {baseline}'s on {device[baseline]}: {label}'s "
+    f"times are not compared with {baseline}'s."
+    for label in elsewhere
+  ]
+  return out, notes
 
 
 def _row_cells(

@@ -14,11 +14,11 @@ so ``B_s = 1`` for an optimizer fastest on every workload and 0 for one that nev
 ``r_max`` of the fastest.
 
 A seed's time is its steps to its first evaluation at the target (an accuracy at or above it,
-a loss at or below it) times the
-configuration's current step time on a device of its own (:func:`alone_step_time`: the median
-``step_time_s`` of the runs with its step, ``device_shared`` false, from any sweep and length,
-at the newest commit among them; ``make steptime`` runs 600 steps of each alone): the runs of
-the tables shared GPUs, so their wall clocks are not their own, and code changes the step.
+a loss at or below it) times the configuration's current step time on a device of its own
+(:func:`alone_step_time`: the median ``step_time_s`` of the runs with its step,
+``device_shared`` false, from any sweep and length, at the newest commit among them and on the
+newest run's device; ``make steptime`` runs 600 steps of each alone): the runs of the tables
+shared GPUs, so their wall clocks are not their own, and code and the GPU change the step.
 Compilation and evaluations are left out (AlgoPerf leaves out evaluations).
 A profile compares the optimizers timed on its first workload (ResNet-18) over the workloads
 on which every one of them is timed; a workload where one has no time (no runs, or none alone on
@@ -26,7 +26,8 @@ its GPU) is left out of it whole, and the notes name what is missing: a profile 
 workloads per optimizer would not compare. Where that leaves a workload out, a second profile
 per level compares the optimizers timed on every workload over all of them (:func:`everywhere`).
 A workload whose optimizers' runs were evaluated at different spacings is left out of both (a
-time is the step of the first evaluation at the target, so its resolution is the spacing). The
+time is the step of the first evaluation at the target, so its resolution is the spacing), and
+so is one whose optimizers' step times were measured on different devices. The
 runs are the Table 1 cells' and, for T5, Table 2's full fine-tuning
 (``results.selection.select_runs``: the configured lr, one run per seed, the newest).
 Each workload has a target per level: the image workloads' validation accuracy (``TARGETS``),
@@ -143,16 +144,19 @@ def current_alone_runs(runs: Sequence[Run], pool: Sequence[Run] = ()) -> list[Ru
   """The runs that time the configuration of ``runs`` as its code stands: those that had their
   device alone, among ``runs`` and the runs of ``pool`` with the same step
   (:func:`results.selection.step_key`; any sweep and length: a cold race's runs and the
-  steptime sweep's short runs time the same program), at the newest commit among them (the
-  newest run's: code changes the step); [] without a run alone."""
+  steptime sweep's short runs time the same program), at the newest commit among them and on
+  the newest run's device (code and the GPU change the step); [] without a run alone."""
   keys, mine = {selection.step_key(r) for r in runs}, {id(r) for r in runs}
   others = (r for r in pool if id(r) not in mine and is_done(r))
   same = [*runs, *(r for r in others if selection.step_key(r) in keys)]
   alone = [r for r in same if is_number(r.get("step_time_s")) and not is_shared(r)]
   if not alone:
     return []
-  commit = max(alone, key=lambda r: r.get("mtime") or 0).get("git_commit")
-  return [r for r in alone if r.get("git_commit") == commit]
+  newest = max(alone, key=lambda r: r.get("mtime") or 0)
+  commit, device = newest.get("git_commit"), table_model.device_name(newest)
+  return [
+    r for r in alone if r.get("git_commit") == commit and table_model.device_name(r) == device
+  ]
 
 
 def alone_step_time(runs: Sequence[Run], pool: Sequence[Run] = ()) -> float | None:
@@ -221,22 +225,26 @@ class Timing(NamedTuple):
   """The times at each level of targets: ``times[level]`` ``{workload: {optimizer label:
   median seconds}}``; ``missing`` why an optimizer has no time on a workload (``{workload:
   ["<label> (no runs)", ...]}``); ``spacings`` each timed optimizer's steps between evaluations
-  there (``{workload: {label: (45,)}}``), the resolution of its times."""
+  there (``{workload: {label: (45,)}}``), the resolution of its times; ``devices`` the device
+  its step time was measured on (``{workload: {label: "NVIDIA H200"}}``)."""
 
   times: list[dict[str, dict[str, float]]]
   missing: dict[str, list[str]]
   spacings: dict[str, dict[str, tuple[int, ...]]]
+  devices: dict[str, dict[str, str]]
 
 
 def workload_times(runs: Sequence[Run], dataset: str, length: str | None) -> Timing:
   """Each optimizer's time on each workload at each of its targets (one level per TARGETS),
   each run's evaluations read once. An optimizer that cannot run a workload's model family (its
   registry entry's ``families``) never reaches its targets there. A workload whose optimizers
-  were evaluated at different spacings gets no times (:func:`same_resolution`)."""
-  timing = Timing([{} for _ in TARGETS], {}, {})
+  were evaluated at different spacings, or whose step times were measured on different devices,
+  gets no times (:func:`comparable`)."""
+  timing = Timing([{} for _ in TARGETS], {}, {}, {})
   for workload in workloads(dataset, length):
     levels = [by_workload.setdefault(workload.name, {}) for by_workload in timing.times]
     spacings = timing.spacings[workload.name] = {}
+    devices = timing.devices[workload.name] = {}
     for optimizer, tau in optimizers():
       name = label(optimizer, tau)
       if not runs_family(optimizer, workload):
@@ -244,16 +252,18 @@ def workload_times(runs: Sequence[Run], dataset: str, length: str | None) -> Tim
           times[name] = math.inf
         continue
       runs_of = cell_runs(runs, workload, optimizer, tau)
-      step_s = alone_step_time(runs_of, runs) if runs_of else None
-      if step_s is None:
+      alone = current_alone_runs(runs_of, runs) if runs_of else []
+      if not alone:
         why = "no runs" if not runs_of else "no run alone on its GPU"
         timing.missing.setdefault(workload.name, []).append(f"{name} ({why})")
         continue
+      step_s = statistics.median(r["step_time_s"] for r in alone)
       evals = [eval_series(r, workload) for r in runs_of]
       for times, target in zip(levels, workload.targets, strict=True):
         times[name] = stats.median_time([first_step(e, target, workload) * step_s for e in evals])
       spacings[name] = evaluation_spacings(evals)
-    if not same_resolution(spacings):
+      devices[name] = table_model.device_name(alone[0])
+    if not comparable(spacings, devices):
       for times in levels:
         times.clear()
   return timing
@@ -275,6 +285,25 @@ def same_resolution(spacings: Mapping[str, tuple[int, ...]]) -> bool:
   evaluation at the target, so one evaluated every 225 steps is timed up to 225 steps late
   where one evaluated every 45 is up to 45 late, and their times do not compare."""
   return len(set(spacings.values())) <= 1
+
+
+def same_device(devices: Mapping[str, str]) -> bool:
+  """Whether every optimizer's step time was measured on one kind of device: a time is steps
+  times the step time, and an H100's step is not an H200's."""
+  return len(set(devices.values())) <= 1
+
+
+def comparable(spacings: Mapping[str, tuple[int, ...]], devices: Mapping[str, str]) -> bool:
+  """Whether a workload's times compare: one evaluation spacing and one device."""
+  return same_resolution(spacings) and same_device(devices)
+
+
+def device_text(devices: Mapping[str, str]) -> str:
+  """ "NVIDIA H100: Ginger (τ=8); NVIDIA H200: Adam, Muon": the optimizers grouped by device."""
+  groups: dict[str, list[str]] = {}
+  for name, device in devices.items():
+    groups.setdefault(device, []).append(name)
+  return "; ".join(f"{device}: {', '.join(names)}" for device, names in sorted(groups.items()))
 
 
 def every_text(spacing: tuple[int, ...], unit: str = " steps") -> str:
@@ -393,7 +422,7 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
   first = next(iter(used))
   for name, why in timing.missing.items():
     notes.append(f"- {name}, no time for: " + "; ".join(why) + ".")
-  mixed = [w for w, spacings in timing.spacings.items() if not same_resolution(spacings)]
+  mixed = [w for w in timing.spacings if not comparable(timing.spacings[w], timing.devices[w])]
   profiled = {w for times in (used, *wide.values()) for w in times}
   for w in workloads(dataset, length):
     for optimizer, tau in optimizers():
@@ -407,9 +436,18 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
       every = every_text(next(iter(spacings.values())))
       notes.append(f"- {w.name}: evaluated {every}, the resolution of its times.")
     if w.name in mixed:
+      why = (
+        []
+        if same_resolution(spacings)
+        else [f"evaluated at different spacings ({spacing_text(spacings)})"]
+      )
+      devices = timing.devices[w.name]
+      why += (
+        [] if same_device(devices) else [f"timed on different devices ({device_text(devices)})"]
+      )
       notes.append(
-        f"- Left out of the profiles: {w.name}, its optimizers evaluated at different spacings "
-        f"({spacing_text(spacings)}), so their times do not compare."
+        f"- Left out of the profiles: {w.name}, its optimizers {' and '.join(why)}, so their "
+        "times do not compare."
       )
   left_out = [w for w in timing.times[0] if w not in used and w not in mixed]
   if left_out:

@@ -105,7 +105,7 @@ def provenance_note(runs: Iterable[Run]) -> str | None:
   counts: dict[str, dict[str, int]] = {"device": {}, "jax": {}, "git": {}}
   for run in {r["path"]: r for r in runs}.values():
     for kind, value in (
-      ("device", _device(run)),
+      ("device", device_name(run)),
       ("jax", _jax(run)),
       ("git", str(run.get("git_commit") or "?")[:10]),
     ):
@@ -125,7 +125,8 @@ def provenance_note(runs: Iterable[Run]) -> str | None:
   return note
 
 
-def _device(run: Run) -> str:
+def device_name(run: Run) -> str:
+  """The run's device as summary.json names it ("NVIDIA H200"; "?" where unrecorded)."""
   device = run.get("device")
   if isinstance(device, dict):
     for key in ("device_kind", "kind", "name", "platform"):

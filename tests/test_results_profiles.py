@@ -17,7 +17,6 @@ from results.runs import collect_runs
 
 COMMITTED = Path(__file__).resolve().parents[1] / "results" / "cifar10" / "runs"
 INF = math.inf
-PAPER = ("adam", "momentum", "ginger", "qng")
 
 
 def test_ratios_and_scores_by_hand():
@@ -131,6 +130,11 @@ def test_the_written_profiles_add_the_second_profile_where_a_workload_is_left_ou
       "ResNet-50": {n: (390,) for n in r50},
       "T5 stand-in": {},
     },
+    {
+      "ResNet-18": dict.fromkeys(r18, "NVIDIA H200"),
+      "ResNet-50": dict.fromkeys(r50, "NVIDIA H200"),
+      "T5 stand-in": {},
+    },
   )
   monkeypatch.setattr(profiles, "workload_times", lambda *args: timing)
   written = profiles.write_profiles([], "cifar10", "30ep", tmp_path)
@@ -208,11 +212,13 @@ def test_a_workload_an_optimizer_cannot_run_is_never_reached(committed):
   from results.runs import rfield
 
   t5 = profiles.workloads("cifar10", "30ep")[-1]
-  paper_t5 = [  # T5 at one spacing: its paper arms' runs only
-    r for r in committed if rfield(r, "sweep") != "table2" or rfield(r, "optimizer") in PAPER
+  paper_t5 = [  # T5 at one spacing and timed on one device: Adam's and Momentum's runs only
+    r
+    for r in committed
+    if rfield(r, "sweep") != "table2" or rfield(r, "optimizer") in ("adam", "momentum")
   ]
   timing = profiles.workload_times(paper_t5, "cifar10", "30ep")
-  assert profiles.same_resolution(timing.spacings[t5.name])
+  assert profiles.comparable(timing.spacings[t5.name], timing.devices[t5.name])
   assert timing.times[0][t5.name]["K-FAC"] == INF and timing.times[0][t5.name]["Adam"] < INF
   assert not any("K-FAC" in why for why in timing.missing.get(t5.name, []))
   assert timing.times[0]["ResNet-18"]["K-FAC"] < INF  # a workload of its family is timed
@@ -272,3 +278,47 @@ def test_a_short_run_alone_times_its_configurations_cells(committed):
   assert selection.step_key(other_lr) != selection.step_key(cell[0])
   assert selection.table1_cell(pool, "muon", **protocol).runs == cell
   assert rfield(short, "sweep") in selection.EXCLUDED_SWEEPS
+
+
+def _on_device(run, kind):
+  import copy
+
+  out = copy.deepcopy(run)
+  out["device"] = {**out.get("device", {}), "kind": kind}
+  return out
+
+
+def test_step_times_from_different_devices_are_not_compared(committed):
+  """A time is steps times the step time alone, and an H100's step is not an H200's: a
+  configuration is timed by its newest run's device only, and a workload whose optimizers were
+  timed on different devices gets no times (the notes group them by device); today's
+  optimizers' table gives such a row no reading against Adam, and says why."""
+  from results import newcomers, selection
+
+  protocol = {**selection.image_protocol("cifar10", "30ep"), "model": "resnet18"}
+  muon = selection.table1_cell(committed, "muon", **protocol).runs
+  alone = profiles.current_alone_runs(muon, committed)
+  assert alone and {profiles.table_model.device_name(r) for r in alone} == {"NVIDIA H200"}
+  moved = {id(r): _on_device(r, "NVIDIA H100 80GB HBM3") for r in alone}
+  runs = [moved.get(id(r), r) for r in committed]
+
+  older = {**_on_device(alone[0], "NVIDIA H100 80GB HBM3"), "mtime": 0, "path": "old/h100"}
+  assert profiles.current_alone_runs(muon, [*committed, older]) == alone  # newest device only
+
+  timing = profiles.workload_times(runs, "cifar10", "30ep")
+  assert timing.devices["ResNet-18"]["Muon"] == "NVIDIA H100 80GB HBM3"
+  assert timing.devices["ResNet-18"]["Adam"] == "NVIDIA H200"
+  assert all(times["ResNet-18"] == {} for times in timing.times)
+  assert not profiles.comparable(timing.spacings["ResNet-18"], timing.devices["ResNet-18"])
+  assert profiles.device_text({"Adam": "H200", "Muon": "H100", "SOAP": "H200"}) == (
+    "H100: Muon; H200: Adam, SOAP"
+  )
+
+  table = newcomers.build_newcomers(runs, "cifar10", "resnet18", "30ep")
+  row = next(r for r in table.rows if r.label == "Muon")
+  texts = dict(zip([c.header() for c in table.columns], row.cells, strict=True))
+  assert texts["s to 85 %"].endswith("(4/4)") and texts["s to 85 % − Adam, Holm"] == ""
+  assert (
+    "Step time measured on NVIDIA H100 80GB HBM3, Adam's on NVIDIA H200: Muon's times are "
+    "not compared with Adam's."
+  ) in table.notes
