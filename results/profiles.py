@@ -298,12 +298,17 @@ def comparable(spacings: Mapping[str, tuple[int, ...]], devices: Mapping[str, st
   return same_resolution(spacings) and same_device(devices)
 
 
+def by_value(mapping: Mapping[str, Any]) -> list[tuple[Any, list[str]]]:
+  """The keys of ``mapping`` grouped by their value, the values sorted."""
+  groups: dict[Any, list[str]] = {}
+  for name, value in mapping.items():
+    groups.setdefault(value, []).append(name)
+  return sorted(groups.items())
+
+
 def device_text(devices: Mapping[str, str]) -> str:
   """ "NVIDIA H100: Ginger (τ=8); NVIDIA H200: Adam, Muon": the optimizers grouped by device."""
-  groups: dict[str, list[str]] = {}
-  for name, device in devices.items():
-    groups.setdefault(device, []).append(name)
-  return "; ".join(f"{device}: {', '.join(names)}" for device, names in sorted(groups.items()))
+  return "; ".join(f"{device}: {', '.join(names)}" for device, names in by_value(devices))
 
 
 def every_text(spacing: tuple[int, ...], unit: str = " steps") -> str:
@@ -313,12 +318,9 @@ def every_text(spacing: tuple[int, ...], unit: str = " steps") -> str:
 
 def spacing_text(spacings: Mapping[str, tuple[int, ...]]) -> str:
   """ "every 45 steps: Muon, SOAP; every 225: Adam": the optimizers grouped by their spacings."""
-  groups: dict[tuple[int, ...], list[str]] = {}
-  for name, spacing in spacings.items():
-    groups.setdefault(spacing, []).append(name)
   return "; ".join(
     f"{every_text(s, ' steps' if i == 0 else '')}: {', '.join(names)}"
-    for i, (s, names) in enumerate(sorted(groups.items()))
+    for i, (s, names) in enumerate(by_value(spacings))
   )
 
 
