@@ -210,7 +210,7 @@ def _times_to_targets(
   whose step time was measured on another device than the baseline's gets no reading (an
   H100's step is not an H200's): the notes name it."""
   out: dict[str, list[str]] = {label: [] for label, _ in rows}
-  step_s = {label: profiles.alone_step_time(runs) for label, runs in alone.items()}
+  step_s = {label: profiles.median_step(runs) for label, runs in alone.items()}
   device = {label: device_name(runs[0]) for label, runs in alone.items() if runs}
   elsewhere = [
     label for label in device if baseline in device and device[label] != device[baseline]

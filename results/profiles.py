@@ -161,7 +161,11 @@ def current_alone_runs(runs: Sequence[Run], pool: Sequence[Run] = ()) -> list[Ru
 
 def alone_step_time(runs: Sequence[Run], pool: Sequence[Run] = ()) -> float | None:
   """The median ``step_time_s`` of :func:`current_alone_runs` (None without one)."""
-  alone = current_alone_runs(runs, pool)
+  return median_step(current_alone_runs(runs, pool))
+
+
+def median_step(alone: Sequence[Run]) -> float | None:
+  """The median ``step_time_s`` of runs already found alone (None for none)."""
   return statistics.median(r["step_time_s"] for r in alone) if alone else None
 
 
@@ -257,7 +261,7 @@ def workload_times(runs: Sequence[Run], dataset: str, length: str | None) -> Tim
         why = "no runs" if not runs_of else "no run alone on its GPU"
         timing.missing.setdefault(workload.name, []).append(f"{name} ({why})")
         continue
-      step_s = statistics.median(r["step_time_s"] for r in alone)
+      step_s = median_step(alone)
       evals = [eval_series(r, workload) for r in runs_of]
       for times, target in zip(levels, workload.targets, strict=True):
         times[name] = stats.median_time([first_step(e, target, workload) * step_s for e in evals])
@@ -414,10 +418,9 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
   profiles, wide, notes = {}, {}, []
   timing = workload_times(runs, dataset, length)
   for level, times in enumerate(timing.times):  # which optimizers have times: every level alike
-    used = complete(times)
+    used, every = complete(times), everywhere(times)
     profiles[level_text(dataset, length, level, list(used))] = used
-    if set(everywhere(times)) - set(used):
-      every = everywhere(times)
+    if set(every) - set(used):
       wide[f"{level_text(dataset, length, level, list(every))}, {len(every)} workloads"] = every
   if not any(profiles.values()):
     return []
@@ -438,15 +441,11 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
       every = every_text(next(iter(spacings.values())))
       notes.append(f"- {w.name}: evaluated {every}, the resolution of its times.")
     if w.name in mixed:
-      why = (
-        []
-        if same_resolution(spacings)
-        else [f"evaluated at different spacings ({spacing_text(spacings)})"]
-      )
-      devices = timing.devices[w.name]
-      why += (
-        [] if same_device(devices) else [f"timed on different devices ({device_text(devices)})"]
-      )
+      devices, why = timing.devices[w.name], []
+      if not same_resolution(spacings):
+        why.append(f"evaluated at different spacings ({spacing_text(spacings)})")
+      if not same_device(devices):
+        why.append(f"timed on different devices ({device_text(devices)})")
       notes.append(
         f"- Left out of the profiles: {w.name}, its optimizers {' and '.join(why)}, so their "
         "times do not compare."
