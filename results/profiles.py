@@ -230,12 +230,14 @@ class Timing(NamedTuple):
   median seconds}}``; ``missing`` why an optimizer has no time on a workload (``{workload:
   ["<label> (no runs)", ...]}``); ``spacings`` each timed optimizer's steps between evaluations
   there (``{workload: {label: (45,)}}``), the resolution of its times; ``devices`` the device
-  its step time was measured on (``{workload: {label: "NVIDIA H200"}}``)."""
+  its step time was measured on (``{workload: {label: "NVIDIA H200"}}``) and ``commits`` the
+  code commit of those runs (``{workload: {label: "64d18e6"}}``)."""
 
   times: list[dict[str, dict[str, float]]]
   missing: dict[str, list[str]]
   spacings: dict[str, dict[str, tuple[int, ...]]]
   devices: dict[str, dict[str, str]]
+  commits: dict[str, dict[str, str]]
 
 
 def workload_times(runs: Sequence[Run], dataset: str, length: str | None) -> Timing:
@@ -244,11 +246,12 @@ def workload_times(runs: Sequence[Run], dataset: str, length: str | None) -> Tim
   registry entry's ``families``) never reaches its targets there. A workload whose optimizers
   were evaluated at different spacings, or whose step times were measured on different devices,
   gets no times (:func:`comparable`)."""
-  timing = Timing([{} for _ in TARGETS], {}, {}, {})
+  timing = Timing([{} for _ in TARGETS], {}, {}, {}, {})
   for workload in workloads(dataset, length):
     levels = [by_workload.setdefault(workload.name, {}) for by_workload in timing.times]
     spacings = timing.spacings[workload.name] = {}
     devices = timing.devices[workload.name] = {}
+    commits = timing.commits[workload.name] = {}
     for optimizer, tau in optimizers():
       name = label(optimizer, tau)
       if not runs_family(optimizer, workload):
@@ -267,6 +270,7 @@ def workload_times(runs: Sequence[Run], dataset: str, length: str | None) -> Tim
         times[name] = stats.median_time([first_step(e, target, workload) * step_s for e in evals])
       spacings[name] = evaluation_spacings(evals)
       devices[name] = table_model.device_name(alone[0])
+      commits[name] = str(alone[0].get("git_commit") or "unknown")[:7]
     if not comparable(spacings, devices):
       for times in levels:
         times.clear()
@@ -440,6 +444,12 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
     if w.name in profiled and spacings:
       every = every_text(next(iter(spacings.values())))
       notes.append(f"- {w.name}: evaluated {every}, the resolution of its times.")
+      if len(set(timing.commits[w.name].values())) > 1:
+        notes.append(
+          f"- {w.name}: step times alone from runs at different commits, each optimizer's "
+          f"newest ({device_text(timing.commits[w.name])}): their ratios hold the differences "
+          "between those runs' machines and code as well as between the optimizers."
+        )
     if w.name in mixed:
       devices, why = timing.devices[w.name], []
       if not same_resolution(spacings):

@@ -72,6 +72,12 @@ def test_profile_of_the_committed_runs(tmp_path, committed):
   assert "| SF-AdamW | 13 | 1.00 |" in md and "| Adam | 27 | 2.04 | 1 | 1.00 |" in md
   assert "| K-FAC | 124 | ∞ | not reached | ∞ | 0.00 |" in md
   assert "- T5 stand-in: evaluated every 45 steps, the resolution of its times." in md
+  # the step times' runs are named by commit where they differ: the paper's arms and the newer
+  # optimizers were timed alone on T5 by different runs
+  assert (
+    "- T5 stand-in: step times alone from runs at different commits, each optimizer's newest "
+    "(64d18e6: Adam, Momentum, Ginger (τ=8), QNG (τ=8); 6e558e1: Muon, SF-AdamW, SOAP)"
+  ) in md
   assert "- ResNet-50, no time for: Adam (no run alone on its GPU);" in md
   assert "- ResNet-18: evaluated every 390 steps, the resolution of its times." in md
 
@@ -140,6 +146,11 @@ def test_the_written_profiles_add_the_second_profile_where_a_workload_is_left_ou
       "ResNet-50": dict.fromkeys(r50, "NVIDIA H200"),
       "T5 stand-in": {},
     },
+    {
+      "ResNet-18": dict.fromkeys(r18, "64d18e6"),
+      "ResNet-50": dict.fromkeys(r50, "64d18e6"),
+      "T5 stand-in": {},
+    },
   )
   monkeypatch.setattr(profiles, "workload_times", lambda *args: timing)
   written = profiles.write_profiles([], "cifar10", "30ep", tmp_path)
@@ -151,6 +162,7 @@ def test_the_written_profiles_add_the_second_profile_where_a_workload_is_left_ou
   assert "- Over 2 workloads (ResNet-18, ResNet-50): the optimizers timed on each of them, " in md
   assert "Adam, Muon; each ratio to the fastest among them." in md
   assert "- ResNet-50: evaluated every 390 steps, the resolution of its times." in md
+  assert "different commits" not in md  # every step time from runs at one commit
   import matplotlib.image
 
   height, width = matplotlib.image.imread(written[1]).shape[:2]
