@@ -231,7 +231,7 @@ class Timing(NamedTuple):
   ["<label> (no runs)", ...]}``); ``spacings`` each timed optimizer's steps between evaluations
   there (``{workload: {label: (45,)}}``), the resolution of its times; ``devices`` the device
   its step time was measured on (``{workload: {label: "NVIDIA H200"}}``) and ``commits`` the
-  code commit of those runs (``{workload: {label: "64d18e6"}}``)."""
+  code commit of those runs (``{workload: {label: "64d18e614a"}}``)."""
 
   times: list[dict[str, dict[str, float]]]
   missing: dict[str, list[str]]
@@ -270,7 +270,7 @@ def workload_times(runs: Sequence[Run], dataset: str, length: str | None) -> Tim
         times[name] = stats.median_time([first_step(e, target, workload) * step_s for e in evals])
       spacings[name] = evaluation_spacings(evals)
       devices[name] = table_model.device_name(alone[0])
-      commits[name] = str(alone[0].get("git_commit") or "unknown")[:7]
+      commits[name] = table_model.commit_name(alone[0])
     if not comparable(spacings, devices):
       for times in levels:
         times.clear()

@@ -107,7 +107,7 @@ def provenance_note(runs: Iterable[Run]) -> str | None:
     for kind, value in (
       ("device", device_name(run)),
       ("jax", _jax(run)),
-      ("git", str(run.get("git_commit") or "?")[:10]),
+      ("git", commit_name(run)),
     ):
       counts[kind][value] = counts[kind].get(value, 0) + 1
   if not counts["device"]:
@@ -123,6 +123,11 @@ def provenance_note(runs: Iterable[Run]) -> str | None:
       "accuracy and loss columns, not in the time and memory ones (n there is the runs alone)."
     )
   return note
+
+
+def commit_name(run: Run) -> str:
+  """The run's code commit, its first 10 hex digits ("?" where unrecorded)."""
+  return str(run.get("git_commit") or "?")[:10]
 
 
 def device_name(run: Run) -> str:

@@ -76,7 +76,7 @@ def test_profile_of_the_committed_runs(tmp_path, committed):
   # optimizers were timed alone on T5 by different runs
   assert (
     "- T5 stand-in: step times alone from runs at different commits, each optimizer's newest "
-    "(64d18e6: Adam, Momentum, Ginger (τ=8), QNG (τ=8); 6e558e1: Muon, SF-AdamW, SOAP)"
+    "(64d18e614a: Adam, Momentum, Ginger (τ=8), QNG (τ=8); 6e558e18a8: Muon, SF-AdamW, SOAP)"
   ) in md
   assert "- ResNet-50, no time for: Adam (no run alone on its GPU);" in md
   assert "- ResNet-18: evaluated every 390 steps, the resolution of its times." in md
@@ -147,8 +147,8 @@ def test_the_written_profiles_add_the_second_profile_where_a_workload_is_left_ou
       "T5 stand-in": {},
     },
     {
-      "ResNet-18": dict.fromkeys(r18, "64d18e6"),
-      "ResNet-50": dict.fromkeys(r50, "64d18e6"),
+      "ResNet-18": dict.fromkeys(r18, "64d18e614a"),
+      "ResNet-50": dict.fromkeys(r50, "64d18e614a"),
       "T5 stand-in": {},
     },
   )
@@ -269,12 +269,11 @@ def test_t5_runs_at_two_spacings_leave_t5_out(tmp_path, committed, monkeypatch):
     return {key: values[kept] for key, values in evals.items()}
 
   monkeypatch.setattr(profiles, "eval_series", once_an_epoch)
-  runs = committed
   t5 = profiles.workloads("cifar10", "30ep")[-1]
-  timing = profiles.workload_times(runs, "cifar10", "30ep")
+  timing = profiles.workload_times(committed, "cifar10", "30ep")
   assert timing.spacings[t5.name]["Adam"] == (225,) and timing.spacings[t5.name]["Muon"] == (45,)
   assert all(times[t5.name] == {} for times in timing.times)
-  profiles.write_profiles(runs, "cifar10", "30ep", tmp_path)
+  profiles.write_profiles(committed, "cifar10", "30ep", tmp_path)
   md = (tmp_path / "profile_cifar10_30ep.md").read_text()
   assert "### Targets: 85 % (ResNet-18)\n" in md and "### Targets: 88 % (ResNet-18)\n" in md
   assert (
