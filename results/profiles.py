@@ -7,11 +7,12 @@ seeds of each seed's time, a seed that never reaches the target counting as infi
 "Benchmarking Neural Network Training Algorithms", section 4.2) then scores
 
     r[s, w] = t[s, w] / min_s' t[s', w]          (infinite where r > r_max, r_max = 4)
-    rho_s(tau) = |{w : r[s, w] <= tau}| / |W|    (the performance profile, tau in [1, r_max])
-    B_s = integral_1^r_max rho_s(tau) dtau / (r_max - 1)
+    P_s(x) = |{w : r[s, w] <= x}| / |W|          (the performance profile, x in [1, r_max])
+    B_s = integral_1^r_max P_s(x) dx / (r_max - 1)
 
 so ``B_s = 1`` for an optimizer fastest on every workload and 0 for one that never comes within
-``r_max`` of the fastest.
+``r_max`` of the fastest. AlgoPerf writes the profile ``rho_s(tau)``; here ``tau`` is Ginger's
+rank and ``rho`` its clip bound, so the profile is ``P_s`` and its threshold ``x``.
 
 A seed's time is its steps to its first evaluation at the target (an accuracy at or above it,
 a loss at or below it) times the configuration's current step time on a device of its own
@@ -126,14 +127,14 @@ def performance_ratios(
   return ratios
 
 
-def profile(ratios: Mapping[str, float], taus: np.ndarray) -> np.ndarray:
-  """``rho(tau)``: the fraction of the workloads whose ratio is at most ``tau``, at each tau."""
+def profile(ratios: Mapping[str, float], xs: np.ndarray) -> np.ndarray:
+  """``P(x)``: the fraction of the workloads whose ratio is at most ``x``, at each ``x``."""
   r = np.array(list(ratios.values()), dtype=float)
-  return (r[None, :] <= np.asarray(taus, dtype=float)[:, None]).mean(axis=1)
+  return (r[None, :] <= np.asarray(xs, dtype=float)[:, None]).mean(axis=1)
 
 
 def score(ratios: Mapping[str, float], r_max: float = R_MAX) -> float:
-  """AlgoPerf's ``B``: ``rho``'s integral over ``[1, r_max]`` over ``r_max - 1``, exactly (the
+  """AlgoPerf's ``B``: the profile's integral over ``[1, r_max]`` over ``r_max - 1``, exactly (the
   profile is a step function: a workload at ratio ``r <= r_max`` adds ``(r_max - r) / (r_max -
   1)`` over the number of workloads)."""
   r = [x for x in ratios.values() if x <= r_max]
@@ -388,7 +389,7 @@ def target_table(times: dict[str, dict[str, float]], title: str) -> list[str]:
 
 
 def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
-  """The profiles as AlgoPerf draws them: rho(tau) against tau, one panel per level of targets
+  """The profiles as AlgoPerf draws them: P(x) against the ratio x, one panel per level of targets
   (``{its title: times}``)."""
   import matplotlib
 
@@ -399,8 +400,8 @@ def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
 
   cols = min(2, len(profiles))
   rows = math.ceil(len(profiles) / cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
-  taus = np.linspace(1.0, R_MAX, 601)
+  fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols + 1.6, 4 * rows), squeeze=False)
+  xs = np.linspace(1.0, R_MAX, 601)
   for ax in axes.flat[len(profiles) :]:
     ax.set_axis_off()
   names = sorted({name for times in profiles.values() for ts in times.values() for name in ts})
@@ -408,11 +409,17 @@ def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
   for ax, (title, times) in zip(axes.flat, profiles.items(), strict=False):
     ratios = performance_ratios(times)
     for name in sorted(ratios):
-      ax.step(taus, profile(ratios[name], taus), where="post", color=colors[name], label=name)
-    ax.set(xlabel="ratio to the fastest, tau", ylabel="fraction of workloads, rho(tau)")
+      ax.step(xs, profile(ratios[name], xs), where="post", color=colors[name], label=name)
+    ax.set(xlabel="ratio to the fastest, x", ylabel="fraction of workloads within x, P(x)")
     ax.set(title=textwrap.fill(f"targets: {title}", 60), xlim=(1.0, R_MAX), ylim=(-0.02, 1.02))
-    ax.legend(fontsize=7)
-  fig.tight_layout()
+  # One legend beside the panels (one color per optimizer in every panel), off the lines.
+  handles = {}
+  for ax in axes.flat:
+    handles.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+  legend_width = 1.6 / fig.get_figwidth()
+  fig.tight_layout(rect=(0.0, 0.0, 1.0 - legend_width, 1.0))
+  anchor = (1.0 - legend_width, 0.5)
+  fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=anchor, fontsize=8)
   fig.savefig(path, dpi=110)
   plt.close(fig)
 

@@ -32,8 +32,8 @@ def test_ratios_and_scores_by_hand():
   assert profiles.score(ratios["a"]) == pytest.approx(0.5)  # (4 - 1) / 3 on one of two
   assert profiles.score(ratios["b"]) == pytest.approx((2 / 3 + 1) / 2)
   assert profiles.score(ratios["c"]) == 0.0
-  taus = np.array([1.0, 1.5, 2.0, 4.0])
-  np.testing.assert_array_equal(profiles.profile(ratios["b"], taus), [0.5, 0.5, 1.0, 1.0])
+  xs = np.array([1.0, 1.5, 2.0, 4.0])
+  np.testing.assert_array_equal(profiles.profile(ratios["b"], xs), [0.5, 0.5, 1.0, 1.0])
 
 
 def test_a_workload_nobody_reaches_scores_nobody():
@@ -44,13 +44,13 @@ def test_a_workload_nobody_reaches_scores_nobody():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(st.floats(1.0, 6.0), st.just(INF)), min_size=1, max_size=6))
 def test_score_is_the_profiles_area(ratios):
-  """B = integral over [1, r_max] of rho / (r_max - 1): the step function's area, within the
-  grid's resolution (each workload's step moves the area by at most one cell)."""
+  """B = integral over [1, r_max] of the profile P / (r_max - 1): the step function's area,
+  within the grid's resolution (each workload's step moves the area by at most one cell)."""
   r = {f"w{i}": (x if x <= profiles.R_MAX else INF) for i, x in enumerate(ratios)}
-  taus = np.linspace(1.0, profiles.R_MAX, 30_001)
-  rho = profiles.profile(r, taus)
-  area = float(np.sum(rho[:-1] * np.diff(taus))) / (profiles.R_MAX - 1.0)
-  assert profiles.score(r) == pytest.approx(area, abs=2 * (taus[1] - taus[0]))
+  xs = np.linspace(1.0, profiles.R_MAX, 30_001)
+  p = profiles.profile(r, xs)
+  area = float(np.sum(p[:-1] * np.diff(xs))) / (profiles.R_MAX - 1.0)
+  assert profiles.score(r) == pytest.approx(area, abs=2 * (xs[1] - xs[0]))
 
 
 @pytest.fixture(scope="module")
