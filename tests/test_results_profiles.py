@@ -166,7 +166,8 @@ def test_the_written_profiles_add_the_second_profile_where_a_workload_is_left_ou
   import matplotlib.image
 
   height, width = matplotlib.image.imread(written[1]).shape[:2]
-  assert (width, height) == (1210, 880)  # two rows of two 5.5 x 4 inch panels at 110 dpi
+  # two rows of two 5.5 x 4 inch panels and a 1.6 inch legend at 110 dpi
+  assert (width, height) == (1386, 880)
 
 
 def test_the_t5_workload_times_its_validation_loss_down_to_the_target(committed):
