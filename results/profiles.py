@@ -57,6 +57,7 @@ from results.runs import Run, collect_runs, is_done, is_number, missing_roots
 from results.series import read_series
 from training import registry
 
+LEGEND_INCHES = 1.6  # the profile plot's legend, beside its panels
 R_MAX = 4.0  # AlgoPerf's largest ratio to the fastest that still scores
 TARGETS = (85.0, 88.0)  # the image workloads' validation accuracy (%): the race's and a harder one
 MODELS = ("resnet18", "resnet50")
@@ -400,7 +401,9 @@ def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
 
   cols = min(2, len(profiles))
   rows = math.ceil(len(profiles) / cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols + 1.6, 4 * rows), squeeze=False)
+  fig, axes = plt.subplots(
+    rows, cols, figsize=(5.5 * cols + LEGEND_INCHES, 4 * rows), squeeze=False
+  )
   xs = np.linspace(1.0, R_MAX, 601)
   for ax in axes.flat[len(profiles) :]:
     ax.set_axis_off()
@@ -416,7 +419,7 @@ def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
   handles = {}
   for ax in axes.flat:
     handles.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
-  legend_width = 1.6 / fig.get_figwidth()
+  legend_width = LEGEND_INCHES / fig.get_figwidth()
   fig.tight_layout(rect=(0.0, 0.0, 1.0 - legend_width, 1.0))
   anchor = (1.0 - legend_width, 0.5)
   fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=anchor, fontsize=8)
