@@ -316,9 +316,10 @@ def by_value(mapping: Mapping[str, Any]) -> list[tuple[Any, list[str]]]:
   return sorted(groups.items())
 
 
-def device_text(devices: Mapping[str, str]) -> str:
-  """ "NVIDIA H100: Ginger (τ=8); NVIDIA H200: Adam, Muon": the optimizers grouped by device."""
-  return "; ".join(f"{device}: {', '.join(names)}" for device, names in by_value(devices))
+def grouped_text(values: Mapping[str, str]) -> str:
+  """ "NVIDIA H100: Ginger (τ=8); NVIDIA H200: Adam, Muon": the optimizers grouped by a value of
+  theirs (``{label: value}``: their step times' device or commit)."""
+  return "; ".join(f"{value}: {', '.join(names)}" for value, names in by_value(values))
 
 
 def every_text(spacing: tuple[int, ...], unit: str = " steps") -> str:
@@ -457,7 +458,7 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
       if len(set(timing.commits[w.name].values())) > 1:
         notes.append(
           f"- {w.name}: step times alone from runs at different commits, each optimizer's "
-          f"newest ({device_text(timing.commits[w.name])}): their ratios hold the differences "
+          f"newest ({grouped_text(timing.commits[w.name])}): their ratios hold the differences "
           "between those runs' machines and code as well as between the optimizers."
         )
     if w.name in mixed:
@@ -465,7 +466,7 @@ def write_profiles(runs: Sequence[Run], dataset: str, length: str | None, out: P
       if not same_resolution(spacings):
         why.append(f"evaluated at different spacings ({spacing_text(spacings)})")
       if not same_device(devices):
-        why.append(f"timed on different devices ({device_text(devices)})")
+        why.append(f"timed on different devices ({grouped_text(devices)})")
       notes.append(
         f"- Left out of the profiles: {w.name}, its optimizers {' and '.join(why)}, so their "
         "times do not compare."

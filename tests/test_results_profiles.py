@@ -172,7 +172,7 @@ def test_the_written_profiles_add_the_second_profile_where_a_workload_is_left_ou
 
 def test_the_t5_workload_times_its_validation_loss_down_to_the_target(committed):
   """T5's targets are on the validation loss, lower is better: the profiled arms' committed
-  seeds 0, 1 and 3 evaluate every 45 steps (seed 2 of the paper's arms once an epoch, 225
+  seeds 0, 1 and 3 evaluate every 45 steps (Adam's and Ginger tau 8's seed 2 once an epoch, 225
   steps, a configuration of its own that the cell leaves out); Adam reaches 6.0 at step 90 and
   4.5 at step 315 on every seed, Ginger tau 8 6.0 at step 360-405 and 4.5 never."""
   t5 = profiles.workloads("cifar10", "30ep")[-1]
@@ -340,7 +340,7 @@ def test_step_times_from_different_devices_are_not_compared(committed):
   assert timing.devices["ResNet-18"]["Adam"] == "NVIDIA H200"
   assert all(times["ResNet-18"] == {} for times in timing.times)
   assert not profiles.comparable(timing.spacings["ResNet-18"], timing.devices["ResNet-18"])
-  assert profiles.device_text({"Adam": "H200", "Muon": "H100", "SOAP": "H200"}) == (
+  assert profiles.grouped_text({"Adam": "H200", "Muon": "H100", "SOAP": "H200"}) == (
     "H100: Muon; H200: Adam, SOAP"
   )
 
