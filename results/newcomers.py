@@ -1,16 +1,19 @@
-"""Ginger beside today's optimizers: one table per stand-in model, not the paper's.
+"""Ginger beside today's optimizers: one table per stand-in workload, not the paper's.
 
 Every registered optimizer beyond the paper's four (Muon, schedule-free AdamW, ... : the entries
 of training/registry.py whose ``compared_with`` names arms) gets a row once it has completed
-runs of the set: its best validation accuracy over seeds, its difference from each arm it is
-compared with (Adam and Ginger τ=8 by default) with Welch's 95 % interval, the family's
-simultaneous 95 % interval (Bonferroni) and the reading after Holm's correction over the family
-of every optimizer compared with that arm (the families of the comparisons file,
-:func:`results.comparisons.newcomer_pairs`), its times to the profiles' targets, its step
-time and memory (from runs alone on their device), its optimizer state and its FLOPs per step
-counted from the model's parameter shapes (``registry.update_flops``). The arms have rows of
+runs of the set: its best validation figure over seeds (the highest accuracy of an image model,
+the lowest loss of an XSUM model), its difference from each arm it is compared with (Adam and
+Ginger τ=8 by default) with Welch's 95 % interval, the family's simultaneous 95 % interval
+(Bonferroni) and the reading after Holm's correction over the family of every optimizer compared
+with that arm (the families of the comparisons file, :func:`results.comparisons.newcomer_pairs`),
+its times to the profiles' targets (results/profiles.py's workloads: the image accuracies, the T5
+stand-in's validation losses), its step time and memory (from runs alone on their device), its
+optimizer state and its FLOPs per step (a ResNet's counted from the model's parameter shapes,
+``registry.update_flops``; a T5's the analytic count the run recorded). The arms have rows of
 their own above.
-``make tables`` writes ``newcomers_<dataset>_<length>.md`` and ``.tex``::
+``make tables`` writes ``newcomers_<dataset>_<length>.md`` (one per image model beyond
+ResNet-18 with a suffix) and ``newcomers_<xsum model>_<length>_<setting>.md``, and ``.tex``::
 
     python -m results.newcomers results/cifar10/runs --out results/cifar10
 """
@@ -25,22 +28,27 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from results import profiles, stats
-from results.comparisons import accuracies, newcomer_family, newcomer_pairs
-from results.metrics import aggregate, fmt_num, fmt_stat, summary_number
+from results.comparisons import newcomer_family, newcomer_pairs
+from results.metrics import aggregate, flops_number, fmt_num, fmt_stat, summary_number
 from results.render import tables_command
-from results.runs import Run, is_number, rfield
+from results.runs import Run, is_number, length_text, rfield
 from results.selection import (
+  TABLE_SWEEPS,
   ComparisonPair,
   Selection,
+  cell_criteria,
   found_optimizers,
   image_protocol,
-  table1_cell,
+  select_runs,
   tabulated,
   tuple_key,
 )
 from results.table_model import (
   MODEL_NAMES,
+  SETTING_NAMES,
   Column,
   Row,
   Table,
@@ -49,6 +57,7 @@ from results.table_model import (
   optimizer_label,
   set_name,
   set_text,
+  slug,
 )
 from training import registry
 
@@ -57,7 +66,7 @@ from training import registry
 IMAGE_SHAPES = {"cifar10": (32, 32, 3), "cifar100": (32, 32, 3)}
 
 # The parts the table is shown in (results.render.blocks), each beside the seeds column.
-ACCURACY, TIME, COST = "accuracy", "time to a target", "cost"
+ACCURACY, LOSS, TIME, COST = "accuracy", "validation loss", "time to a target", "cost"
 
 
 @functools.cache
@@ -103,6 +112,23 @@ def step_flops(run: Run) -> float | None:
   )
 
 
+def best_value(run: Run, workload: profiles.Workload) -> float | None:
+  """The run's best evaluation of ``workload``'s metric: its highest validation accuracy (the
+  summary's ``best_val_accuracy``) or its lowest validation loss over its evaluations (the
+  summary's ``val_loss`` is the evaluation of highest ROUGE-L); None without one."""
+  if not workload.lower_is_better:
+    value = run.get("best_val_accuracy")
+    return float(value) if is_number(value) else None
+  values = profiles.eval_series(run, workload).get("value", np.array([]))
+  finite = values[np.isfinite(values)]
+  return float(finite.min()) if finite.size else None
+
+
+def best_values(sel: Selection, workload: profiles.Workload) -> list[float]:
+  """:func:`best_value` of each of the cell's runs that has one."""
+  return [v for v in (best_value(r, workload) for r in sel.runs) if v is not None]
+
+
 def _completed(config: dict[str, Any], optimizer: registry.Optimizer) -> dict[str, Any]:
   """``config`` with each key ``optimizer`` reads that a run recorded before the key existed
   (``passes``) as null, the value that keeps what such a run computed."""
@@ -122,14 +148,14 @@ def _stat(runs: Sequence[Run], value, style: str) -> str:
 
 
 def _differences(
-  pairs: Sequence[ComparisonPair],
+  pairs: Sequence[ComparisonPair], workload: profiles.Workload
 ) -> dict[tuple[str, str], tuple[str, str, str]]:
   """(optimizer label, family) -> (Welch interval text, the family's simultaneous interval,
-  Holm reading) for the newcomers' comparisons with runs on both sides, each family read at
-  once (:func:`results.stats.read_family`)."""
+  Holm reading) of :func:`best_values` for the newcomers' comparisons with runs on both sides,
+  each family read at once (:func:`results.stats.read_family`)."""
   tested = collections.defaultdict(list)
   for family, label, a, b in pairs:
-    va, vb = accuracies(a), accuracies(b)
+    va, vb = best_values(a, workload), best_values(b, workload)
     if va and vb:
       tested[family].append((label, (va, vb)))
   out = {}
@@ -139,70 +165,114 @@ def _differences(
   return out
 
 
+def image_workload(dataset: str, model: str, length: str | None = None) -> profiles.Workload:
+  """An image model's workload: Table 1's cells, validation accuracy, the profiles' targets."""
+  criteria = {**image_protocol(dataset, length), "model": model}
+  name = MODEL_NAMES.get(model, model)
+  return profiles.Workload(name, "resnet", criteria, "table1", "val_accuracy", profiles.TARGETS)
+
+
 def build_newcomers(
   runs: Sequence[Run], dataset: str, model: str, length: str | None = None
 ) -> Table:
-  """The table of today's optimizers on ``model`` for one set of runs (see the module)."""
-  protocol = {**image_protocol(dataset, length), "model": model}
+  """The table of today's optimizers on the image ``model`` for one set of runs (see the
+  module)."""
+  name = set_name("newcomers", dataset, length) + ("" if model == "resnet18" else f"_{model}")
+  title = (
+    f"{MODEL_NAMES.get(model, model)} stand-in: today's optimizers ({set_text(dataset, length)})"
+  )
+  return build_workload_table(runs, image_workload(dataset, model, length), name, title)
+
+
+def build_text_newcomers(
+  runs: Sequence[Run], model: str, length: str | None, setting: str
+) -> Table:
+  """The table of today's optimizers on an XSUM ``model`` in ``setting`` (full or LoRA) for one
+  set of runs, timed to the profiles' validation losses where the set is one of their
+  workloads (:func:`results.profiles.text_workload`)."""
+  workload = profiles.text_workload(model, length, setting)
+  name = f"newcomers_{slug(model)}_{slug(length)}_{setting}"
+  what = f"XSUM, {length_text(length)}, {SETTING_NAMES[setting].lower()} fine-tuning"
+  if setting == "lora":
+    what = f"XSUM, {length_text(length)}, LoRA"
+  return build_workload_table(runs, workload, name, f"{model}: today's optimizers ({what})")
+
+
+def build_workload_table(
+  runs: Sequence[Run], workload: profiles.Workload, name: str, title: str
+) -> Table:
+  """The table of today's optimizers on ``workload`` (see the module)."""
+  sweeps = TABLE_SWEEPS[workload.sweep]
 
   def cell(optimizer: str, tau: Any = None) -> Selection:
-    return table1_cell(runs, optimizer, tau, **protocol)
+    return select_runs(runs, cell_criteria(optimizer, tau, **workload.criteria), sweeps)
 
-  found = found_optimizers(runs, **protocol)
+  found = found_optimizers(runs, **workload.criteria)
   pairs = newcomer_pairs(cell, found)
   arms = list(dict.fromkeys(arm for n in registry.table_order() for arm in registry.get(n).arms))
   newcomers = [n for n in registry.table_order() if registry.get(n).arms]
   have = {o for o, _tau in found}
-  diffs = _differences(pairs)
+  diffs = _differences(pairs, workload)
   arm_labels = [optimizer_label(*arm) for arm in arms]
-  columns = _columns(arm_labels)
-  what = set_text(dataset, length)
-  name = MODEL_NAMES.get(model, model)
   table = Table(
-    set_name("newcomers", dataset, length) + ("" if model == "resnet18" else f"_{model}"),
-    f"{name} stand-in: today's optimizers ({what})",
-    _caption(arm_labels),
-    "Optimizer",
-    columns,
+    name, title, _caption(arm_labels, workload), "Optimizer", _columns(arm_labels, workload)
   )
   rows = [(optimizer_label(*arm), cell(*arm)) for arm in arms]
   rows += [(registry.display_name(n), cell(n)) for n in newcomers if n in have]
   alone = {label: profiles.current_alone_runs(sel.runs, runs) for label, sel in rows}
-  times, notes = _times_to_targets(rows, alone, baseline=optimizer_label("adam", None))
+  baseline = optimizer_label("adam", None)
+  times, notes = _times_to_targets(rows, alone, baseline, workload)
   used = []
   for k, (label, sel) in enumerate(rows):
-    cells = _row_cells(label, sel, arms, diffs, times[label], alone[label])
+    cells = _row_cells(label, sel, arms, diffs, times[label], alone[label], workload)
     table.rows.append(Row(label, cells, rule_before=k == len(arms)))
     used += [r for r in sel.runs if r not in used]
-  missing = [registry.display_name(n) for n in newcomers if n not in have]
+  cannot = [n for n in newcomers if not profiles.runs_family(n, workload)]
+  for n in cannot:
+    notes.append(
+      f"{registry.display_name(n)} cannot run this model (model.family={workload.family}: its "
+      "registry entry's families)."
+    )
+  missing = [registry.display_name(n) for n in newcomers if n not in have and n not in cannot]
   if missing:
     notes.append(f"Registered, no completed runs of this set yet: {', '.join(missing)}.")
   return finish(table, used, notes)
 
 
-def _columns(arm_labels: Sequence[str]) -> list[Column]:
-  """The table's columns in its three parts: accuracy (with the difference from each arm), the
-  times to the profiles' targets, and the cost; the seeds column in every part."""
-  columns = [Column("", "n"), Column("", "Acc", part=ACCURACY)]
+def target_head(workload: profiles.Workload, target: float) -> str:
+  """ "s to 85 %" (an accuracy), "s to loss 6" (a validation loss)."""
+  return f"s to loss {target:g}" if workload.lower_is_better else f"s to {target:g} %"
+
+
+def _columns(arm_labels: Sequence[str], workload: profiles.Workload) -> list[Column]:
+  """The table's columns in its three parts: the best validation figure (with the difference
+  from each arm), the times to the profiles' targets, and the cost; the seeds column in every
+  part."""
+  best, part = ("Val loss", LOSS) if workload.lower_is_better else ("Acc", ACCURACY)
+  columns = [Column("", "n"), Column("", best, part=part)]
   for label in arm_labels:
     columns += [
-      Column(f"− {label}", "[95 % CI]", part=ACCURACY),
-      Column(f"− {label}", "[simultaneous 95 %]", part=ACCURACY),
-      Column(f"− {label}", "Holm", part=ACCURACY),
+      Column(f"− {label}", "[95 % CI]", part=part),
+      Column(f"− {label}", "[simultaneous 95 %]", part=part),
+      Column(f"− {label}", "Holm", part=part),
     ]
-  for target in profiles.TARGETS:
+  for target in workload.targets:
+    head = target_head(workload, target)
     columns += [
-      Column("", f"s to {target:g} %", part=TIME),
-      Column("", f"s to {target:g} % − Adam, Holm", part=TIME),
+      Column("", head, part=TIME),
+      Column("", f"{head} − Adam, Holm", part=TIME),
     ]
   costs = ("Step ms", "Step GB", "State MB", "GFLOPs/step")
   return columns + [Column("", label, part=COST) for label in costs]
 
 
 def _times_to_targets(
-  rows: Sequence[tuple[str, Selection]], alone: dict[str, list[Run]], baseline: str
+  rows: Sequence[tuple[str, Selection]],
+  alone: dict[str, list[Run]],
+  baseline: str,
+  workload: profiles.Workload,
 ) -> tuple[dict[str, list[str]], list[str]]:
-  """Per row label, for each of :data:`results.profiles.TARGETS`: the median seconds to the
+  """Per row label, for each of ``workload``'s targets: the median seconds to the
   target over seeds (each seed's steps to it times the median step of the row's current runs
   ``alone``, misses infinite: :func:`results.profiles.seed_times`) with reached / seeds,
   and its reading against ``baseline``'s (the exact rank test, misses counted, Holm over the
@@ -215,8 +285,11 @@ def _times_to_targets(
   elsewhere = [
     label for label in device if baseline in device and device[label] != device[baseline]
   ]
-  for target in profiles.TARGETS:
-    seconds = {label: profiles.seed_times(sel.runs, target, step_s[label]) for label, sel in rows}
+  sizes: set[tuple[int, int]] = set()  # (seeds, the baseline's seeds) of each test
+  for target in workload.targets:
+    seconds = {
+      label: profiles.seed_times(sel.runs, target, step_s[label], workload) for label, sel in rows
+    }
     base = seconds.get(baseline)
     tested = {
       label: stats.race_difference(t, base)
@@ -224,12 +297,12 @@ def _times_to_targets(
       if t and base and label != baseline and label not in elsewhere
     }
     adjusted = dict(zip(tested, stats.holm([d.p for d in tested.values()]), strict=True))
+    sizes |= {(d.n, d.baseline_n) for d in tested.values()}
     for label, t in seconds.items():
       if not t:
         out[label] += ["", ""]
         continue
-      median = stats.median_time(t)
-      shown = f"{median:.0f}" if math.isfinite(median) else "not reached"
+      shown = profiles.seconds_text(stats.median_time(t))
       reached = sum(math.isfinite(x) for x in t)
       reading = stats.race_verdict(tested[label], adjusted[label]) if label in tested else ""
       out[label] += [f"{shown} ({reached}/{len(t)})", reading]
@@ -238,6 +311,13 @@ def _times_to_targets(
     f"times are not compared with {baseline}'s."
     for label in elsewhere
   ]
+  if sizes and all(stats.smallest_rank_sum_p(*n) >= 0.05 for n in sizes):
+    seeds = " and ".join(sorted({f"{n} against {m}" for n, m in sizes}))
+    notes.append(
+      f"At {seeds} seeds the exact rank test's smallest two-sided p is "
+      f"{min(stats.smallest_rank_sum_p(*n) for n in sizes):.2f}: no time can read faster or "
+      f"slower than {baseline}'s here, whatever the medians."
+    )
   return out, notes
 
 
@@ -248,13 +328,14 @@ def _row_cells(
   diffs: dict[tuple[str, str], Any],
   times: Sequence[str],
   alone: Sequence[Run],
+  workload: profiles.Workload,
 ) -> list[str]:
-  """One row's cells: seeds, accuracy, the difference, its simultaneous interval and Holm
-  reading against each arm (blank for an arm itself, or without runs), the ``times`` to the
-  targets, then the costs: step time and memory from the configuration's current runs
-  ``alone`` on their device."""
+  """One row's cells: seeds, the best validation figure, the difference, its simultaneous
+  interval and Holm reading against each arm (blank for an arm itself, or without runs), the
+  ``times`` to the targets, then the costs: step time and memory from the configuration's
+  current runs ``alone`` on their device."""
   runs = sel.runs
-  cells = [str(len(runs)), _stat(runs, summary_number("best_val_accuracy"), "f2")]
+  cells = [str(len(runs)), _stat(runs, lambda r: best_value(r, workload), "f2")]
   for arm in arms:
     reference = optimizer_label(*arm)
     key = (f"{label} − {reference}", newcomer_family(arm))
@@ -263,9 +344,15 @@ def _row_cells(
     _median(alone, summary_number("step_time_s", 1e3), "f2"),
     _median(alone, summary_number("step_memory_bytes", 1e-9), "f2"),
     _median(runs, summary_number("optimizer_state_bytes_per_device", 1e-6), "f1"),
-    _median(runs, lambda r: _scaled(step_flops(r), 1e-9), "f1"),
+    _median(runs, lambda r: _scaled(_flops(r, workload), 1e-9), "f1"),
   ]
   return cells + list(times) + costs
+
+
+def _flops(run: Run, workload: profiles.Workload) -> float | None:
+  """A step's FLOPs: a ResNet's counted now (:func:`step_flops`), another model's the analytic
+  count the run recorded."""
+  return step_flops(run) if workload.family == "resnet" else flops_number("analytic")(run)
 
 
 def _median(runs: Sequence[Run], value, style: str) -> str:
@@ -278,47 +365,68 @@ def _scaled(value: float | None, scale: float) -> float | None:
   return value * scale if is_number(value) else None
 
 
-def _caption(arm_labels: Sequence[str]) -> str:
+def _caption(arm_labels: Sequence[str], workload: profiles.Workload) -> str:
   arms = " and ".join(arm_labels)
-  return (
-    "Best validation accuracy (%), mean ± sample std over seeds (n). − arm: the difference of"
+  if workload.lower_is_better:
+    best = "Lowest validation loss over the run's evaluations (lower is better)"
+    reading = "above / below (below: a lower loss)"
+    target = "s to loss T: time to a validation loss of T"
+    flops = "the analytic count the runs recorded (3x the forward pass and the update)"
+  else:
+    best = "Best validation accuracy (%)"
+    reading = "above / below"
+    target = "s to T %: time to a validation accuracy of T %"
+    flops = (
+      "one training step (3x the forward pass, the d-pass where the optimizer has one, and the "
+      "optimizer's update counted from the model's parameter shapes by its registry entry; for "
+      "Muon, Newton-Schulz on each matrix)"
+    )
+  text = (
+    f"{best}, mean ± sample std over seeds (n). − arm: the difference of"
     f" means from {arms} [Welch 95 % interval, uncorrected]; [simultaneous 95 %]: the family's"
     " intervals, each at 1 − 0.05 / m over the family's m comparisons (Bonferroni: all m cover"
     " their differences together with probability at least 95 %); Holm: the reading after Holm's "
-    "correction over the family of every optimizer compared with that arm (above / below "
+    f"correction over the family of every optimizer compared with that arm ({reading} "
     "where the adjusted p is below 0.05, tie otherwise; n < 2 where a side has one run; Holm "
-    "can read above or below where the simultaneous interval still holds 0). s to"
-    " T %: time to a validation accuracy of T % as AlgoPerf scores it (results/profiles.py): "
-    "the median over seeds of each seed's steps to the target times its configuration's step "
-    "time alone, a seed that misses counting as infinitely slow, then (reached / seeds); − "
-    "Adam, Holm: faster / slower / tie by the exact rank test with the misses counted, Holm "
-    "over the table's optimizers at that target (blank without a run alone). Step ms and Step"
+    "can read above or below where the simultaneous interval still holds 0). "
+  )
+  if workload.targets:
+    text += (
+      f"{target} as AlgoPerf scores it (results/profiles.py): "
+      "the median over seeds of each seed's steps to the target times its configuration's step "
+      "time alone, a seed that misses counting as infinitely slow, then (reached / seeds); − "
+      "Adam, Holm: faster / slower / tie by the exact rank test with the misses counted, Holm "
+      "over the table's optimizers at that target (blank without a run alone). "
+    )
+  return text + (
+    "Step ms and Step"
     " GB: median step time and the step's own memory (XLA's memory analysis) of the "
     "runs alone on their device with the configuration's step (any sweep and length: `make "
-    "steptime` runs 600 steps), at the newest commit among them (blank without one); the "
-    "times to a target use the same step time. "
-    "State MB: the optimizer state's bytes per device as the runs recorded them (their "
-    "median). GFLOPs/step: one training step (3x the forward pass, the d-pass where the "
-    "optimizer has one, and the optimizer's update counted from the model's parameter shapes "
-    "by its registry entry; for Muon, Newton-Schulz on each matrix)."
+    "steptime` runs 600 steps), at the newest commit among them (blank without one)"
+    + ("; the times to a target use the same step time. " if workload.targets else ". ")
+    + "State MB: the optimizer state's bytes per device as the runs recorded them (their "
+    f"median). GFLOPs/step: {flops}."
   )
 
 
 def newcomer_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
-  """(file name, table): one per (dataset, length, model) of image runs where an optimizer
-  beyond the paper's has completed runs."""
+  """(file name, table): one per (dataset, length, model) of image runs and per (model, length,
+  setting) of XSUM runs where an optimizer beyond the paper's has completed runs."""
   newcomers = {n for n in registry.names() if registry.get(n).arms}
-  done = [r for r in tabulated(runs) if rfield(r, "setting") is None]
-  sets = {
+  done = [r for r in tabulated(runs) if rfield(r, "optimizer") in newcomers]
+  images = {
     (rfield(r, "dataset"), rfield(r, "length"), rfield(r, "model"))
     for r in done
-    if rfield(r, "optimizer") in newcomers
+    if rfield(r, "setting") is None
   }
-  out = []
-  for dataset, length, model in sorted(sets, key=tuple_key):
-    table = build_newcomers(runs, dataset, model, length)
-    out.append((table.name, table))
-  return out
+  texts = {
+    (rfield(r, "model"), rfield(r, "length"), rfield(r, "setting"))
+    for r in done
+    if rfield(r, "setting") is not None
+  }
+  tables = [build_newcomers(runs, d, m, length) for d, length, m in sorted(images, key=tuple_key)]
+  tables += [build_text_newcomers(runs, *key) for key in sorted(texts, key=tuple_key)]
+  return [(table.name, table) for table in tables]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -229,6 +229,13 @@ class RaceDifference:
     return out
 
 
+def smallest_rank_sum_p(n: int, m: int) -> float:
+  """The smallest two-sided p-value the exact rank-sum test can give samples of ``n`` and ``m``:
+  ``2 / C(n + m, n)``, the two most extreme orderings of the pooled ranks (fewer seeds than
+  that allows can never read faster or slower at 5 %: 3 against 3 gives 0.1)."""
+  return min(1.0, 2.0 / math.comb(n + m, n))
+
+
 def race_verdict(d: RaceDifference, p: float | None, alpha: float = ALPHA) -> str:
   """The reading of a race difference at (possibly Holm-adjusted) p-value ``p``."""
   return _reading(-1.0 if d.faster else 1.0, p, alpha, ("slower", "faster"))

@@ -18,6 +18,7 @@ from results.stats import (
   race_difference,
   rank_sum_p,
   read_family,
+  smallest_rank_sum_p,
   time_to_target,
   welch,
 )
@@ -184,6 +185,21 @@ def test_rank_test_is_scipys_exact_permutation_test(x, y):
     x, y, method=scipy_stats.PermutationMethod(n_resamples=10_000)
   ).pvalue
   assert rank_sum_p(x, y) == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 6), st.integers(2, 6))
+def test_smallest_rank_sum_p_is_the_exact_tests_at_full_separation(n, m):
+  """No p-value of the exact rank test on n against m seeds is below the bound, and fully
+  separated samples (every time of one below every time of the other, misses included) reach
+  it: scipy's exact permutation test gives it there."""
+  x, y = list(range(1, n + 1)), [100.0 + k for k in range(m - 1)] + [INF]
+  want = scipy_stats.mannwhitneyu(
+    x, y, method=scipy_stats.PermutationMethod(n_resamples=10_000)
+  ).pvalue
+  assert smallest_rank_sum_p(n, m) == pytest.approx(want, rel=1e-9)
+  assert rank_sum_p(x, y) == pytest.approx(want, rel=1e-9)
+  assert smallest_rank_sum_p(3, 3) == pytest.approx(0.1)  # three seeds a side never read
 
 
 def test_shift_interval_is_moses_on_uncensored_samples():
