@@ -48,7 +48,6 @@ from results.selection import (
 )
 from results.table_model import (
   MODEL_NAMES,
-  SETTING_NAMES,
   Column,
   Row,
   Table,
@@ -66,6 +65,7 @@ from training import registry
 IMAGE_SHAPES = {"cifar10": (32, 32, 3), "cifar100": (32, 32, 3)}
 
 # The parts the table is shown in (results.render.blocks), each beside the seeds column.
+SETTING_TEXT = {"full": "full fine-tuning", "lora": "LoRA"}  # Table 2's settings, in a title
 ACCURACY, LOSS, TIME, COST = "accuracy", "validation loss", "time to a target", "cost"
 
 
@@ -192,9 +192,7 @@ def build_text_newcomers(
   workloads (:func:`results.profiles.text_workload`)."""
   workload = profiles.text_workload(model, length, setting)
   name = f"newcomers_{slug(model)}_{slug(length)}_{setting}"
-  what = f"XSUM, {length_text(length)}, {SETTING_NAMES[setting].lower()} fine-tuning"
-  if setting == "lora":
-    what = f"XSUM, {length_text(length)}, LoRA"
+  what = f"XSUM, {length_text(length)}, {SETTING_TEXT.get(setting, setting)}"
   return build_workload_table(runs, workload, name, f"{model}: today's optimizers ({what})")
 
 
