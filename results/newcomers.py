@@ -304,9 +304,10 @@ def _times_to_targets(
       reached = sum(math.isfinite(x) for x in t)
       reading = stats.race_verdict(tested[label], adjusted[label]) if label in tested else ""
       out[label] += [f"{shown} ({reached}/{len(t)})", reading]
+  what = "times are not compared" if workload.targets else "step time does not compare"
   notes = [
     f"Step time measured on {device[label]}, {baseline}'s on {device[baseline]}: {label}'s "
-    f"times are not compared with {baseline}'s."
+    f"{what} with {baseline}'s."
     for label in elsewhere
   ]
   if sizes and all(stats.smallest_rank_sum_p(*n) >= 0.05 for n in sizes):

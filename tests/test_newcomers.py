@@ -209,3 +209,16 @@ def test_the_t5_table_reads_the_lowest_validation_loss_and_the_step_time_sweep(r
   assert rows["Muon"]["GFLOPs/step"] == f"{muon_runs[0]['flops_per_iter']['analytic'] * 1e-9:.1f}"
   assert any("K-FAC cannot run this model" in note for note in table.notes)
   assert any("smallest two-sided p is 0.10" in note for note in table.notes)
+
+
+def test_a_text_set_without_the_profiles_targets_has_no_time_columns(runs):
+  """LoRA on the stand-in is no workload of the profiles: its table has the validation loss and
+  the cost only, and a step timed on another device than Adam's is said not to compare."""
+  table = newcomers.build_text_newcomers(runs, "t5-small-random", "2ep", "lora")
+  assert table.name == "newcomers_t5_small_random_2ep_lora"
+  assert table.title == "t5-small-random: today's optimizers (XSUM, 2 epochs, LoRA)"
+  heads = [c.header() for c in table.columns]
+  assert "Val loss" in heads and "Step ms" in heads
+  assert not any(h.startswith("s to ") for h in heads)
+  assert [r.label for r in table.rows] == ["Adam", "Ginger (τ=8)"]
+  assert any(n.endswith("step time does not compare with Adam's.") for n in table.notes)
