@@ -219,7 +219,6 @@ steptime: $(STAMP)
 tables: $(STAMP)
 	$(PY) -m results.tables --out results/local
 	$(PY) -m results.tables results/cifar10/runs --out results/cifar10 --standin-only
-	$(PY) -m results.newcomers results/cifar10/runs --out results/cifar10
 	$(PY) -m results.recipe results/cifar10/runs --out results/cifar10
 	rm -rf results/cifar10/plots  # nothing stale: a plot no longer made does not linger
 	$(PY) -m results.plots results/cifar10/runs --out results/cifar10/plots

@@ -41,7 +41,6 @@ from results.selection import (
   Selection,
   cell_criteria,
   found_optimizers,
-  image_protocol,
   select_runs,
   tabulated,
   tuple_key,
@@ -165,13 +164,6 @@ def _differences(
   return out
 
 
-def image_workload(dataset: str, model: str, length: str | None = None) -> profiles.Workload:
-  """An image model's workload: Table 1's cells, validation accuracy, the profiles' targets."""
-  criteria = {**image_protocol(dataset, length), "model": model}
-  name = MODEL_NAMES.get(model, model)
-  return profiles.Workload(name, "resnet", criteria, "table1", "val_accuracy", profiles.TARGETS)
-
-
 def build_newcomers(
   runs: Sequence[Run], dataset: str, model: str, length: str | None = None
 ) -> Table:
@@ -181,7 +173,7 @@ def build_newcomers(
   title = (
     f"{MODEL_NAMES.get(model, model)} stand-in: today's optimizers ({set_text(dataset, length)})"
   )
-  return build_workload_table(runs, image_workload(dataset, model, length), name, title)
+  return build_workload_table(runs, profiles.image_workload(dataset, model, length), name, title)
 
 
 def build_text_newcomers(

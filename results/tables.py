@@ -21,7 +21,8 @@ stand-in dataset, a random-init model, a shorter schedule) gets its own tables, 
 (dataset, run length), named after both (``table1_cifar10_30ep.md``) and titled NOT COMPARABLE.
 Runs of different lengths never share a cell. Runs of the curvature_every sweep (Ginger with the
 curvature updated every K steps, beyond the paper) enter only their own table,
-``curvature_every_<dataset>_<length>.md``.
+``curvature_every_<dataset>_<length>.md``. Every set where an optimizer beyond the paper's four
+has runs also gets the table of today's optimizers (``newcomers_<set>.md``, results/newcomers.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from results import records
 from results.comparisons import comparison_tables
+from results.newcomers import newcomer_tables
 from results.paper_tables import build_all, build_table1, build_table3, build_table4, standin_tables
 from results.render import to_latex, to_markdown, write_tables  # noqa: F401 (read through this module too)
 from results.runs import (  # noqa: F401 (the run list, read through this module too)
@@ -129,7 +131,7 @@ def tables_to_write(args: argparse.Namespace, runs: Sequence[Run]) -> list[tuple
     ]
   paper = [] if args.standin_only else [(t.name, t) for t in build_all(runs, flops=args.flops)]
   tables = paper + standin_tables(runs, args.flops) + curvature_every_tables(runs)
-  return tables + comparison_tables(runs)
+  return tables + comparison_tables(runs) + newcomer_tables(runs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -140,3 +140,9 @@ def test_it_trains_and_is_counted_and_tabulated(adopt, tmp_path):
   assert rows["ADOPT"][:2] == ["1", f"{summary['best_val_accuracy']:.2f}"]
   assert rows["ADOPT"][2:8] == ["+1.00", "", "n < 2", "+2.00", "", "n < 2"]
   assert rows["ADOPT"][-2] == f"{summary['optimizer_state_bytes_per_device'] * 1e-6:.1f}"
+  # the digits set has no targets (results.profiles.IMAGE_TARGETS): no time columns
+  assert not any(c.label.startswith("s to ") for c in table.columns)
+  # a user's `make tables` (results.tables over their runs) writes it beside Table 1
+  out = tmp_path / "tables"
+  assert tables.main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+  assert (out / "newcomers_digits_2steps_resnet_tiny.md").is_file()

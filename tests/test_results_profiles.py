@@ -351,3 +351,21 @@ def test_step_times_from_different_devices_are_not_compared(committed):
     "Step time measured on NVIDIA H100 80GB HBM3, Adam's on NVIDIA H200: Muon's times are "
     "not compared with Adam's."
   ) in table.notes
+
+
+def test_a_set_without_targets_has_no_profile(tmp_path, committed, capsys):
+  """Targets are fixed per set from its baselines' runs (IMAGE_TARGETS): the paper's CIFAR-100
+  at 200 epochs has none here, so no workload, no profile, and the command says why."""
+  assert [w.name for w in profiles.workloads("cifar10", "30ep")] == [
+    "ResNet-18",
+    "ResNet-50",
+    "T5 stand-in",
+  ]
+  assert profiles.workloads("cifar100", "200ep") == []
+  assert profiles.image_workload("cifar100", "resnet18", "200ep").targets == ()
+  assert profiles.write_profiles(committed, "cifar100", "200ep", tmp_path) == []
+  argv = [str(COMMITTED), "--out", str(tmp_path), "--dataset", "cifar100", "--length", "200ep"]
+  assert profiles.main(argv) == 0
+  assert (
+    "cifar100 200ep has no targets (sets with targets: cifar10 30ep)" in capsys.readouterr().out
+  )
