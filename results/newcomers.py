@@ -25,7 +25,7 @@ import functools
 import math
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,21 +111,38 @@ def step_flops(run: Run) -> float | None:
   )
 
 
-def best_value(run: Run, workload: profiles.Workload) -> float | None:
+Evaluations = Callable[[Run], dict[str, np.ndarray]]
+
+
+def evaluations(workload: profiles.Workload) -> Evaluations:
+  """A run's evaluations of ``workload``'s metric (:func:`results.profiles.eval_series`), each
+  run's read once: a table reads them for its best values, its differences and its times."""
+  read: dict[int, dict[str, np.ndarray]] = {}  # by the run's identity: a run record is a dict
+
+  def of(run: Run) -> dict[str, np.ndarray]:
+    if id(run) not in read:
+      read[id(run)] = profiles.eval_series(run, workload)
+    return read[id(run)]
+
+  return of
+
+
+def best_value(run: Run, workload: profiles.Workload, evals: Evaluations) -> float | None:
   """The run's best evaluation of ``workload``'s metric: its highest validation accuracy (the
-  summary's ``best_val_accuracy``) or its lowest validation loss over its evaluations (the
-  summary's ``val_loss`` is the evaluation of highest ROUGE-L); None without one."""
+  summary's ``best_val_accuracy``) or its lowest validation loss over its evaluations
+  (``evals``; the summary's ``val_loss`` is the evaluation of highest ROUGE-L); None without
+  one."""
   if not workload.lower_is_better:
     value = run.get("best_val_accuracy")
     return float(value) if is_number(value) else None
-  values = profiles.eval_series(run, workload).get("value", np.array([]))
+  values = evals(run).get("value", np.array([]))
   finite = values[np.isfinite(values)]
   return float(finite.min()) if finite.size else None
 
 
-def best_values(sel: Selection, workload: profiles.Workload) -> list[float]:
+def best_values(sel: Selection, workload: profiles.Workload, evals: Evaluations) -> list[float]:
   """:func:`best_value` of each of the cell's runs that has one."""
-  return [v for v in (best_value(r, workload) for r in sel.runs) if v is not None]
+  return [v for v in (best_value(r, workload, evals) for r in sel.runs) if v is not None]
 
 
 def _completed(config: dict[str, Any], optimizer: registry.Optimizer) -> dict[str, Any]:
@@ -147,14 +164,14 @@ def _stat(runs: Sequence[Run], value, style: str) -> str:
 
 
 def _differences(
-  pairs: Sequence[ComparisonPair], workload: profiles.Workload
+  pairs: Sequence[ComparisonPair], workload: profiles.Workload, evals: Evaluations
 ) -> dict[tuple[str, str], tuple[str, str, str]]:
   """(optimizer label, family) -> (Welch interval text, the family's simultaneous interval,
   Holm reading) of :func:`best_values` for the newcomers' comparisons with runs on both sides,
   each family read at once (:func:`results.stats.read_family`)."""
   tested = collections.defaultdict(list)
   for family, label, a, b in pairs:
-    va, vb = best_values(a, workload), best_values(b, workload)
+    va, vb = best_values(a, workload, evals), best_values(b, workload, evals)
     if va and vb:
       tested[family].append((label, (va, vb)))
   out = {}
@@ -202,7 +219,8 @@ def build_workload_table(
   arms = list(dict.fromkeys(arm for n in registry.table_order() for arm in registry.get(n).arms))
   newcomers = [n for n in registry.table_order() if registry.get(n).arms]
   have = {o for o, _tau in found}
-  diffs = _differences(pairs, workload)
+  evals = evaluations(workload)
+  diffs = _differences(pairs, workload, evals)
   arm_labels = [optimizer_label(*arm) for arm in arms]
   table = Table(
     name, title, _caption(arm_labels, workload), "Optimizer", _columns(arm_labels, workload)
@@ -211,10 +229,10 @@ def build_workload_table(
   rows += [(registry.display_name(n), cell(n)) for n in newcomers if n in have]
   alone = {label: profiles.current_alone_runs(sel.runs, runs) for label, sel in rows}
   baseline = optimizer_label("adam", None)
-  times, notes = _times_to_targets(rows, alone, baseline, workload)
+  times, notes = _times_to_targets(rows, alone, baseline, workload, evals)
   used = []
   for k, (label, sel) in enumerate(rows):
-    cells = _row_cells(label, sel, arms, diffs, times[label], alone[label], workload)
+    cells = _row_cells(label, sel, arms, diffs, times[label], alone[label], workload, evals)
     table.rows.append(Row(label, cells, rule_before=k == len(arms)))
     used += [r for r in sel.runs if r not in used]
   cannot = [n for n in newcomers if not profiles.runs_family(n, workload)]
@@ -261,6 +279,7 @@ def _times_to_targets(
   alone: dict[str, list[Run]],
   baseline: str,
   workload: profiles.Workload,
+  evals: Evaluations,
 ) -> tuple[dict[str, list[str]], list[str]]:
   """Per row label, for each of ``workload``'s targets: the median seconds to the
   target over seeds (each seed's steps to it times the median step of the row's current runs
@@ -278,7 +297,8 @@ def _times_to_targets(
   sizes: set[tuple[int, int]] = set()  # (seeds, the baseline's seeds) of each test
   for target in workload.targets:
     seconds = {
-      label: profiles.seed_times(sel.runs, target, step_s[label], workload) for label, sel in rows
+      label: profiles.seed_times(sel.runs, target, step_s[label], workload, evals)
+      for label, sel in rows
     }
     base = seconds.get(baseline)
     tested = {
@@ -320,13 +340,14 @@ def _row_cells(
   times: Sequence[str],
   alone: Sequence[Run],
   workload: profiles.Workload,
+  evals: Evaluations,
 ) -> list[str]:
   """One row's cells: seeds, the best validation figure, the difference, its simultaneous
   interval and Holm reading against each arm (blank for an arm itself, or without runs), the
   ``times`` to the targets, then the costs: step time and memory from the configuration's
   current runs ``alone`` on their device."""
   runs = sel.runs
-  cells = [str(len(runs)), _stat(runs, lambda r: best_value(r, workload), "f2")]
+  cells = [str(len(runs)), _stat(runs, lambda r: best_value(r, workload, evals), "f2")]
   for arm in arms:
     reference = optimizer_label(*arm)
     key = (f"{label} − {reference}", newcomer_family(arm))

@@ -46,7 +46,7 @@ import math
 import statistics
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -209,13 +209,19 @@ def first_step(evals: dict[str, np.ndarray], target: float, workload: Workload =
 
 
 def seed_times(
-  runs: Sequence[Run], target: float, step_s: float | None, workload: Workload = IMAGE
+  runs: Sequence[Run],
+  target: float,
+  step_s: float | None,
+  workload: Workload = IMAGE,
+  evals: Callable[[Run], dict[str, np.ndarray]] | None = None,
 ) -> list[float] | None:
   """Each seed's seconds to ``target``: its steps times ``step_s``, the configuration's step
-  time alone (:func:`alone_step_time`); inf where never reached; None without a step time."""
+  time alone (:func:`alone_step_time`); inf where never reached; None without a step time.
+  ``evals`` gives a run's evaluations already read (default: :func:`eval_series`)."""
   if step_s is None:
     return None
-  return [steps_to(r, target, workload) * step_s for r in runs]
+  evals = evals or (lambda run: eval_series(run, workload))
+  return [first_step(evals(r), target, workload) * step_s for r in runs]
 
 
 def optimizers() -> list[tuple[str, Any]]:
