@@ -6,7 +6,8 @@ DIR defaults to results/local/plots/ (ignored by git).
 
 Writes PNGs (matplotlib, Agg backend):
 - `curves_<experiment>.png`: validation accuracy (or ROUGE-L) and training loss against steps and
-  against wall-clock seconds, one colour per optimizer configuration (seeds share the colour);
+  (where a run ran alone on its device) against wall-clock seconds, one colour per optimizer
+  configuration (seeds share the colour);
 - `tau_<dataset>[_<length>].png`: final metric against tau, Ginger vs QNG (mean ± std over
   seeds), one panel per model (or XSUM setting), Adam/Momentum as horizontal lines; the paper's
   numbers dashed only for runs of the paper's protocol, every other set (a stand-in dataset or
@@ -15,6 +16,8 @@ Writes PNGs (matplotlib, Agg backend):
   sweep or the curvature_every sweep (mean over seeds), the wall-clock seconds from the run's
   start (compilation and evaluations included) until the validation accuracy first reached
   each level;
+- `lr_<experiment>.png`: the lr_tune sweep's score against lr, one line per optimizer, the tuned
+  lr circled (results/lr_tuning.py);
 - `spectrum_<run>.png`: Ginger's curvature eigenvalues sigma (one line per index, log y) against
   step for a few parameter blocks of a run, from its "spectrum" events (spectrum.jsonl.gz, or
   metrics.jsonl in records written before that file).
@@ -38,6 +41,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from results import records  # noqa: E402
+from results.lr_tuning import plot_lr_tuning  # noqa: E402
 from results.metrics import aggregate  # noqa: E402
 from results.plot_runs import (  # noqa: E402
   RunInfo,
@@ -82,6 +86,10 @@ from training import registry  # noqa: E402
 
 DEFAULT_OUT = "results/local/plots"  # ignored by git, like tables.DEFAULT_OUT
 METRIC_NAMES = {"val_accuracy": "val. accuracy (%)", "rougeL": "ROUGE-L (%)"}
+LEGEND_ROWS = 30  # entries in one legend column of a curves plot
+# a legend column's width, to widen the figure by: its marker and gaps, then each character of
+# its longest label at the "small" font
+LEGEND_MARGIN_INCHES, LEGEND_CHAR_INCHES = 0.7, 0.065
 
 
 def distinct_colors(n: int) -> list[tuple]:
@@ -149,8 +157,9 @@ def _draw_run(
 
 
 def _finish_curves(fig: Any, axes: np.ndarray, title: str, metric: str | None) -> None:
-  """Axis labels, log loss axis, legend."""
-  for col, xlabel in enumerate(("step", "wall-clock (s)")):
+  """Axis labels, log loss axis, a legend of as many columns as its entries need (at most
+  LEGEND_ROWS a column) right of the panels, the figure widened to hold it."""
+  for col, xlabel in enumerate(("step", "wall-clock (s)")[: axes.shape[1]]):
     axes[0, col].set_ylabel(METRIC_NAMES.get(metric or "", "validation metric"))
     axes[1, col].set_ylabel("training loss")
     axes[1, col].set_xlabel(xlabel)
@@ -158,10 +167,13 @@ def _finish_curves(fig: Any, axes: np.ndarray, title: str, metric: str | None) -
     if lines and all((line.get_ydata() > 0).all() for line in lines):
       axes[1, col].set_yscale("log")
   handles, labels = axes[0, 0].get_legend_handles_labels()
-  if handles:
-    fig.legend(handles, labels, loc="center right", fontsize="small")
   fig.suptitle(title)
-  fig.tight_layout(rect=(0, 0, 0.8 if handles else 1, 0.96))
+  if handles:
+    ncol = math.ceil(len(handles) / LEGEND_ROWS)
+    column = LEGEND_MARGIN_INCHES + LEGEND_CHAR_INCHES * max(map(len, labels))
+    fig.set_figwidth(fig.get_figwidth() + ncol * column)
+    fig.legend(handles, labels, loc="outside right center", fontsize="small", ncol=ncol)
+  fig.set_layout_engine("constrained")  # places the legend beside the panels, never over them
 
 
 def plot_curves(infos: Sequence[RunInfo], out: Path) -> list[Path]:
@@ -184,7 +196,8 @@ def _plot_group(name: str, members: Sequence[RunInfo], out: Path) -> Path | None
     labels = [m.path.name for m in members]
   unique = list(dict.fromkeys(labels))
   colors = dict(zip(unique, distinct_colors(len(unique)), strict=True))
-  fig, axes = plt.subplots(2, 2, figsize=(13, 8), squeeze=False)
+  timed = not all(device_shared(m) for m in members)  # a wall-clock column only with a run alone
+  fig, axes = plt.subplots(2, 1 + timed, figsize=(6.5 * (1 + timed), 8), squeeze=False)
   drawn, metric, seen = False, None, set()
   for info, label in zip(members, labels, strict=True):
     series = read_series(info.path, spectrum=False)
@@ -566,6 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   written = plot_curves(infos, out)
   written += plot_final_vs_tau([i.summary for i in infos if i.summary], out)
   written += plot_time_to_accuracy(infos, out)
+  written += plot_lr_tuning([i.summary for i in infos if i.summary], out)
   spectrum_runs = args.spectrum_run or default_spectrum_runs(infos, args.max_spectrum)
   for run_dir in spectrum_runs:
     path = plot_spectrum(run_dir, out, args.param or None)

@@ -12,7 +12,8 @@ optimizer, the lr with the best mean score over seeds, where the score is
 - seq2seq (XSUM): ``rougeL`` (higher is better) when every finished run of the optimizer has it,
   else ``val_loss`` (lower is better); ``--seq2seq-metric`` forces one.
 
-An lr at which any run diverged (status "failed") is not eligible; runs still going are ignored.
+An lr at which any run diverged (status "failed") is not eligible; runs still going are ignored
+(the candidates are results/lr_tuning.py's, which ``python -m results.plots`` draws).
 The table sweeps read these files through configs/sweep/exp/ (``best_lr``) and record where their
 lr came from in ``lr_from``. An optimizer with no finished lr_tune run gets no entry, so the
 sweeps use its config's default lr (configs/optimizer/<name>.yaml); this script prints that.
@@ -23,39 +24,31 @@ the source, but a result is never thrown away silently. No number here is ever m
 from __future__ import annotations
 
 import argparse
-import math
 import re
-import statistics
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
 
+from results.lr_tuning import SWEEP, Candidate, tunings
 from results.records import ArchiveError
 from results.runs import (
   DEFAULT_ROOTS,
   DamagedRecordError,
   Run,
   collect_runs,
-  is_done,
-  is_number,
   missing_roots,
   rfield,
 )
-from training.run_record import lr_key, narrow_numerics
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
-SWEEP = "lr_tune"
 # The paper: "We tune the learning rate in the set of {1, 5} x 10^{-1, -2, -3, -4}"
 # (configs/sweep/lr_tune.yaml sweeps these; tests/test_sweeps.py checks they agree).
 LR_GRID = (0.5, 0.1, 0.05, 0.01, 0.005, 0.001, 0.0005, 0.0001)
-# metric -> True when higher is better
-METRICS = {"best_val_accuracy": True, "rougeL": True, "val_loss": False}
 HEADER = """\
 # Written by `python -m sweeps.best_lr` from the lr_tune runs (sweep=lr_tune) it found: per
 # optimizer, the lr with the best mean {what} over seeds, and every candidate's score.
@@ -63,118 +56,6 @@ HEADER = """\
 # configs/sweep/exp/ file naming `best_lr@best_lr: {name}`; an optimizer missing here runs at
 # its config's default lr.
 """
-
-
-@dataclass
-class Candidate:
-  """One learning rate of one (experiment, optimizer): its finished and diverged runs."""
-
-  lr: float
-  scores: list[float] = field(default_factory=list)
-  failed: int = 0
-
-  def mean(self) -> float | None:
-    """The mean score, or None if a run diverged or none finished with a score."""
-    if self.failed or not self.scores:
-      return None
-    return statistics.fmean(self.scores)
-
-
-def run_family(run: Run) -> str | None:
-  """ "resnet" or "t5" (from the run's config), None when unknown."""
-  model = (run.get("config") or {}).get("model") or {}
-  return model.get("family")
-
-
-def holdout(run: Run) -> int:
-  data = (run.get("config") or {}).get("data") or {}
-  return int(data.get("holdout") or 0)
-
-
-def tuning_runs(runs: Iterable[Run], notes: list[str]) -> list[Run]:
-  """The lr_tune runs that may be used: finished or diverged, validated off the test split."""
-  out = []
-  for run in runs:
-    if rfield(run, "sweep") != SWEEP:
-      continue
-    if not is_done(run) and run.get("status") != "failed":
-      continue  # still running (or an unknown status): not a result yet
-    if run_family(run) == "resnet" and holdout(run) <= 0:
-      notes.append(
-        f"skipped {run['path']}: an lr_tune run that validated on the test "
-        f"split (data.holdout=0); use `+sweep=lr_tune`, which holds out images"
-      )
-      continue
-    narrow = narrow_numerics(run["run"])
-    if narrow:
-      notes.append(
-        f"skipped {run['path']}: an lr_tune run with "
-        + ", ".join(f"{k}={v}" for k, v in narrow.items())
-        + " (the tuned lr is the float32 runs')"
-      )
-      continue
-    out.append(run)
-  return out
-
-
-def newest_per_setting(runs: Iterable[Run]) -> list[Run]:
-  """One run per (seed and every hyper-parameter): a rerun replaces the earlier summary."""
-  keys = (
-    "experiment",
-    "optimizer",
-    "seed",
-    "tau",
-    "alpha",
-    "gamma",
-    "rho",
-    "block",
-    "lr",
-    "model",
-    "dataset",
-    "setting",
-    "settings",  # every other setting the run's fingerprint covers (results.runs.settings_of)
-  )
-  best: dict[tuple, Run] = {}
-  for run in runs:
-    key = tuple(repr(rfield(run, k)) for k in keys)
-    if key not in best or run.get("mtime", 0) > best[key].get("mtime", 0):
-      best[key] = run
-  return list(best.values())
-
-
-def choose_metric(runs: Sequence[Run], seq2seq_metric: str | None) -> str:
-  """The score of an (experiment, optimizer) group's runs."""
-  if all(run_family(r) == "resnet" for r in runs):
-    return "best_val_accuracy"
-  if seq2seq_metric:
-    return seq2seq_metric
-  finished = [r for r in runs if is_done(r)]
-  if finished and all(is_number(r.get("rougeL")) for r in finished):
-    return "rougeL"
-  return "val_loss"
-
-
-def candidates(runs: Iterable[Run], metric: str) -> list[Candidate]:
-  """One Candidate per lr, sorted by lr (descending, like LR_GRID)."""
-  by_lr: dict[float, Candidate] = {}
-  for run in runs:
-    lr = float(rfield(run, "lr"))
-    cand = by_lr.setdefault(lr, Candidate(lr))
-    value = run.get(metric)
-    if run.get("status") == "failed":
-      cand.failed += 1
-    elif is_number(value) and math.isfinite(value):
-      cand.scores.append(float(value))
-  return sorted(by_lr.values(), key=lambda c: -c.lr)
-
-
-def pick(cands: Sequence[Candidate], metric: str) -> Candidate | None:
-  """The eligible candidate with the best mean score (ties: the smaller lr)."""
-  eligible = [c for c in cands if c.mean() is not None]
-  if not eligible:
-    return None
-  sign = -1.0 if METRICS[metric] else 1.0
-  return min(eligible, key=lambda c: (sign * c.mean(), c.lr))
 
 
 def entry(cands: Sequence[Candidate], best: Candidate, metric: str) -> dict[str, Any]:
@@ -218,24 +99,17 @@ def best_lrs(
   """{experiment: {optimizer: entry}} from the lr_tune runs among `runs`; notes get appended
   for optimizers that have runs but no eligible lr."""
   notes = [] if notes is None else notes
-  groups: dict[tuple[str, str], list[Run]] = {}
-  for run in newest_per_setting(tuning_runs(runs, notes)):
-    key = (str(rfield(run, "experiment")), lr_key(rfield(run, "optimizer"), rfield(run, "rho")))
-    groups.setdefault(key, []).append(run)
   result: dict[str, dict[str, dict[str, Any]]] = {}
-  for (experiment, optimizer), group in sorted(groups.items()):
-    metric = choose_metric(group, seq2seq_metric)
-    cands = candidates(group, metric)
-    best = pick(cands, metric)
-    result.setdefault(experiment, {})
-    if best is None:
-      diverged = sum(c.failed for c in cands)
+  for t in tunings(runs, seq2seq_metric, notes):
+    result.setdefault(t.experiment, {})
+    if t.best is None:
+      diverged = sum(c.failed for c in t.candidates)
       notes.append(
-        f"{experiment} {optimizer}: {len(group)} lr_tune run(s) but no eligible "
-        f"lr ({diverged} diverged, none scored {metric})"
+        f"{t.experiment} {t.optimizer}: {len(t.runs)} lr_tune run(s) but no eligible "
+        f"lr ({diverged} diverged, none scored {t.metric})"
       )
       continue
-    result[experiment][optimizer] = entry(cands, best, metric)
+    result[t.experiment][t.optimizer] = entry(t.candidates, t.best, t.metric)
   return result
 
 
