@@ -30,6 +30,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from results.runs import Run, is_done, is_number, rfield  # noqa: E402
+from results.selection import CONFIG_KEYS  # noqa: E402
 from results.table_model import slug  # noqa: E402
 from training.run_record import lr_key, narrow_numerics  # noqa: E402
 
@@ -41,22 +42,8 @@ METRIC_TEXT = {
   "rougeL": "ROUGE-L (%)",
   "val_loss": "validation loss (lower is better)",
 }
-# What makes two runs the same setting: a rerun of it (the newer summary) replaces the older.
-SETTING_KEYS = (
-  "experiment",
-  "optimizer",
-  "seed",
-  "tau",
-  "alpha",
-  "gamma",
-  "rho",
-  "block",
-  "lr",
-  "model",
-  "dataset",
-  "setting",
-  "settings",  # every other setting the run's fingerprint covers (results.runs.settings_of)
-)
+# What makes two runs the same setting and seed: a rerun (the newer summary) replaces the older.
+SETTING_KEYS = ("seed", *CONFIG_KEYS)
 
 
 @dataclass
