@@ -3,7 +3,8 @@
 Every registered optimizer beyond the paper's four (Muon, schedule-free AdamW, ... : the entries
 of training/registry.py whose ``compared_with`` names arms) gets a row once it has completed
 runs of the set: its best validation figure over seeds (the highest accuracy of an image model,
-the lowest loss of an XSUM model), its difference from each arm it is compared with (Adam and
+the lowest loss of an XSUM model) and its final one (each run's last evaluation, at the end of
+training), each with its difference from each arm it is compared with (Adam and
 Ginger τ=8 by default) with Welch's 95 % interval, the family's simultaneous 95 % interval
 (Bonferroni) and the reading after Holm's correction over the family of every optimizer compared
 with that arm (the families of the comparisons file, :func:`results.comparisons.newcomer_pairs`),
@@ -66,6 +67,7 @@ IMAGE_SHAPES = {"cifar10": (32, 32, 3), "cifar100": (32, 32, 3)}
 # The parts the table is shown in (results.render.blocks), each beside the seeds column.
 SETTING_TEXT = {"full": "full fine-tuning", "lora": "LoRA"}  # Table 2's settings, in a title
 ACCURACY, LOSS, TIME, COST = "accuracy", "validation loss", "time to a target", "cost"
+FINAL_ACCURACY, FINAL_LOSS = "final accuracy", "final validation loss"
 
 
 @functools.cache
@@ -145,6 +147,21 @@ def best_values(sel: Selection, workload: profiles.Workload, evals: Evaluations)
   return [v for v in (best_value(r, workload, evals) for r in sel.runs) if v is not None]
 
 
+def final_value(run: Run, evals: Evaluations) -> float | None:
+  """The run's last evaluation (at the end of its training) of the workload's metric that
+  ``evals`` reads; None without one or where it is not finite."""
+  series = evals(run)
+  if "value" not in series or not series["value"].size:
+    return None
+  value = float(series["value"][np.argmax(series["step"])])
+  return value if math.isfinite(value) else None
+
+
+def final_values(sel: Selection, evals: Evaluations) -> list[float]:
+  """:func:`final_value` of each of the cell's runs that has one."""
+  return [v for v in (final_value(r, evals) for r in sel.runs) if v is not None]
+
+
 def _completed(config: dict[str, Any], optimizer: registry.Optimizer) -> dict[str, Any]:
   """``config`` with each key ``optimizer`` reads that a run recorded before the key existed
   (``passes``) as null, the value that keeps what such a run computed."""
@@ -164,14 +181,14 @@ def _stat(runs: Sequence[Run], value, style: str) -> str:
 
 
 def _differences(
-  pairs: Sequence[ComparisonPair], workload: profiles.Workload, evals: Evaluations
+  pairs: Sequence[ComparisonPair], values: Callable[[Selection], list[float]]
 ) -> dict[tuple[str, str], tuple[str, str, str]]:
   """(optimizer label, family) -> (Welch interval text, the family's simultaneous interval,
-  Holm reading) of :func:`best_values` for the newcomers' comparisons with runs on both sides,
-  each family read at once (:func:`results.stats.read_family`)."""
+  Holm reading) of the cells' ``values`` for the newcomers' comparisons with runs on both
+  sides, each family read at once (:func:`results.stats.read_family`)."""
   tested = collections.defaultdict(list)
   for family, label, a, b in pairs:
-    va, vb = best_values(a, workload, evals), best_values(b, workload, evals)
+    va, vb = values(a), values(b)
     if va and vb:
       tested[family].append((label, (va, vb)))
   out = {}
@@ -220,7 +237,10 @@ def build_workload_table(
   newcomers = [n for n in registry.table_order() if registry.get(n).arms]
   have = {o for o, _tau in found}
   evals = evaluations(workload)
-  diffs = _differences(pairs, workload, evals)
+  diffs = {
+    "best": _differences(pairs, lambda sel: best_values(sel, workload, evals)),
+    "final": _differences(pairs, lambda sel: final_values(sel, evals)),
+  }
   arm_labels = [optimizer_label(*arm) for arm in arms]
   table = Table(
     name, title, _caption(arm_labels, workload), "Optimizer", _columns(arm_labels, workload)
@@ -256,14 +276,19 @@ def _columns(arm_labels: Sequence[str], workload: profiles.Workload) -> list[Col
   """The table's columns in its three parts: the best validation figure (with the difference
   from each arm), the times to the profiles' targets, and the cost; the seeds column in every
   part."""
-  best, part = ("Val loss", LOSS) if workload.lower_is_better else ("Acc", ACCURACY)
-  columns = [Column("", "n"), Column("", best, part=part)]
-  for label in arm_labels:
-    columns += [
-      Column(f"− {label}", "[95 % CI]", part=part),
-      Column(f"− {label}", "[simultaneous 95 %]", part=part),
-      Column(f"− {label}", "Holm", part=part),
-    ]
+  if workload.lower_is_better:
+    figures = (("Val loss", "", LOSS), ("Final loss", "final ", FINAL_LOSS))
+  else:
+    figures = (("Acc", "", ACCURACY), ("Final acc", "final ", FINAL_ACCURACY))
+  columns = [Column("", "n")]
+  for head, prefix, part in figures:
+    columns.append(Column("", head, part=part))
+    for label in arm_labels:
+      columns += [
+        Column(f"{prefix}− {label}", "[95 % CI]", part=part),
+        Column(f"{prefix}− {label}", "[simultaneous 95 %]", part=part),
+        Column(f"{prefix}− {label}", "Holm", part=part),
+      ]
   for target in workload.targets:
     head = target_head(workload, target)
     columns += [
@@ -336,22 +361,27 @@ def _row_cells(
   label: str,
   sel: Selection,
   arms: Sequence[tuple[str, Any]],
-  diffs: dict[tuple[str, str], Any],
+  diffs: dict[str, dict[tuple[str, str], Any]],
   times: Sequence[str],
   alone: Sequence[Run],
   workload: profiles.Workload,
   evals: Evaluations,
 ) -> list[str]:
-  """One row's cells: seeds, the best validation figure, the difference, its simultaneous
-  interval and Holm reading against each arm (blank for an arm itself, or without runs), the
-  ``times`` to the targets, then the costs: step time and memory from the configuration's
-  current runs ``alone`` on their device."""
+  """One row's cells: seeds; the best validation figure, then the final one, each with the
+  difference, its simultaneous interval and Holm reading against each arm (``diffs["best"]``,
+  ``diffs["final"]``; blank for an arm itself, or without runs); the ``times`` to the targets;
+  then the costs: step time and memory from the configuration's current runs ``alone`` on their
+  device."""
   runs = sel.runs
-  cells = [str(len(runs)), _stat(runs, lambda r: best_value(r, workload, evals), "f2")]
-  for arm in arms:
-    reference = optimizer_label(*arm)
-    key = (f"{label} − {reference}", newcomer_family(arm))
-    cells += list(diffs.get(key, ("", "", "")))
+  cells = [str(len(runs))]
+  for figure, value in (
+    ("best", lambda r: best_value(r, workload, evals)),
+    ("final", lambda r: final_value(r, evals)),
+  ):
+    cells.append(_stat(runs, value, "f2"))
+    for arm in arms:
+      key = (f"{label} − {optimizer_label(*arm)}", newcomer_family(arm))
+      cells += list(diffs[figure].get(key, ("", "", "")))
   costs = [
     _median(alone, summary_number("step_time_s", 1e3), "f2"),
     _median(alone, summary_number("step_memory_bytes", 1e-9), "f2"),
@@ -400,7 +430,10 @@ def _caption(arm_labels: Sequence[str], workload: profiles.Workload) -> str:
     " their differences together with probability at least 95 %); Holm: the reading after Holm's "
     f"correction over the family of every optimizer compared with that arm ({reading} "
     "where the adjusted p is below 0.05, tie otherwise; n < 2 where a side has one run; Holm "
-    "can read above or below where the simultaneous interval still holds 0). "
+    "can read above or below where the simultaneous interval still holds 0). Final: the last "
+    "evaluation, at the end of training, with the same statistics (final − arm, families of "
+    "their own); the best of a run's evaluations reads higher than its last, and the more so "
+    "the noisier its curve. "
   )
   if workload.targets:
     text += (

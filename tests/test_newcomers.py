@@ -222,3 +222,58 @@ def test_a_text_set_without_the_profiles_targets_has_no_time_columns(runs):
   assert not any(h.startswith("s to ") for h in heads)
   assert [r.label for r in table.rows] == ["Adam", "Ginger (τ=8)"]
   assert any(n.endswith("step time does not compare with Adam's.") for n in table.notes)
+
+
+def test_the_final_figure_is_each_runs_last_evaluation_compared_as_the_best_is(runs):
+  """Beside the best evaluation (the highest of ~30 on the scored split, which reads higher the
+  noisier a curve), each row has its final one: the last evaluation, at the end of training
+  (mean ± std over seeds), with Welch's interval against each arm and Holm's reading over the
+  family; on T5 the final validation loss."""
+  from scipy import stats as sps
+
+  from results import profiles, selection
+
+  def last(run, workload):
+    series = profiles.eval_series(run, workload)
+    return float(series["value"][np.argmax(series["step"])])
+
+  image = profiles.image_workload("cifar10", "resnet18", "30ep")
+  text = profiles.text_workload("t5-small-random", "2ep")
+  protocol = {**selection.image_protocol("cifar10", "30ep"), "model": "resnet18"}
+  cases = (
+    ("newcomers_cifar10_30ep", "Final acc", image, "Muon", "muon", ("table1",)),
+    (
+      "newcomers_t5_small_random_2ep_full",
+      "Final loss",
+      text,
+      "SF-AdamW",
+      "schedule_free_adamw",
+      ("table2",),
+    ),
+  )
+  for name, head, workload, label, optimizer, sweeps in cases:
+    table = tables_of(runs)[name]
+    heads = [c.header() for c in table.columns]
+    assert len(set(heads)) == len(heads)
+    rows = {r.label: dict(zip(heads, r.cells, strict=True)) for r in table.rows}
+    if workload is image:
+      sel = selection.table1_cell(runs, optimizer, None, **protocol)
+      base = selection.table1_cell(runs, "adam", None, **protocol)
+    else:
+      sel = selection.select_runs(
+        runs, selection.cell_criteria(optimizer, None, **text.criteria), sweeps
+      )
+      base = selection.select_runs(
+        runs, selection.cell_criteria("adam", None, **text.criteria), sweeps
+      )
+    a = np.array([last(r, workload) for r in sel.runs])
+    b = np.array([last(r, workload) for r in base.runs])
+    assert rows[label][head] == f"{a.mean():.2f} ± {a.std(ddof=1):.2f}"
+    welch = sps.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    expected = f"{a.mean() - b.mean():+.2f} [{welch.low:+.2f}, {welch.high:+.2f}]"
+    assert rows[label]["final − Adam [95 % CI]"] == expected
+    assert rows[label]["final − Adam Holm"] in ("above", "tie", "below")
+    assert rows["Adam"]["final − Adam [95 % CI]"] == ""
+  # the best of an image run's evaluations is never below its last
+  for run in selection.table1_cell(runs, "muon", None, **protocol).runs:
+    assert run["best_val_accuracy"] >= last(run, image) - 1e-9
