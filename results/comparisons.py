@@ -1,10 +1,12 @@
 """Every comparison of best validation accuracy the results make, with its Welch 95 % interval,
 its reading after Holm's correction over its family and the family's simultaneous 95 % interval
-(Bonferroni; results/stats.py)."""
+(Bonferroni; results/stats.py); the same comparisons on the final accuracy (each run's last
+evaluation)."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +33,7 @@ from results.selection import (
   text_protocol,
   tuple_key,
 )
+from results.series import last_value, read_series
 from results.studies import build_clip_fraction, curvature_every_pairs, dpass_pairs
 from results.table_model import (
   MODEL_NAMES,
@@ -51,6 +54,20 @@ QNG_CONTROL_SWEEP = "qng_control"
 
 def accuracies(sel: Selection) -> list[float]:
   return [float(r["best_val_accuracy"]) for r in sel.runs if is_number(r.get("best_val_accuracy"))]
+
+
+def final_accuracies() -> Callable[[Selection], list[float]]:
+  """A cell's final accuracies: each run's last evaluation (the end of its training), every
+  run's evaluations read once however many comparisons its cell is in."""
+
+  @functools.cache
+  def last(path: str) -> float | None:
+    return last_value(read_series(path, spectrum=False, eval_metric="val_accuracy").eval)
+
+  def values(sel: Selection) -> list[float]:
+    return [v for v in (last(r["path"]) for r in sel.runs) if v is not None]
+
+  return values
 
 
 def min_losses(sel: Selection) -> list[float]:
@@ -165,9 +182,32 @@ def build_comparisons(
   """Every comparison the results make, with its Welch 95 % interval and its reading after
   Holm's correction over its family (results/stats.py): one row per (model, comparison) that
   has runs on both sides."""
+  what = "Best validation accuracy (%)"
+  return _build_comparisons(runs, dataset, models, length, what, accuracies)
+
+
+def build_final_comparisons(
+  runs: Sequence[Run], dataset: str, models: Sequence[str], length: str | None = None
+) -> Table:
+  """:func:`build_comparisons` on the final accuracy, each run's last evaluation: the best of
+  a run's ~30 evaluations of the scored split reads higher than its last, the more so the
+  noisier its curve, so a comparison that holds at both does not rest on that choice."""
+  what = "Final validation accuracy (%; each run's last evaluation, at the end of its training)"
+  return _build_comparisons(runs, dataset, models, length, what, final_accuracies(), "_final")
+
+
+def _build_comparisons(
+  runs: Sequence[Run],
+  dataset: str,
+  models: Sequence[str],
+  length: str | None,
+  what: str,
+  values: Callable[[Selection], list[float]],
+  suffix: str = "",
+) -> Table:
   protocol = image_protocol(dataset, length)
   caption = (
-    "Best validation accuracy (%): A and B as mean ± sample std (n seeds); A − B = difference "
+    f"{what}: A and B as mean ± sample std (n seeds); A − B = difference "
     "of means [Welch 95 % interval, uncorrected]; reading: above / below where that interval "
     "excludes 0, tie where it contains 0, n < 2 where a side has one run (no interval). Family "
     "(m): the comparisons of one model read together (e.g. Ginger − Adam at every τ), m of "
@@ -182,10 +222,12 @@ def build_comparisons(
     "not depend on the card's kind."
   )
   title = f"Comparisons with 95 % intervals, Holm-corrected by family: {set_text(dataset, length)}"
-  table = Table(set_name("comparisons", dataset, length), title, caption, "Comparison", [])
-  return _fill(
-    table, _by_model(models, lambda m: _comparison_pairs(runs, {**protocol, "model": m}))
-  )
+  if suffix:
+    title += f" ({what.split(' (')[0].lower()})"
+  name = set_name(f"comparisons{suffix}", dataset, length)
+  table = Table(name, title, caption, "Comparison", [])
+  pairs = _by_model(models, lambda m: _comparison_pairs(runs, {**protocol, "model": m}))
+  return _fill(table, pairs, values)
 
 
 def _by_model(models: Sequence[str], pairs_of) -> list[tuple[str, list[ComparisonPair]]]:
@@ -254,9 +296,10 @@ def comparison_tables(runs: Sequence[Run]) -> list[tuple[str, Table]]:
   for dataset, length in sorted(sets, key=tuple_key):
     protocol = image_protocol(dataset, length)
     models = models_in([r for r in done if matches(r, protocol)])
-    table = build_comparisons(runs, dataset, models, length)
-    if table.rows:
-      out.append((table.name, table))
+    for build in (build_comparisons, build_final_comparisons):
+      table = build(runs, dataset, models, length)
+      if table.rows:
+        out.append((table.name, table))
     dpass = build_dpass(runs, dataset, length)
     if dpass.rows:
       out.append((dpass.name, dpass))

@@ -46,6 +46,7 @@ from results.selection import (
   tabulated,
   tuple_key,
 )
+from results.series import last_value
 from results.table_model import (
   MODEL_NAMES,
   Column,
@@ -150,11 +151,7 @@ def best_values(sel: Selection, workload: profiles.Workload, evals: Evaluations)
 def final_value(run: Run, evals: Evaluations) -> float | None:
   """The run's last evaluation (at the end of its training) of the workload's metric that
   ``evals`` reads; None without one or where it is not finite."""
-  series = evals(run)
-  if "value" not in series or not series["value"].size:
-    return None
-  value = float(series["value"][np.argmax(series["step"])])
-  return value if math.isfinite(value) else None
+  return last_value(evals(run))
 
 
 def final_values(sel: Selection, evals: Evaluations) -> list[float]:

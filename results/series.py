@@ -62,6 +62,15 @@ def read_series(
   return series
 
 
+def last_value(evals: dict[str, np.ndarray]) -> float | None:
+  """The value of the last of ``evals`` (:attr:`Series.eval`: the evaluation at the end of the
+  run's training); None without evaluations or where it is not finite."""
+  if "value" not in evals or not evals["value"].size:
+    return None
+  value = float(evals["value"][np.argmax(evals["step"])])
+  return value if math.isfinite(value) else None
+
+
 def first_time_at(series: Series, level: float) -> float:
   """Wall-clock seconds at the first eval whose metric reached `level` (NaN if never)."""
   value, wall = series.eval.get("value"), series.eval.get("wall")

@@ -918,6 +918,48 @@ def test_comparisons_carry_welch_intervals_and_read_ties_as_ties(tmp_path):
   assert qng_row.cells[0] == "3"
 
 
+def test_final_comparisons_read_each_runs_last_evaluation(tmp_path):
+  """The final-accuracy comparisons: the same pairs and families as the best accuracy's, on
+  each run's last evaluation (the end of its training) instead of the best of them; a set
+  whose runs logged no evaluations has no such table."""
+  root = tmp_path / "runs"
+  ginger = {"optimizer": "ginger", "tau": 8, "alpha": 0.99, "rho": 1.0, "block": "per_tensor"}
+  samples = {  # (run, [(best, last)] per seed): Ginger's best is higher, its last lower
+    "adam": ({}, [(88.0, 87.9), (87.6, 87.5), (88.3, 88.0)]),
+    "ginger": (ginger, [(88.9, 87.0), (89.0, 87.2), (88.8, 86.9)]),
+  }
+  for name, (run, pairs) in samples.items():
+    for seed, (best, last) in enumerate(pairs):
+      events = [
+        {"event": "eval", "step": 10, "val_accuracy": best},
+        {"event": "eval", "step": 20, "val_accuracy": last},
+      ]
+      make_run(root, f"{name}{seed}", {**run, "seed": seed}, events=events, best_val_accuracy=best)
+  runs = tables.collect_runs([root])
+  best = {
+    r.label: r.cells for r in comparisons.build_comparisons(runs, "cifar100", ["resnet18"]).rows
+  }
+  table = comparisons.build_final_comparisons(runs, "cifar100", ["resnet18"])
+  assert table.name == "comparisons_final_cifar100"
+  final = {r.label: r.cells for r in table.rows}
+  assert set(final) == set(best) == {"Ginger τ=8 − Adam"}
+  assert best["Ginger τ=8 − Adam"][3] == "above"
+  lasts = {name: [last for _, last in pairs] for name, (_, pairs) in samples.items()}
+  below = stats.welch(lasts["ginger"], lasts["adam"])
+  assert final["Ginger τ=8 − Adam"][:4] == [
+    "87.03 ± 0.15 (n=3)",
+    "87.80 ± 0.26 (n=3)",
+    below.text(),
+    "below",
+  ]
+  assert final["Ginger τ=8 − Adam"][4] == "Ginger − Adam over τ (1)"
+  without_evals = [r for r in runs if r is not None]
+  for run in without_evals:
+    (Path(run["path"]) / "metrics.jsonl").unlink()
+  runs = tables.collect_runs([root])
+  assert not comparisons.build_final_comparisons(runs, "cifar100", ["resnet18"]).rows
+
+
 def test_comparisons_read_each_family_after_holms_correction(tmp_path):
   """Ginger against Adam at three taus is one family of m = 3: each row keeps its uncorrected
   Welch interval and reading beside the Holm-adjusted p-value and reading and the simultaneous
