@@ -205,6 +205,7 @@ def _build_comparisons(
   values: Callable[[Selection], list[float]],
   suffix: str = "",
 ) -> Table:
+  """The comparisons table of ``values`` (``what``, in its caption), named comparisons<suffix>."""
   protocol = image_protocol(dataset, length)
   caption = (
     f"{what}: A and B as mean ± sample std (n seeds); A − B = difference "

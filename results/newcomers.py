@@ -270,9 +270,9 @@ def target_head(workload: profiles.Workload, target: float) -> str:
 
 
 def _columns(arm_labels: Sequence[str], workload: profiles.Workload) -> list[Column]:
-  """The table's columns in its three parts: the best validation figure (with the difference
-  from each arm), the times to the profiles' targets, and the cost; the seeds column in every
-  part."""
+  """The table's columns in its four parts: the best validation figure and the final one (each
+  with the difference from each arm), the times to the profiles' targets, and the cost; the
+  seeds column in every part."""
   if workload.lower_is_better:
     figures = (("Val loss", "", LOSS), ("Final loss", "final ", FINAL_LOSS))
   else:
