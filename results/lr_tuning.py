@@ -24,15 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from results.runs import Run, is_done, is_number, rfield  # noqa: E402
-from results.selection import CONFIG_KEYS  # noqa: E402
-from results.table_model import slug  # noqa: E402
-from training.run_record import lr_key, narrow_numerics  # noqa: E402
+from results.plot_style import distinct_colors, plt, slug
+from results.runs import Run, is_done, is_number, rfield
+from results.selection import CONFIG_KEYS
+from training.run_record import lr_key, narrow_numerics
 
 SWEEP = "lr_tune"
 # metric -> True when higher is better
@@ -183,9 +178,7 @@ def label(tuning: Tuning) -> str:
 def figure(experiment: str, group: Sequence[Tuning]) -> Any:
   """Score against lr for one experiment's optimizers (see the module); the caller closes it."""
   fig, ax = plt.subplots(figsize=(8, 5))
-  colors = plt.get_cmap("tab10" if len(group) <= 10 else "tab20")
-  for k, tuning in enumerate(group):
-    color = colors(k % colors.N)
+  for tuning, color in zip(group, distinct_colors(len(group)), strict=True):
     scored = [c for c in tuning.candidates if c.mean() is not None]
     ax.plot(
       [c.lr for c in scored],

@@ -15,7 +15,7 @@ Writes PNGs (matplotlib, Agg backend):
 - `time_to_accuracy_<experiment>.png` and `.md`: for each optimizer configuration of a table
   sweep or the curvature_every sweep (mean over seeds), the wall-clock seconds from the run's
   start (compilation and evaluations included) until the validation accuracy first reached
-  each level;
+  each level (results/time_to_accuracy.py);
 - `lr_<experiment>.png`: the lr_tune sweep's score against lr, one line per optimizer, the tuned
   lr circled (results/lr_tuning.py);
 - `spectrum_<run>.png`: Ginger's curvature eigenvalues sigma (one line per index, log y) against
@@ -28,38 +28,33 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from results import records  # noqa: E402
-from results.lr_tuning import plot_lr_tuning  # noqa: E402
-from results.metrics import aggregate  # noqa: E402
-from results.plot_runs import (  # noqa: E402
+from results import records
+from results.lr_tuning import plot_lr_tuning
+from results.metrics import aggregate
+from results.plot_runs import (
   RunInfo,
   config_labels,
   device_shared,
   group_name,
   load_runs,
 )
-from results.runs import (  # noqa: E402
+from results.plot_style import distinct_colors, plot_xy, plt, slug
+from results.runs import (
   DEFAULT_ROOTS,
   Run,
-  is_done,
   is_number,
   length_text,
   missing_roots,
   rfield,
 )
-from results.selection import (  # noqa: E402
+from results.selection import (
   PAPER_IMAGE,
   PAPER_TEXT,
   TAUS,
@@ -74,15 +69,13 @@ from results.selection import (  # noqa: E402
   tabulated,
   tuple_key,
 )
-from results.series import (  # noqa: E402
+from results.series import (
   Series,
-  accuracy_times,
   as_float,
-  first_time_at,
   read_series,
 )
-from results.studies import time_to_target_cell  # noqa: E402
-from training import registry  # noqa: E402
+from results.time_to_accuracy import TABLE_SWEEPS, plot_time_to_accuracy
+from training import registry
 
 DEFAULT_OUT = "results/local/plots"  # ignored by git, like tables.DEFAULT_OUT
 METRIC_NAMES = {"val_accuracy": "val. accuracy (%)", "rougeL": "ROUGE-L (%)"}
@@ -92,47 +85,7 @@ LEGEND_ROWS = 30  # entries in one legend column of a curves plot
 LEGEND_MARGIN_INCHES, LEGEND_CHAR_INCHES = 0.7, 0.065
 
 
-def distinct_colors(n: int) -> list[tuple]:
-  """``n`` colours for ``n`` curves: matplotlib's tab10 for the first ten, then, from a pool of
-  its qualitative palettes, each time the one farthest (RGB distance) from those taken. tab20,
-  the usual choice past ten, pairs each hue with a lighter one (its pinks are two curves one
-  cannot tell apart); this keeps any two of the first 20 at least 0.25 apart."""
-  pool = (
-    [
-      cmap(i)
-      for cmap, k in ((plt.cm.tab10, 10), (plt.cm.Dark2, 8), (plt.cm.Set1, 9))
-      for i in range(k)
-    ]
-    + [plt.cm.tab20(i) for i in range(20)]
-    + [plt.cm.Set2(i) for i in range(8)]
-  )
-  picked, rest = pool[:10], pool[10:]
-  while len(picked) < n and rest:
-    far = max(rest, key=lambda c: min(_rgb_distance(c, p) for p in picked))
-    picked.append(far)
-    rest.remove(far)
-  return [picked[i % len(picked)] for i in range(n)]
-
-
-def _rgb_distance(a: tuple, b: tuple) -> float:
-  return float(np.linalg.norm(np.subtract(a[:3], b[:3])))
-
-
-def slug(text: str) -> str:
-  """A file-name-safe version of `text`."""
-  return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_") or "run"
-
-
 # ----------------------------------------------------------------------------- curves
-
-
-def _plot_xy(ax: Any, x: np.ndarray, y: np.ndarray, **style: Any) -> bool:
-  """Plot the finite points of (x, y); False when there are none."""
-  ok = np.isfinite(x) & np.isfinite(y)
-  if not ok.any():
-    return False
-  ax.plot(x[ok], y[ok], **style)
-  return True
 
 
 def _draw_run(
@@ -143,7 +96,7 @@ def _draw_run(
   style = {"color": color, "lw": 1.0, "alpha": 0.85}
   for col, xkey in enumerate(("step",) if shared else ("step", "wall")):
     if series.eval:
-      _plot_xy(
+      plot_xy(
         axes[0, col],
         series.eval[xkey],
         series.eval["value"],
@@ -152,7 +105,7 @@ def _draw_run(
         **style,
       )
     if series.train:
-      _plot_xy(axes[1, col], series.train[xkey], series.train["loss"], **style)
+      plot_xy(axes[1, col], series.train[xkey], series.train["loss"], **style)
   return series.eval_metric
 
 
@@ -345,101 +298,6 @@ def plot_final_vs_tau(runs: Sequence[Run], out: Path) -> list[Path]:
   return written
 
 
-# ----------------------------------------------------------------------------- time to accuracy
-
-TABLE_SWEEPS = ("table1", "table2", "table34", "ablation", "curvature_every")
-
-
-def time_to_accuracy(
-  infos: Sequence[RunInfo], levels: Sequence[float] = (80.0, 85.0)
-) -> dict[str, list[dict[str, Any]]]:
-  """Per experiment of the table sweeps: one row per optimizer configuration (mean over the
-  seeds that reached each level, and how many did)."""
-  groups: dict[str, list[RunInfo]] = {}
-  for info in infos:
-    if (
-      info.meta.get("sweep") in TABLE_SWEEPS
-      and info.summary
-      and is_done(info.summary)
-      and not device_shared(info)  # wall-clock seconds: a run alone on its device
-    ):
-      groups.setdefault(group_name(info), []).append(info)
-  report = {}
-  for name, members in sorted(groups.items()):
-    labels = config_labels([m.meta for m in members])
-    rows: dict[str, dict[str, list[float]]] = {}
-    for info, label in zip(members, labels, strict=True):
-      times = accuracy_times(read_series(info.path, spectrum=False), levels)
-      if times is None:
-        continue
-      row = rows.setdefault(label, {"best": [], "to_best": [], **{str(v): [] for v in levels}})
-      for key, values in row.items():
-        values.append(times[key])
-    if rows:
-      report[name] = [{"config": label, **values} for label, values in rows.items()]
-  return report
-
-
-def _mean_cell(values: Sequence[float], fmt: str) -> str:
-  ok = [v for v in values if math.isfinite(v)]
-  if not ok:
-    return "never"
-  text = format(sum(ok) / len(ok), fmt)
-  return text if len(ok) == len(values) else f"{text} ({len(ok)}/{len(values)} seeds)"
-
-
-def plot_time_to_accuracy(
-  infos: Sequence[RunInfo], out: Path, levels: Sequence[float] = (80.0, 85.0)
-) -> list[Path]:
-  """time_to_accuracy_<experiment>.png (seconds to reach each accuracy level, one line per
-  configuration) and .md (the same numbers at `levels`, and the time to each run's best)."""
-  written = []
-  for name, rows in time_to_accuracy(infos, levels).items():
-    grid = np.arange(50.0, 100.0, 0.5)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    members = [i for i in infos if group_name(i) == name and not device_shared(i)]
-    labels = config_labels([m.meta for m in members])
-    palette = distinct_colors(len(rows))
-    for k, row in enumerate(rows):
-      runs = [m for m, lab in zip(members, labels, strict=True) if lab == row["config"]]
-      series = [read_series(m.path, spectrum=False) for m in runs]
-      times = np.array([[first_time_at(s, g) for g in grid] for s in series])
-      # AlgoPerf's rule: a seed that never reached a level is infinitely slow to it.
-      median = np.median(np.nan_to_num(times, nan=np.inf), axis=0)
-      median = np.where(np.isfinite(median), median, np.nan)
-      _plot_xy(ax, grid, median, label=row["config"], color=palette[k])
-    ax.set(
-      xlabel="validation accuracy reached (%)",
-      ylabel="wall-clock seconds from the run's start",
-      title=f"{name}: time to accuracy (median over seeds, misses as never)",
-    )
-    if ax.get_lines():  # none where no configuration reached the grid's 50 %
-      ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = out / f"time_to_accuracy_{slug(name)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    lines = [
-      f"## {name}: wall-clock seconds to reach a validation accuracy",
-      "",
-      "Seconds from the run's start (compilation and evaluations included) to the first "
-      "evaluation at or above the level: the median over seeds with a seed that never reached "
-      "it counted as infinitely slow (AlgoPerf's rule), then (reached / seeds); best acc and s "
-      "to best: mean over seeds. Regenerate with `python -m results.plots`.",
-      "",
-      "| config | best acc | s to best | " + " | ".join(f"s to {v:g}%" for v in levels) + " |",
-      "|---|---:|---:|" + "---:|" * len(levels),
-    ]
-    for row in rows:
-      cells = [_mean_cell(row["best"], ".2f"), _mean_cell(row["to_best"], ".0f")]
-      cells += [time_to_target_cell(row[str(v)]) for v in levels]
-      lines.append(f"| {row['config']} | " + " | ".join(cells) + " |")
-    md = out / f"time_to_accuracy_{slug(name)}.md"
-    md.write_text("\n".join(lines) + "\n")
-    written += [path, md]
-  return written
-
-
 # ----------------------------------------------------------------------------- spectrum
 
 
@@ -480,7 +338,7 @@ def plot_spectrum(
     sigma[~(sigma > 0)] = np.nan  # log axis: drop zeros, negatives, NaN
     colors = plt.cm.viridis(np.linspace(0, 1, max(sigma.shape[1], 1)))
     for i in range(sigma.shape[1]):
-      _plot_xy(
+      plot_xy(
         ax,
         steps,
         sigma[:, i],

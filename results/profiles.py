@@ -419,12 +419,7 @@ def target_table(times: dict[str, dict[str, float]], title: str) -> list[str]:
 def draw(profiles: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
   """The profiles as AlgoPerf draws them: P(x) against the ratio x, one panel per level of targets
   (``{its title: times}``)."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  from results.plots import distinct_colors
+  from results.plot_style import distinct_colors, plt
 
   cols = min(2, len(profiles))
   rows = math.ceil(len(profiles) / cols)

@@ -90,7 +90,7 @@ def test_make_target_and_campaign_phase() -> None:
 
 def test_plots_tell_the_periods_apart(tmp_path: Path) -> None:
   """Curves and time to accuracy of the sweep: one line per K (not one 'ginger τ=8')."""
-  from results import plots
+  from results import plots, series, time_to_accuracy
 
   metas = [{"optimizer": "ginger", "tau": 8, "curvature_every": k, "lr": 5e-4} for k in (1, 4)] + [
     {"optimizer": "adam", "tau": None, "curvature_every": None, "lr": 1e-3}
@@ -100,7 +100,7 @@ def test_plots_tell_the_periods_apart(tmp_path: Path) -> None:
     "ginger τ=8 curvature_every=4",
     "adam",
   ]
-  series = plots.Series(
+  evaluated = series.Series(
     eval={
       "step": np.array([1.0, 2.0, 3.0]),
       "wall": np.array([10.0, 20.0, 30.0]),
@@ -108,8 +108,8 @@ def test_plots_tell_the_periods_apart(tmp_path: Path) -> None:
     },
     eval_metric="val_accuracy",
   )
-  times = plots.accuracy_times(series, (85.0, 95.0))
+  times = series.accuracy_times(evaluated, (85.0, 95.0))
   assert times["best"] == 90.0 and times["final"] == 86.0 and times["to_best"] == 20.0
   assert times["85.0"] == 20.0 and np.isnan(times["95.0"])
-  assert plots.accuracy_times(plots.Series(eval_metric="rougeL"), (85.0,)) is None
-  assert "curvature_every" in plots.TABLE_SWEEPS
+  assert series.accuracy_times(series.Series(eval_metric="rougeL"), (85.0,)) is None
+  assert "curvature_every" in time_to_accuracy.TABLE_SWEEPS

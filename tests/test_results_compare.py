@@ -92,7 +92,7 @@ def test_distinct_curve_colours():
 
   import numpy as np
 
-  from results.plots import distinct_colors
+  from results.plot_style import distinct_colors
 
   for n in (3, 10, 14, 20):
     colours = distinct_colors(n)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from results import plots
+from results import plots, time_to_accuracy
 from training import run_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -165,12 +165,12 @@ def test_time_to_accuracy(tmp_path: Path) -> None:
     write_run(root, f"a{seed}", {"optimizer": "adam", "seed": seed, "sweep": "table1"}, evs)
   write_run(root, "tune", {"optimizer": "adam", "sweep": "lr_tune"}, evs)
   infos = plots.load_runs([root])
-  (rows,) = plots.time_to_accuracy(infos, levels=(60.0, 85.0)).values()
+  (rows,) = time_to_accuracy.time_to_accuracy(infos, levels=(60.0, 85.0)).values()
   (row,) = rows
   assert row["60.0"] == [30.0, 31.0] and row["best"] == [80.0, 80.0]
   assert all(v != v for v in row["85.0"])  # NaN: never reached
   (tmp_path / "out").mkdir()
-  written = plots.plot_time_to_accuracy(infos, tmp_path / "out", levels=(60.0, 85.0))
+  written = time_to_accuracy.plot_time_to_accuracy(infos, tmp_path / "out", levels=(60.0, 85.0))
   md = next(p for p in written if p.suffix == ".md").read_text()
   assert "| adam | 80.00 | 40 | 30 (2/2) | not reached (0/2) |" in md
   assert is_png(next(p for p in written if p.suffix == ".png"))
@@ -222,6 +222,6 @@ def test_time_to_accuracy_leaves_out_runs_that_shared_their_device(tmp_path):
   for seed, shared in ((0, False), (1, True)):
     run = {"optimizer": "adam", "seed": seed, "sweep": "table1"}
     write_run(tmp_path, str(seed), run, evals, device_shared=shared)
-  report = plots.time_to_accuracy(plots.load_runs([tmp_path]))
+  report = time_to_accuracy.time_to_accuracy(plots.load_runs([tmp_path]))
   (rows,) = report.values()
   assert [len(row["best"]) for row in rows] == [1]
