@@ -252,6 +252,8 @@ def build_workload_table(
     cells = _row_cells(label, sel, arms, diffs, times[label], alone[label], workload, evals)
     table.rows.append(Row(label, cells, rule_before=k == len(arms)))
     used += [r for r in sel.runs if r not in used]
+  if used and all(best_value(r, workload, evals) == final_value(r, evals) for r in used):
+    notes.append("Every run's best evaluation is its last: the final part repeats the first.")
   cannot = [n for n in newcomers if not profiles.runs_family(n, workload)]
   for n in cannot:
     notes.append(
