@@ -148,12 +148,16 @@ R50_smoke := smoke_cifar100_resnet50
 LORA_smoke := smoke_xsum_t5_lora
 FULL_smoke := smoke_xsum_t5_full
 R18_standin := cifar10_resnet18_30ep
-# ResNet-50 reuses ResNet-18's lr at the stand-in scale (configs/sweep/exp/standin/).
-R50_standin := cifar10_resnet18_30ep
+R50_standin := cifar10_resnet50_30ep
 LORA_standin := xsum1000_t5_small_random_lora
 FULL_standin := xsum1000_t5_small_random_full
-# lr_tune at the stand-in scale tunes ResNet-18 only (8 epochs on 5,000 held-out images).
-LR_TUNE_standin := +sweep/exp=standin/cifar100_resnet18
+# lr_tune's experiments: at the stand-in scale both ResNets (8 epochs on 5,000 held-out images;
+# each runs its tables at its own lrs), at the others the sweep's own (every model).
+# LR_TUNE_EXP=standin/cifar100_resnet50 tunes one.
+comma := ,
+LR_TUNE_EXP ?= $(if $(filter standin,$(SCALE)),standin/cifar100_resnet18$(comma)standin/cifar100_resnet50)
+# The clip control tunes its QNG on ResNet-18 alone at the stand-in scale.
+QNG_CONTROL_TUNE_standin := +sweep/exp=standin/cifar100_resnet18
 ifeq ($(filter $(SCALE),full smoke standin),)
 $(error SCALE=$(SCALE): allowed are full, standin, smoke)
 endif
@@ -164,7 +168,7 @@ endif
 .PHONY: lr_tune ablation curvature_every qng_control recipe steptime
 
 lr_tune: $(STAMP)
-	$(SWEEP_RUN) +sweep=lr_tune $(LR_TUNE_$(SCALE)) $(SWEEP_OVERRIDES)
+	$(SWEEP_RUN) +sweep=lr_tune $(if $(LR_TUNE_EXP),+sweep/exp=$(LR_TUNE_EXP)) $(SWEEP_OVERRIDES)
 	$(PY) -m sweeps.best_lr
 
 table1: $(STAMP)
@@ -188,7 +192,7 @@ ablation: $(STAMP)
 # The clip control: QNG with Ginger's authors' clip (rho=1) and per-tensor blocks, its lr tuned
 # by the paper's protocol (lr_tune's qng_clip arm), then tau 4 and 8 (comparisons_<set>.md).
 qng_control: $(STAMP)
-	$(SWEEP_RUN) +sweep=lr_tune $(LR_TUNE_$(SCALE)) +sweep/arm=qng_clip $(SWEEP_OVERRIDES)
+	$(SWEEP_RUN) +sweep=lr_tune $(QNG_CONTROL_TUNE_$(SCALE)) +sweep/arm=qng_clip $(SWEEP_OVERRIDES)
 	$(PY) -m sweeps.best_lr
 	$(SWEEP_RUN) +sweep=qng_control $(SWEEP_OVERRIDES)
 

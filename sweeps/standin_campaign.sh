@@ -3,6 +3,7 @@
 # 30 epochs, through the repository's own sweeps and GPU pool (one job per GPU), phase by phase:
 #
 #   bash sweeps/standin_campaign.sh lr_tune table1_r18 table34 table1_r50 ablation table2
+#   SEEDS=0,1,2 bash sweeps/standin_campaign.sh newcomers steptime  # today's optimizers
 #   SEEDS=0,1 bash sweeps/standin_campaign.sh curvature_every   # Ginger tau=8, K=1,2,4,8; 10 epochs
 #   SEEDS=0,1 bash sweeps/standin_campaign.sh time_to_accuracy  # K=1,4,8,16 and Adam; 30 epochs
 #
@@ -17,6 +18,7 @@ EXTRA=${CAMPAIGN_ARGS:-logger=none}
 # Longest jobs first (by measured time a step), so that the pool finishes sooner.
 ARMS="qng_tau32,qng_tau16,ginger_tau32,qng_tau8,ginger_tau16,qng_tau4,qng_tau2,ginger_tau8"
 ARMS="$ARMS,qng_tau1,ginger_tau4,ginger_tau2,ginger_tau1,adam,momentum"
+NEWCOMERS="kfac,soap,muon,schedule_free_adamw"  # today's optimizers, longest first
 # Unclipped Ginger's lr grid: the paper's {1, 5} x 10^{-1..-4} times 1e-4. Without the clip a
 # direction outside span U moves by lr/gamma times the momentum (gamma = 1e-5), so lr/gamma spans
 # 5 .. 1e-3 (Momentum's tuned lr is 0.05); the paper's grid would step by 1e1..1e4 per entry.
@@ -26,9 +28,25 @@ status=0
 for phase in "$@"; do
   echo "=== $(date -u +%FT%TZ) phase $phase (seeds $SEEDS)"
   case $phase in
-    lr_tune)  # ResNet-18 only; ResNet-50 reuses its lr at this scale (standin/cifar100_resnet50)
-      pool +sweep=lr_tune +sweep/exp=standin/cifar100_resnet18 \
-        +sweep/arm=qng,ginger,adam,momentum seed=0 && $PY -m sweeps.best_lr ;;
+    lr_tune)  # each ResNet on itself; Ginger's ResNet-50 grid also at 5e-5 and 1e-5 (its best
+      # was the grid's smallest lr)
+      pool +sweep=lr_tune "+sweep/exp=standin/cifar100_resnet18,standin/cifar100_resnet50" \
+        +sweep/arm=qng,ginger,adam,momentum seed=0 \
+        && pool +sweep=lr_tune +sweep/exp=standin/cifar100_resnet50 +sweep/arm=ginger \
+          lr=5e-5,1e-5 seed=0 \
+        && $PY -m sweeps.best_lr ;;
+    newcomers)  # today's optimizers: their lrs on the paper's grid, Table 1 ResNet-18, then
+      # ResNet-50 for the two fastest to the targets (Muon, schedule-free AdamW)
+      pool +sweep=lr_tune +sweep/exp=standin/cifar100_resnet18 "+sweep/arm=$NEWCOMERS" seed=0 \
+        && pool +sweep=lr_tune +sweep/exp=standin/cifar100_resnet50 \
+          +sweep/arm=muon,schedule_free_adamw seed=0 \
+        && $PY -m sweeps.best_lr \
+        && pool +sweep=table1 +sweep/exp=standin/cifar100_resnet18 "+sweep/arm=$NEWCOMERS" \
+          seed=$SEEDS \
+        && pool +sweep=table1 +sweep/exp=standin/cifar100_resnet50 \
+          +sweep/arm=muon,schedule_free_adamw seed=$SEEDS ;;
+    steptime)  # every profiled optimizer 600 steps alone on both ResNets, Adam among them
+      pool +sweep=steptime ;;
     table1_r18) pool +sweep=table1 +sweep/exp=standin/cifar100_resnet18 "+sweep/arm=$ARMS" seed=$SEEDS ;;
     table1_r50) pool +sweep=table1 +sweep/exp=standin/cifar100_resnet50 "+sweep/arm=$ARMS" seed=$SEEDS ;;
     table34)  # alpha 0.99 x tau 2, 4, 8 are table1_r18's Ginger runs (the same resolved config;
@@ -48,7 +66,7 @@ for phase in "$@"; do
       pool +sweep=curvature_every epochs=30 "+sweep/arm=ginger_tau8,ginger_tau8_k4,ginger_tau8_k8,ginger_tau8_k16,adam" \
         seed=$SEEDS ;;
     *) echo "unknown phase $phase (lr_tune table1_r18 table1_r50 table34 ablation table2" \
-      "curvature_every time_to_accuracy)"; exit 2 ;;
+      "curvature_every time_to_accuracy newcomers steptime)"; exit 2 ;;
   esac || status=1
 done
 echo "=== $(date -u +%FT%TZ) done (status $status)"

@@ -669,3 +669,57 @@ def test_best_lr_of_the_committed_lr_tune_runs_is_the_committed_file(tmp_path: P
   assert best_lr.main([str(committed), "--out", str(tmp_path)]) == 0
   name = "cifar10_resnet18_30ep.yaml"
   assert (tmp_path / name).read_text() == (ROOT / "configs" / "best_lr" / name).read_text()
+
+
+def _make_sweep(*args: str) -> list[str]:
+  """The overrides ``make -n <args>`` hands the GPU pool in its first sweep command."""
+  import shlex
+  import subprocess
+
+  done = subprocess.run(
+    ["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+  )
+  line = next(ln for ln in done.stdout.splitlines() if "sweeps.gpu_pool" in ln)
+  words = shlex.split(line)
+  return words[words.index("--") + 1 :]
+
+
+def test_make_lr_tune_at_the_stand_in_scale_tunes_both_resnets_or_the_one_named():
+  """Each stand-in ResNet runs at lrs tuned on itself (configs/sweep/exp/standin/): make
+  lr_tune SCALE=standin tunes both, LR_TUNE_EXP names one; every job composes."""
+  both = {job.config["name"] for job in expand(_make_sweep("lr_tune", "SCALE=standin"))}
+  assert both == {"cifar10_resnet18_30ep", "cifar10_resnet50_30ep"}
+  one = expand(_make_sweep("lr_tune", "SCALE=standin", "LR_TUNE_EXP=standin/cifar100_resnet50"))
+  assert {job.config["name"] for job in one} == {"cifar10_resnet50_30ep"}
+  assert len(one) == 4 * 8  # the paper's four optimizers x its eight lrs
+
+
+def test_the_campaign_phases_of_the_tuning_and_todays_optimizers_compose():
+  """sweeps/standin_campaign.sh's lr_tune, newcomers and steptime phases, with `echo` standing
+  in for python: every pool command they give composes, each ResNet tuned on itself and the
+  newcomers' ResNet-50 runs at that model's tuned lrs."""
+  import os
+  import shlex
+  import subprocess
+
+  done = subprocess.run(
+    ["bash", "sweeps/standin_campaign.sh", "lr_tune", "newcomers", "steptime"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "PY": "echo", "SEEDS": "0,1"},
+    check=True,
+    timeout=60,
+  ).stdout
+  commands = [shlex.split(ln) for ln in done.splitlines() if "sweeps.gpu_pool" in ln]
+  assert len(commands) == 7
+  jobs = [expand(words[words.index("--") + 1 :]) for words in commands]
+  tune_both, ginger_edge, tune_new18, tune_new50, table18, table50, steptime = jobs
+  names = lambda js: {j.config["name"] for j in js}  # noqa: E731
+  assert names(tune_both) == {"cifar10_resnet18_30ep", "cifar10_resnet50_30ep"}
+  assert {j.run["lr"] for j in ginger_edge} == {5e-5, 1e-5}
+  assert {j.run["optimizer"] for j in tune_new18} == {"kfac", "soap", "muon", "schedule_free_adamw"}
+  assert names(tune_new50) == {"cifar10_resnet50_30ep"} and len(tune_new50) == 2 * 8
+  assert len(table18) == 4 * 2 and {j.run["sweep"] for j in table18} == {"table1"}
+  assert names(table50) == {"cifar10_resnet50_30ep"} and len(table50) == 2 * 2
+  assert {j.run["sweep"] for j in steptime} == {"steptime"}
