@@ -193,7 +193,9 @@ def build_final_comparisons(
   a run's ~30 evaluations of the scored split reads higher than its last, the more so the
   noisier its curve, so a comparison that holds at both does not rest on that choice."""
   what = "Final validation accuracy (%; each run's last evaluation, at the end of its training)"
-  return _build_comparisons(runs, dataset, models, length, what, final_accuracies(), "_final")
+  return _build_comparisons(
+    runs, dataset, models, length, what, final_accuracies(), "comparisons_final", "final"
+  )
 
 
 def _build_comparisons(
@@ -203,9 +205,11 @@ def _build_comparisons(
   length: str | None,
   what: str,
   values: Callable[[Selection], list[float]],
-  suffix: str = "",
+  prefix: str = "comparisons",
+  figure: str = "",
 ) -> Table:
-  """The comparisons table of ``values`` (``what``, in its caption), named comparisons<suffix>."""
+  """The comparisons table of ``values`` (``what``, in its caption), named ``prefix``_<set>;
+  a ``figure`` other than the best accuracy ("final") ends its title."""
   protocol = image_protocol(dataset, length)
   caption = (
     f"{what}: A and B as mean ± sample std (n seeds); A − B = difference "
@@ -223,9 +227,9 @@ def _build_comparisons(
     "not depend on the card's kind."
   )
   title = f"Comparisons with 95 % intervals, Holm-corrected by family: {set_text(dataset, length)}"
-  if suffix:
-    title += f" ({what.split(' (')[0].lower()})"
-  name = set_name(f"comparisons{suffix}", dataset, length)
+  if figure:
+    title += f" ({figure} validation accuracy)"
+  name = set_name(prefix, dataset, length)
   table = Table(name, title, caption, "Comparison", [])
   pairs = _by_model(models, lambda m: _comparison_pairs(runs, {**protocol, "model": m}))
   return _fill(table, pairs, values)

@@ -143,20 +143,21 @@ def best_value(run: Run, workload: profiles.Workload, evals: Evaluations) -> flo
   return float(finite.min()) if finite.size else None
 
 
-def best_values(sel: Selection, workload: profiles.Workload, evals: Evaluations) -> list[float]:
-  """:func:`best_value` of each of the cell's runs that has one."""
-  return [v for v in (best_value(r, workload, evals) for r in sel.runs) if v is not None]
+Figure = Callable[[Run], float | None]
 
 
-def final_value(run: Run, evals: Evaluations) -> float | None:
-  """The run's last evaluation (at the end of its training) of the workload's metric that
-  ``evals`` reads; None without one or where it is not finite."""
-  return last_value(evals(run))
+def figures(workload: profiles.Workload, evals: Evaluations) -> dict[str, Figure]:
+  """The table's two validation figures of a run: its best evaluation (:func:`best_value`) and
+  its final one, the last (at the end of its training; :func:`results.series.last_value`)."""
+  return {
+    "best": lambda run: best_value(run, workload, evals),
+    "final": lambda run: last_value(evals(run)),
+  }
 
 
-def final_values(sel: Selection, evals: Evaluations) -> list[float]:
-  """:func:`final_value` of each of the cell's runs that has one."""
-  return [v for v in (final_value(r, evals) for r in sel.runs) if v is not None]
+def _values(runs: Sequence[Run], value: Figure) -> list[float]:
+  """``value`` of each of ``runs`` that has one."""
+  return [v for v in (value(r) for r in runs) if v is not None]
 
 
 def _completed(config: dict[str, Any], optimizer: registry.Optimizer) -> dict[str, Any]:
@@ -173,7 +174,7 @@ def _completed(config: dict[str, Any], optimizer: registry.Optimizer) -> dict[st
 
 
 def _stat(runs: Sequence[Run], value, style: str) -> str:
-  values = [v for v in (value(r) for r in runs) if v is not None]
+  values = _values(runs, value)
   return fmt_stat(aggregate(values), style) if values else ""
 
 
@@ -234,9 +235,10 @@ def build_workload_table(
   newcomers = [n for n in registry.table_order() if registry.get(n).arms]
   have = {o for o, _tau in found}
   evals = evaluations(workload)
+  figure = figures(workload, evals)
   diffs = {
-    "best": _differences(pairs, lambda sel: best_values(sel, workload, evals)),
-    "final": _differences(pairs, lambda sel: final_values(sel, evals)),
+    name: _differences(pairs, lambda sel, value=value: _values(sel.runs, value))
+    for name, value in figure.items()
   }
   arm_labels = [optimizer_label(*arm) for arm in arms]
   table = Table(
@@ -249,10 +251,10 @@ def build_workload_table(
   times, notes = _times_to_targets(rows, alone, baseline, workload, evals)
   used = []
   for k, (label, sel) in enumerate(rows):
-    cells = _row_cells(label, sel, arms, diffs, times[label], alone[label], workload, evals)
+    cells = _row_cells(label, sel, arms, figure, diffs, times[label], alone[label], workload)
     table.rows.append(Row(label, cells, rule_before=k == len(arms)))
     used += [r for r in sel.runs if r not in used]
-  if used and all(best_value(r, workload, evals) == final_value(r, evals) for r in used):
+  if used and all(figure["best"](r) == figure["final"](r) for r in used):
     notes.append("Every run's best evaluation is its last: the final part repeats the first.")
   cannot = [n for n in newcomers if not profiles.runs_family(n, workload)]
   for n in cannot:
@@ -360,27 +362,24 @@ def _row_cells(
   label: str,
   sel: Selection,
   arms: Sequence[tuple[str, Any]],
+  figure: dict[str, Figure],
   diffs: dict[str, dict[tuple[str, str], Any]],
   times: Sequence[str],
   alone: Sequence[Run],
   workload: profiles.Workload,
-  evals: Evaluations,
 ) -> list[str]:
-  """One row's cells: seeds; the best validation figure, then the final one, each with the
-  difference, its simultaneous interval and Holm reading against each arm (``diffs["best"]``,
-  ``diffs["final"]``; blank for an arm itself, or without runs); the ``times`` to the targets;
-  then the costs: step time and memory from the configuration's current runs ``alone`` on their
+  """One row's cells: seeds; each of the validation ``figure``s (best, then final) with its
+  difference, simultaneous interval and Holm reading against each arm (``diffs`` of that
+  figure; blank for an arm itself, or without runs); the ``times`` to the targets; then the
+  costs: step time and memory from the configuration's current runs ``alone`` on their
   device."""
   runs = sel.runs
   cells = [str(len(runs))]
-  for figure, value in (
-    ("best", lambda r: best_value(r, workload, evals)),
-    ("final", lambda r: final_value(r, evals)),
-  ):
+  for name, value in figure.items():
     cells.append(_stat(runs, value, "f2"))
     for arm in arms:
       key = (f"{label} − {optimizer_label(*arm)}", newcomer_family(arm))
-      cells += list(diffs[figure].get(key, ("", "", "")))
+      cells += list(diffs[name].get(key, ("", "", "")))
   costs = [
     _median(alone, summary_number("step_time_s", 1e3), "f2"),
     _median(alone, summary_number("step_memory_bytes", 1e-9), "f2"),
@@ -398,7 +397,7 @@ def _flops(run: Run, workload: profiles.Workload) -> float | None:
 
 def _median(runs: Sequence[Run], value, style: str) -> str:
   """The median of a figure that does not vary from seed to seed (a state's size, a count)."""
-  values = [v for v in (value(r) for r in runs) if v is not None]
+  values = _values(runs, value)
   return fmt_num(statistics.median(values), style) if values else ""
 
 
