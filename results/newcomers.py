@@ -300,6 +300,27 @@ def _columns(arm_labels: Sequence[str], workload: profiles.Workload) -> list[Col
   return columns + [Column("", label, part=COST) for label in costs]
 
 
+def rank_test_floor_notes(
+  families: Sequence[Sequence[tuple[int, int]]], baseline: str
+) -> list[str]:
+  """A note where no time can read faster or slower than ``baseline``'s at any target: every
+  family's smallest Holm-adjusted p (each test's sizes as (seeds, the baseline's seeds);
+  :func:`results.stats.smallest_holm_rank_sum_p`) at least 0.05, whatever the medians."""
+  families = [f for f in families if f]
+  if not families or any(stats.smallest_holm_rank_sum_p(f) < stats.ALPHA for f in families):
+    return []
+  sizes = sorted({s for f in families for s in f})
+  seeds = " and ".join(f"{n} against {m}" for n, m in sizes)
+  floors = " and ".join(f"{stats.smallest_rank_sum_p(n, m):.2f}" for n, m in sizes)
+  m = max(len(f) for f in families)
+  holm = min(stats.smallest_holm_rank_sum_p(f) for f in families)
+  after = f", {holm:.2f} after Holm over {m} optimizers" if m > 1 else ""
+  return [
+    f"At {seeds} seeds the exact rank test's smallest two-sided p is {floors}{after}: no time "
+    f"can read faster or slower than {baseline}'s here, whatever the medians."
+  ]
+
+
 def _times_to_targets(
   rows: Sequence[tuple[str, Selection]],
   alone: dict[str, list[Run]],
@@ -320,7 +341,7 @@ def _times_to_targets(
   elsewhere = [
     label for label in device if baseline in device and device[label] != device[baseline]
   ]
-  sizes: set[tuple[int, int]] = set()  # (seeds, the baseline's seeds) of each test
+  families: list[list[tuple[int, int]]] = []  # per target, (seeds, the baseline's) per test
   for target in workload.targets:
     seconds = {
       label: profiles.seed_times(sel.runs, target, step_s[label], workload, evals)
@@ -333,7 +354,7 @@ def _times_to_targets(
       if t and base and label != baseline and label not in elsewhere
     }
     adjusted = dict(zip(tested, stats.holm([d.p for d in tested.values()]), strict=True))
-    sizes |= {(d.n, d.baseline_n) for d in tested.values()}
+    families.append([(d.n, d.baseline_n) for d in tested.values()])
     for label, t in seconds.items():
       if not t:
         out[label] += ["", ""]
@@ -348,13 +369,7 @@ def _times_to_targets(
     f"{what} with {baseline}'s."
     for label in elsewhere
   ]
-  if sizes and all(stats.smallest_rank_sum_p(*n) >= 0.05 for n in sizes):
-    seeds = " and ".join(sorted({f"{n} against {m}" for n, m in sizes}))
-    notes.append(
-      f"At {seeds} seeds the exact rank test's smallest two-sided p is "
-      f"{min(stats.smallest_rank_sum_p(*n) for n in sizes):.2f}: no time can read faster or "
-      f"slower than {baseline}'s here, whatever the medians."
-    )
+  notes += rank_test_floor_notes(families, baseline)
   return out, notes
 
 

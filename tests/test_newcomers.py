@@ -67,7 +67,11 @@ def tables_of(runs) -> dict:
 
 def test_the_table_of_todays_optimizers(runs):
   tables = tables_of(runs)
-  assert list(tables) == ["newcomers_cifar10_30ep", "newcomers_t5_small_random_2ep_full"]
+  assert list(tables) == [
+    "newcomers_cifar10_30ep",
+    "newcomers_cifar10_30ep_resnet50",
+    "newcomers_t5_small_random_2ep_full",
+  ]
   table = tables["newcomers_cifar10_30ep"]
   rows = {r.label: r.cells for r in table.rows}
   assert list(rows)[:2] == ["Adam", "Ginger (τ=8)"] and "Muon" in rows
@@ -85,6 +89,12 @@ def test_the_table_of_todays_optimizers(runs):
   table = tables_of(without_kfac)["newcomers_cifar10_30ep"]
   assert "K-FAC" not in {r.label for r in table.rows}
   assert any("no completed runs" in note and "K-FAC" in note for note in table.notes)
+  # ResNet-50: Muon and schedule-free AdamW at their own tuned lrs, two seeds each
+  resnet50 = tables_of(runs)["newcomers_cifar10_30ep_resnet50"]
+  rows = {r.label: r.cells for r in resnet50.rows}
+  assert list(rows) == ["Adam", "Ginger (τ=8)", "Muon", "SF-AdamW"]
+  assert rows["Muon"][:2] == ["2", "88.82 ± 0.35"] and rows["SF-AdamW"][:2] == ["2", "89.08 ± 0.06"]
+  assert any("SOAP, K-FAC" in note for note in resnet50.notes)
 
 
 def test_each_difference_has_its_familys_simultaneous_interval(runs):
@@ -282,3 +292,17 @@ def test_the_final_figure_is_each_runs_last_evaluation_compared_as_the_best_is(r
   # the best of an image run's evaluations is never below its last
   for run in selection.table1_cell(runs, "muon", None, **protocol).runs:
     assert run["best_val_accuracy"] >= last(run, image) - 1e-9
+
+
+def test_the_rank_test_floor_note_counts_holms_family():
+  """The note that no time can read appears where every target's family, after Holm, cannot
+  reach 5 %: four seeds against four read at 0.029 alone but not among three optimizers; five
+  against five can; a family without tests says nothing."""
+  assert newcomers.rank_test_floor_notes([[(4, 4)]], "Adam") == []
+  (note,) = newcomers.rank_test_floor_notes([[(4, 4)] * 3, [(4, 4)] * 3], "Adam")
+  assert note.startswith("At 4 against 4 seeds the exact rank test's smallest two-sided p is 0.03")
+  assert "0.09 after Holm over 3 optimizers" in note and "than Adam's" in note
+  assert newcomers.rank_test_floor_notes([[(5, 5)] * 3], "Adam") == []
+  (note,) = newcomers.rank_test_floor_notes([[(2, 3), (3, 3), (2, 3)]], "Adam")
+  assert "2 against 3 and 3 against 3 seeds" in note and "0.20 and 0.10" in note
+  assert newcomers.rank_test_floor_notes([[], []], "Adam") == []
