@@ -18,17 +18,19 @@ import numpy as np
 from results.plot_runs import RunInfo, config_labels, device_shared, group_name
 from results.plot_style import distinct_colors, plot_xy, plt, slug
 from results.runs import is_done
-from results.series import accuracy_times, first_time_at, read_series
+from results.series import Series, accuracy_times, first_time_at, read_series
 from results.studies import time_to_target_cell
 
 TABLE_SWEEPS = ("table1", "table2", "table34", "ablation", "curvature_every")
 
 
-def time_to_accuracy(
-  infos: Sequence[RunInfo], levels: Sequence[float] = (80.0, 85.0)
-) -> dict[str, list[dict[str, Any]]]:
-  """Per experiment of the table sweeps: one row per optimizer configuration (mean over the
-  seeds that reached each level, and how many did)."""
+def _configurations(
+  infos: Sequence[RunInfo], levels: Sequence[float]
+) -> dict[str, list[tuple[str, list[Series], dict[str, list[float]]]]]:
+  """Per experiment of the table sweeps, its completed runs alone on their device grouped by
+  configuration (labelled by the keys that vary among those runs): each configuration's label,
+  its runs' series (each read once) and its per-seed best accuracy, seconds to it and to each
+  level (NaN: never reached)."""
   groups: dict[str, list[RunInfo]] = {}
   for info in infos:
     if (
@@ -38,20 +40,33 @@ def time_to_accuracy(
       and not device_shared(info)  # wall-clock seconds: a run alone on its device
     ):
       groups.setdefault(group_name(info), []).append(info)
-  report = {}
+  out = {}
   for name, members in sorted(groups.items()):
-    labels = config_labels([m.meta for m in members])
-    rows: dict[str, dict[str, list[float]]] = {}
-    for info, label in zip(members, labels, strict=True):
-      times = accuracy_times(read_series(info.path, spectrum=False), levels)
+    configs: dict[str, tuple[list[Series], dict[str, list[float]]]] = {}
+    for info, label in zip(members, config_labels([m.meta for m in members]), strict=True):
+      series = read_series(info.path, spectrum=False)
+      times = accuracy_times(series, levels)
       if times is None:
         continue
-      row = rows.setdefault(label, {"best": [], "to_best": [], **{str(v): [] for v in levels}})
-      for key, values in row.items():
-        values.append(times[key])
-    if rows:
-      report[name] = [{"config": label, **values} for label, values in rows.items()]
-  return report
+      keys = ("best", "to_best", *(str(v) for v in levels))
+      seen, values = configs.setdefault(label, ([], {key: [] for key in keys}))
+      seen.append(series)
+      for key, per_seed in values.items():
+        per_seed.append(times[key])
+    if configs:
+      out[name] = [(label, seen, values) for label, (seen, values) in configs.items()]
+  return out
+
+
+def time_to_accuracy(
+  infos: Sequence[RunInfo], levels: Sequence[float] = (80.0, 85.0)
+) -> dict[str, list[dict[str, Any]]]:
+  """Per experiment of the table sweeps: one row per optimizer configuration (mean over the
+  seeds that reached each level, and how many did)."""
+  return {
+    name: [{"config": label, **values} for label, _, values in configs]
+    for name, configs in _configurations(infos, levels).items()
+  }
 
 
 def _mean_cell(values: Sequence[float], fmt: str) -> str:
@@ -68,20 +83,16 @@ def plot_time_to_accuracy(
   """time_to_accuracy_<experiment>.png (seconds to reach each accuracy level, one line per
   configuration) and .md (the same numbers at `levels`, and the time to each run's best)."""
   written = []
-  for name, rows in time_to_accuracy(infos, levels).items():
+  for name, configs in _configurations(infos, levels).items():
     grid = np.arange(50.0, 100.0, 0.5)
     fig, ax = plt.subplots(figsize=(8, 5))
-    members = [i for i in infos if group_name(i) == name and not device_shared(i)]
-    labels = config_labels([m.meta for m in members])
-    palette = distinct_colors(len(rows))
-    for k, row in enumerate(rows):
-      runs = [m for m, lab in zip(members, labels, strict=True) if lab == row["config"]]
-      series = [read_series(m.path, spectrum=False) for m in runs]
-      times = np.array([[first_time_at(s, g) for g in grid] for s in series])
+    palette = distinct_colors(len(configs))
+    for color, (label, seen, _) in zip(palette, configs, strict=True):
+      times = np.array([[first_time_at(s, g) for g in grid] for s in seen])
       # AlgoPerf's rule: a seed that never reached a level is infinitely slow to it.
       median = np.median(np.nan_to_num(times, nan=np.inf), axis=0)
       median = np.where(np.isfinite(median), median, np.nan)
-      plot_xy(ax, grid, median, label=row["config"], color=palette[k])
+      plot_xy(ax, grid, median, label=label, color=color)
     ax.set(
       xlabel="validation accuracy reached (%)",
       ylabel="wall-clock seconds from the run's start",
@@ -104,10 +115,10 @@ def plot_time_to_accuracy(
       "| config | best acc | s to best | " + " | ".join(f"s to {v:g}%" for v in levels) + " |",
       "|---|---:|---:|" + "---:|" * len(levels),
     ]
-    for row in rows:
+    for label, _, row in configs:
       cells = [_mean_cell(row["best"], ".2f"), _mean_cell(row["to_best"], ".0f")]
       cells += [time_to_target_cell(row[str(v)]) for v in levels]
-      lines.append(f"| {row['config']} | " + " | ".join(cells) + " |")
+      lines.append(f"| {label} | " + " | ".join(cells) + " |")
     md = out / f"time_to_accuracy_{slug(name)}.md"
     md.write_text("\n".join(lines) + "\n")
     written += [path, md]

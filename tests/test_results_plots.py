@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from results import plots, time_to_accuracy
 from training import run_record
 
@@ -225,3 +227,35 @@ def test_time_to_accuracy_leaves_out_runs_that_shared_their_device(tmp_path):
   report = time_to_accuracy.time_to_accuracy(plots.load_runs([tmp_path]))
   (rows,) = report.values()
   assert [len(row["best"]) for row in rows] == [1]
+
+
+def test_time_to_accuracy_draws_every_row_beside_a_failed_run(tmp_path, monkeypatch):
+  """A failed run is in neither the report nor the plot: one varying a key (its lr) does not
+  relabel the plot's configurations, so every row of the report keeps its curve, and each run's
+  series is read once."""
+  evals = [
+    {"event": "eval", "step": s, "wall_time_s": 10.0 * s, "val_accuracy": 20.0 * s}
+    for s in range(1, 5)
+  ]
+  for seed in (0, 1):
+    write_run(tmp_path, f"a{seed}", {"optimizer": "adam", "seed": seed, "sweep": "table1"}, evals)
+  write_run(
+    tmp_path, "failed", {"optimizer": "adam", "lr": 1e-4, "sweep": "table1"}, evals, status="failed"
+  )
+  infos = plots.load_runs([tmp_path])
+  reads = []
+  real = time_to_accuracy.read_series
+  monkeypatch.setattr(
+    time_to_accuracy, "read_series", lambda path, **kw: reads.append(path) or real(path, **kw)
+  )
+  drawn = []
+  monkeypatch.setattr(
+    time_to_accuracy, "plot_xy", lambda ax, x, y, label, color: drawn.append((label, x, y))
+  )
+  (tmp_path / "out").mkdir()
+  written = time_to_accuracy.plot_time_to_accuracy(infos, tmp_path / "out", levels=(60.0,))
+  md = next(p for p in written if p.suffix == ".md").read_text()
+  assert "| adam | 80.00 | 40 | 30 (2/2) |" in md
+  ((label, x, y),) = drawn
+  assert label == "adam" and y[x == 60.0] == [30.0] and np.isnan(y[x == 85.0])
+  assert sorted(p.name for p in reads) == ["a0", "a1"]
