@@ -40,6 +40,7 @@ def _configurations(
       and not device_shared(info)  # wall-clock seconds: a run alone on its device
     ):
       groups.setdefault(group_name(info), []).append(info)
+  keys = ("best", "to_best", *(str(v) for v in levels))
   out = {}
   for name, members in sorted(groups.items()):
     configs: dict[str, tuple[list[Series], dict[str, list[float]]]] = {}
@@ -48,7 +49,6 @@ def _configurations(
       times = accuracy_times(series, levels)
       if times is None:
         continue
-      keys = ("best", "to_best", *(str(v) for v in levels))
       seen, values = configs.setdefault(label, ([], {key: [] for key in keys}))
       seen.append(series)
       for key, per_seed in values.items():
